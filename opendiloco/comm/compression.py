@@ -1,0 +1,141 @@
+"""Wire codecs for pseudo-gradients, in plain torch.
+
+Every codec is deterministic: encoding the same fp32 tensor gives the same bytes on every
+machine, and decoding the same bytes gives the same fp32 tensor. That is what lets all
+workers of a group end a round with bit-identical averages (DESIGN.md invariant 7): the
+average is encoded once, by the peer that reduced it, and every peer (that one included)
+uses the decoded bytes.
+
+An encoded tensor is a ``dict[str, torch.Tensor]`` of flat CPU tensors; ``decode`` needs the
+element count because block-wise codecs pad.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+
+import torch
+
+FP16_MAX = float(torch.finfo(torch.float16).max)
+
+
+class Codec(ABC):
+    name: str
+
+    @abstractmethod
+    def encode(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Encode a flat fp32 CPU tensor."""
+
+    @abstractmethod
+    def decode(self, encoded: dict[str, torch.Tensor], numel: int) -> torch.Tensor:
+        """Decode back to a flat fp32 tensor of ``numel`` elements."""
+
+    @abstractmethod
+    def expected_fields(self, numel: int) -> dict[str, tuple[torch.dtype, int]]:
+        """The fields ``encode`` produces for ``numel`` elements: name -> (dtype, element count).
+
+        Used to validate what a peer sends before decoding it.
+        """
+
+    def roundtrip(self, flat: torch.Tensor) -> torch.Tensor:
+        return self.decode(self.encode(flat), flat.numel())
+
+    def wire_bytes(self, numel: int) -> int:
+        return sum(torch.empty(0, dtype=dt).element_size() * n for dt, n in self.expected_fields(numel).values())
+
+
+class NoCompression(Codec):
+    name = "none"
+
+    def encode(self, flat):
+        return {"values": flat.detach().to(torch.float32).contiguous()}
+
+    def decode(self, encoded, numel):
+        return encoded["values"].to(torch.float32)
+
+    def expected_fields(self, numel):
+        return {"values": (torch.float32, numel)}
+
+
+class Float16Compression(Codec):
+    """Round to fp16, saturating at the fp16 range instead of producing inf."""
+
+    name = "fp16"
+
+    def encode(self, flat):
+        return {"values": flat.detach().float().clamp(-FP16_MAX, FP16_MAX).to(torch.float16)}
+
+    def decode(self, encoded, numel):
+        return encoded["values"].to(torch.float32)
+
+    def expected_fields(self, numel):
+        return {"values": (torch.float16, numel)}
+
+
+class _Blockwise(Codec):
+    """Base for codecs that scale each block of ``block_size`` elements separately."""
+
+    block_size = 1024
+
+    def _blocks(self, flat: torch.Tensor) -> torch.Tensor:
+        flat = flat.detach().float()
+        pad = (-flat.numel()) % self.block_size
+        if pad:
+            flat = torch.cat([flat, flat.new_zeros(pad)])
+        return flat.view(-1, self.block_size)
+
+    def _num_blocks(self, numel: int) -> int:
+        return max(1, math.ceil(numel / self.block_size)) if numel else 0
+
+
+class ScaledFloat16Compression(_Blockwise):
+    """fp16 after dividing each block by its absolute maximum: keeps tiny and huge values representable."""
+
+    name = "scaled-fp16"
+
+    def encode(self, flat):
+        blocks = self._blocks(flat)
+        scale = blocks.abs().amax(dim=1).clamp_min(torch.finfo(torch.float32).tiny)
+        values = (blocks / scale[:, None]).to(torch.float16)
+        return {"values": values.flatten(), "scale": scale}
+
+    def decode(self, encoded, numel):
+        blocks = encoded["values"].to(torch.float32).view(-1, self.block_size)
+        return (blocks * encoded["scale"][:, None]).flatten()[:numel]
+
+    def expected_fields(self, numel):
+        nb = self._num_blocks(numel)
+        return {"values": (torch.float16, nb * self.block_size), "scale": (torch.float32, nb)}
+
+
+class Int8Compression(_Blockwise):
+    """Symmetric 8-bit quantisation with one fp32 absmax scale per block (about 4x smaller than fp32)."""
+
+    name = "int8"
+
+    def encode(self, flat):
+        blocks = self._blocks(flat)
+        scale = blocks.abs().amax(dim=1).clamp_min(torch.finfo(torch.float32).tiny) / 127.0
+        values = torch.round(blocks / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+        return {"values": values.flatten(), "scale": scale}
+
+    def decode(self, encoded, numel):
+        blocks = encoded["values"].to(torch.float32).view(-1, self.block_size)
+        return (blocks * encoded["scale"][:, None]).flatten()[:numel]
+
+    def expected_fields(self, numel):
+        nb = self._num_blocks(numel)
+        return {"values": (torch.int8, nb * self.block_size), "scale": (torch.float32, nb)}
+
+
+CODECS: dict[str, type[Codec]] = {
+    c.name: c for c in (NoCompression, Float16Compression, ScaledFloat16Compression, Int8Compression)
+}
+
+
+def get_codec(name: str) -> Codec:
+    try:
+        return CODECS[name]()
+    except KeyError:
+        raise ValueError(f"unknown compression {name!r}; choose one of {sorted(CODECS)}") from None

@@ -1,0 +1,220 @@
+"""DiLoCoOptimizer: the inner and the outer optimizer in one drop-in replacement for AdamW."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .comm.base import AveragingError, BehindError, Communicator
+from .comm.local import SingleWorker
+from .outer import OptimizerFactory, OuterState, validate_tensors
+
+log = logging.getLogger(__name__)
+
+default_inner_optimizer = functools.partial(torch.optim.AdamW, lr=4e-4, weight_decay=0.1, betas=(0.9, 0.95))
+default_outer_optimizer = functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)
+
+
+@dataclass
+class SyncReport:
+    """What happened at the last outer synchronisation."""
+
+    outer_step: int
+    ok: bool
+    group_size: int = 0
+    peers: tuple[str, ...] = ()
+    allreduce_s: float = 0.0
+    global_hash: str = ""
+    reason: str = ""
+    extra: dict = field(default_factory=dict)
+
+
+class DiLoCoOptimizer(torch.optim.Optimizer):
+    """Inner optimizer every step, outer optimizer every ``local_steps`` inner steps.
+
+    Use it where ``torch.optim.AdamW`` was: ``param_groups`` are the inner optimizer's, so lr
+    schedulers drive the inner lr, and ``GradScaler`` can skip a step (a skipped step does not
+    count towards ``local_steps``). Pass ``module=`` to also average the module's floating
+    buffers (e.g. BatchNorm running statistics) at each outer step.
+    """
+
+    def __init__(
+        self,
+        params,
+        *,
+        local_steps: int,
+        inner_optimizer: OptimizerFactory = default_inner_optimizer,
+        outer_optimizer: OptimizerFactory = default_outer_optimizer,
+        communicator: Communicator | None = None,
+        module: torch.nn.Module | None = None,
+        weight_by_samples: bool = False,
+    ):
+        if not isinstance(local_steps, int) or isinstance(local_steps, bool) or local_steps < 1:
+            raise ValueError(f"local_steps must be a positive integer, got {local_steps!r}")
+        params = list(params) if not isinstance(params, torch.Tensor) else [params]
+        if not params:
+            raise ValueError("DiLoCoOptimizer got an empty parameter list")
+        self.inner = inner_optimizer(params)
+        super().__init__(self.inner.param_groups, dict(self.inner.defaults))
+        # Share, not copy: schedulers and GradScaler act on the inner optimizer's groups and state.
+        self.param_groups = self.inner.param_groups
+        self.state = self.inner.state
+
+        trainable = [p for g in self.param_groups for p in g["params"] if p.requires_grad and p.is_floating_point()]
+        buffers = [b for b in module.buffers() if b.is_floating_point()] if module is not None else []
+        self.outer = OuterState(trainable, buffers, outer_optimizer)
+        self.local_steps = local_steps
+        self.communicator = communicator if communicator is not None else SingleWorker()
+        self.communicator.attach_state_provider(self.shareable_state)
+        self.weight_by_samples = weight_by_samples
+        self._local_step = 0
+        self._outer_step = 0
+        self._inner_steps_total = 0
+        self._samples_since_sync = 0
+        self.last_sync: SyncReport | None = None
+
+    # -- counters ---------------------------------------------------------------------------
+    @property
+    def local_step(self) -> int:
+        """Inner steps taken since the last outer step."""
+        return self._local_step
+
+    @property
+    def outer_step(self) -> int:
+        """Outer steps done."""
+        return self._outer_step
+
+    @property
+    def inner_steps_total(self) -> int:
+        return self._inner_steps_total
+
+    def count_samples(self, n: int) -> None:
+        """Tells the optimizer how many samples the last inner step saw (for weighted averaging)."""
+        self._samples_since_sync += int(n)
+
+    def global_hash(self) -> str:
+        return self.outer.global_hash()
+
+    # -- the torch.optim.Optimizer surface ---------------------------------------------------
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.inner.zero_grad(set_to_none=set_to_none)
+
+    def step(self, closure=None):
+        loss = self.inner.step(closure)
+        self._local_step += 1
+        self._inner_steps_total += 1
+        if self._local_step >= self.local_steps:
+            self.sync()
+        return loss
+
+    # -- the outer step ----------------------------------------------------------------------
+    def sync(self) -> SyncReport:
+        """Averages pseudo-gradients with the group and applies one outer step (called by ``step``)."""
+        deltas = self.outer.pseudo_gradients()
+        buffers = self.outer.buffer_values()
+        weight = float(self._samples_since_sync) if self.weight_by_samples else 1.0
+        own_finite = all(bool(torch.isfinite(t).all()) for t in deltas + buffers)
+        if not own_finite:
+            log.warning("outer step %d: own pseudo-gradient is not finite; contributing zeros with weight 0",
+                        self._outer_step)
+            deltas = [torch.zeros_like(t) for t in deltas]
+            buffers = [torch.zeros_like(t) for t in buffers]
+            weight = 0.0
+        start = time.perf_counter()
+        try:
+            result = self.communicator.average(deltas + buffers, weight=weight, outer_step=self._outer_step)
+            averaged = result.tensors
+            if not all(bool(torch.isfinite(t).all()) for t in averaged):
+                raise AveragingError("the averaged pseudo-gradient is not finite; refused")
+            validate_tensors(averaged, [g for g in self.outer.global_params] + buffers, "averaged")
+        except BehindError as e:
+            report = self._catch_up(e, time.perf_counter() - start)
+        except AveragingError as e:
+            report = self._round_failed(str(e), time.perf_counter() - start, own_finite)
+        else:
+            n = self.outer.num_params
+            self.outer.apply(averaged[:n], averaged[n:])
+            self._outer_step += 1
+            report = SyncReport(self._outer_step, True, result.group_size, result.peers,
+                                time.perf_counter() - start, self.outer.global_hash(), extra=result.extra)
+        self._local_step = 0
+        self._samples_since_sync = 0
+        self.last_sync = report
+        return report
+
+    def _round_failed(self, reason: str, seconds: float, own_finite: bool) -> SyncReport:
+        log.warning("outer step %d failed, θ_global kept: %s", self._outer_step, reason)
+        if not own_finite:
+            self.outer.reset_local()  # local weights are poisoned: start over from θ_global
+        return SyncReport(self._outer_step, False, allreduce_s=seconds, global_hash=self.outer.global_hash(),
+                          reason=reason)
+
+    def _catch_up(self, err: BehindError, seconds: float) -> SyncReport:
+        log.warning("outer step %d: behind the group (at %d); loading state from a peer",
+                    self._outer_step, err.group_outer_step)
+        state = self.communicator.download_state(timeout=60.0)
+        if state is None:
+            return self._round_failed(f"behind the group and no peer served state: {err}", seconds, True)
+        self.load_shareable_state(state)
+        return SyncReport(self._outer_step, False, allreduce_s=seconds, global_hash=self.outer.global_hash(),
+                          reason="caught up from a peer", extra={"caught_up": True})
+
+    # -- state for joiners -------------------------------------------------------------------
+    def shareable_state(self) -> dict:
+        """What a late joiner needs: θ_global, outer optimizer state, counters. Never inner state."""
+        return {
+            "outer": self.outer.state_dict(),
+            "outer_step": self._outer_step,
+            "inner_steps_total": self._inner_steps_total,
+            "buffers": self.outer.buffer_values(),
+        }
+
+    @torch.no_grad()
+    def load_shareable_state(self, state: dict) -> None:
+        """Adopts a peer's θ_global and outer state; local weights restart from θ_global."""
+        if not isinstance(state, dict) or not {"outer", "outer_step", "inner_steps_total"} <= state.keys():
+            raise ValueError("peer state is missing required fields")
+        buffers = state.get("buffers", [])
+        validate_tensors(buffers, self.outer.buffer_values(), "buffers")
+        self.outer.load_state_dict(state["outer"])
+        for b, src in zip(self.outer.buffers, buffers):
+            b.copy_(src)
+        self._outer_step = int(state["outer_step"])
+        self._inner_steps_total = int(state["inner_steps_total"])
+        self._local_step = 0
+        self._samples_since_sync = 0
+        self.outer.reset_local()
+
+    # -- checkpoints -------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {
+            "inner": self.inner.state_dict(),
+            "outer": self.outer.state_dict(),
+            "local_step": self._local_step,
+            "outer_step": self._outer_step,
+            "inner_steps_total": self._inner_steps_total,
+            "samples_since_sync": self._samples_since_sync,
+            "local_steps": self.local_steps,
+        }
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        missing = {"inner", "outer", "local_step", "outer_step", "inner_steps_total"} - state_dict.keys()
+        if missing:
+            raise ValueError(f"DiLoCoOptimizer state_dict is missing {sorted(missing)}")
+        self.inner.load_state_dict(state_dict["inner"])
+        # torch's load_state_dict rebuilds param_groups: keep sharing them.
+        self.param_groups = self.inner.param_groups
+        self.state = self.inner.state
+        self.outer.load_state_dict(state_dict["outer"])
+        self._local_step = int(state_dict["local_step"])
+        self._outer_step = int(state_dict["outer_step"])
+        self._inner_steps_total = int(state_dict["inner_steps_total"])
+        self._samples_since_sync = int(state_dict.get("samples_since_sync", 0))
+
+    def __repr__(self) -> str:
+        return (f"DiLoCoOptimizer(local_steps={self.local_steps}, inner={type(self.inner).__name__}, "
+                f"outer={type(self.outer.optimizer).__name__}, communicator={type(self.communicator).__name__})")

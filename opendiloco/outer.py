@@ -1,0 +1,97 @@
+"""θ_global and the outer optimizer, kept on CPU in fp32 (DESIGN.md invariants 1, 3, 5)."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Sequence
+
+import torch
+
+OptimizerFactory = Callable[..., torch.optim.Optimizer]
+
+
+def tensors_hash(tensors: Sequence[torch.Tensor], length: int = 16) -> str:
+    """A short hex digest of the exact bytes of ``tensors`` (equal iff bit-identical)."""
+    h = hashlib.sha256()
+    for t in tensors:
+        t = t.detach().to("cpu").contiguous()
+        h.update(str(tuple(t.shape)).encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()[:length]
+
+
+class OuterState:
+    """The shared global weights, their outer optimizer, and the local tensors they track.
+
+    ``params`` are the model's trainable floating parameters; ``buffers`` its floating buffers,
+    which are averaged plainly (their average replaces the local value; no outer optimizer).
+    """
+
+    def __init__(self, params: Sequence[torch.Tensor], buffers: Sequence[torch.Tensor],
+                 outer_optimizer: OptimizerFactory):
+        self.params = list(params)
+        self.buffers = list(buffers)
+        self.global_params = [
+            torch.nn.Parameter(p.detach().to("cpu", torch.float32, copy=True)) for p in self.params
+        ]
+        self.optimizer = outer_optimizer(self.global_params)
+
+    @property
+    def num_params(self) -> int:
+        return len(self.params)
+
+    def pseudo_gradients(self) -> list[torch.Tensor]:
+        """Δ = θ_global − θ_local, fp32 on CPU: a gradient that points *away* from θ_local."""
+        return [g.detach() - p.detach().to("cpu", torch.float32) for g, p in zip(self.global_params, self.params)]
+
+    def buffer_values(self) -> list[torch.Tensor]:
+        return [b.detach().to("cpu", torch.float32, copy=True) for b in self.buffers]
+
+    @torch.no_grad()
+    def apply(self, averaged_deltas: Sequence[torch.Tensor], averaged_buffers: Sequence[torch.Tensor]) -> None:
+        """One outer optimizer step on θ_global, then θ_local := θ_global."""
+        for g, delta in zip(self.global_params, averaged_deltas, strict=True):
+            g.grad = delta.to(torch.float32).reshape(g.shape).clone()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        for b, avg in zip(self.buffers, averaged_buffers, strict=True):
+            b.copy_(avg.reshape(b.shape))
+        self.reset_local()
+
+    @torch.no_grad()
+    def reset_local(self) -> None:
+        """Copies θ_global into the model's parameters (whatever their device and dtype)."""
+        for p, g in zip(self.params, self.global_params):
+            p.copy_(g)
+
+    def global_hash(self) -> str:
+        return tensors_hash(self.global_params)
+
+    def state_dict(self) -> dict:
+        return {
+            "global_params": [g.detach().clone() for g in self.global_params],
+            "optimizer": self.optimizer.state_dict(),
+        }
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict) -> None:
+        validate_tensors(state["global_params"], self.global_params, "global_params")
+        for g, src in zip(self.global_params, state["global_params"]):
+            g.copy_(src)
+        self.optimizer.load_state_dict(state["optimizer"])
+
+
+def validate_tensors(incoming: Sequence, expected: Sequence[torch.Tensor], what: str) -> None:
+    """Refuses tensors whose count, shapes or dtypes differ from ``expected``, or that are not finite."""
+    if not isinstance(incoming, (list, tuple)) or len(incoming) != len(expected):
+        got = len(incoming) if isinstance(incoming, (list, tuple)) else type(incoming).__name__
+        raise ValueError(f"{what}: expected {len(expected)} tensors, got {got}")
+    for i, (t, ref) in enumerate(zip(incoming, expected)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{what}[{i}]: expected a tensor, got {type(t).__name__}")
+        if t.shape != ref.shape:
+            raise ValueError(f"{what}[{i}]: shape {tuple(t.shape)} != expected {tuple(ref.shape)}")
+        if t.dtype != ref.dtype:
+            raise ValueError(f"{what}[{i}]: dtype {t.dtype} != expected {ref.dtype}")
+        if t.is_floating_point() and not torch.isfinite(t).all():
+            raise ValueError(f"{what}[{i}]: contains NaN or Inf")
