@@ -59,8 +59,8 @@ class Communicator(ABC):
     def attach_state_provider(self, provider: StateProvider) -> None:
         """Lets the communicator serve this worker's state to late joiners (no-op by default)."""
 
-    def download_state(self, timeout: float) -> dict | None:
-        """State from a live peer of the group, or None where there is nobody to ask."""
+    def download_state(self, timeout: float, min_outer_step: int | None = None) -> dict | None:
+        """State from a live peer (at ``min_outer_step`` or later), or None where there is nobody to ask."""
         return None
 
     def report_progress(self, **fields) -> None:

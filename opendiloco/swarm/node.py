@@ -1,0 +1,138 @@
+"""Starting a DHT node: address checks, identities, and daemons that die with their worker."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+from collections.abc import Sequence
+
+import hivemind
+from hivemind.p2p import P2P
+from hivemind.utils.multiaddr import Multiaddr
+
+log = logging.getLogger(__name__)
+
+
+class SwarmError(RuntimeError):
+    """A clear, user-facing problem with joining or running the swarm."""
+
+
+def parse_maddrs(addrs: Sequence[str], *, what: str, require_peer_id: bool = False) -> list[str]:
+    """Checks multiaddrs before hivemind sees them; returns them as strings."""
+    out = []
+    for addr in addrs:
+        if not isinstance(addr, str) or not addr.strip():
+            raise SwarmError(f"{what}: empty address")
+        addr = addr.strip()
+        try:
+            maddr = Multiaddr(addr)
+        except Exception as e:  # the multiaddr library raises several unrelated types
+            raise SwarmError(f"{what}: {addr!r} is not a multiaddr ({e}); expected e.g. "
+                             "/ip4/203.0.113.5/tcp/31337/p2p/12D3KooW...") from None
+        protocols = {p.name for p in maddr.protocols()}
+        if require_peer_id and "p2p" not in protocols:
+            raise SwarmError(f"{what}: {addr!r} has no /p2p/<peer id> part; copy the full address "
+                             "printed by `opendiloco dht` or a running worker")
+        out.append(addr)
+    return out
+
+
+def ensure_identity(path: str) -> None:
+    """Creates a persistent peer identity (a private key file) if there is none yet."""
+    if not os.path.exists(path):
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        P2P.generate_identity(path)
+        log.info("created a new peer identity at %s", path)
+
+
+def _child_pids(pid: int) -> list[int]:
+    children = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            if int(fields[1]) == pid:
+                children.append(int(entry))
+        except (OSError, IndexError, ValueError):
+            continue
+    return children
+
+
+class WorkerBoundDHT(hivemind.DHT):
+    """A hivemind DHT whose process (and its p2pd) exits when the process that started it dies.
+
+    Plain hivemind leaves the DHT process and p2pd running for minutes after its parent is
+    SIGKILLed (HIVEMIND_NOTES.md); a watchdog thread in the DHT process ends both at once.
+    """
+
+    def run(self) -> None:
+        parent = self._parent_pid
+
+        def watchdog():
+            while True:
+                time.sleep(0.5)
+                if os.getppid() != parent:
+                    for child in _child_pids(os.getpid()):  # p2pd
+                        try:
+                            os.kill(child, signal.SIGKILL)
+                        except ProcessLookupError:
+                            pass
+                    os._exit(0)
+
+        threading.Thread(target=watchdog, name="opendiloco-dht-watchdog", daemon=True).start()
+        super().run()
+
+
+def start_dht(
+    *,
+    initial_peers: Sequence[str] = (),
+    host_maddrs: Sequence[str] = ("/ip4/0.0.0.0/tcp/0",),
+    announce_maddrs: Sequence[str] = (),
+    identity_path: str | None = None,
+    client_mode: bool = False,
+    use_relay: bool = True,
+    startup_timeout: float = 30.0,
+) -> hivemind.DHT:
+    """Starts a DHT node (joining ``initial_peers`` if any), with clear errors on bad input."""
+    initial_peers = parse_maddrs(initial_peers, what="initial peer", require_peer_id=True)
+    host_maddrs = parse_maddrs(host_maddrs, what="host_maddrs")
+    announce_maddrs = parse_maddrs(announce_maddrs, what="announce_maddrs")
+    for addr in announce_maddrs:
+        parts = addr.split("/")
+        if any(parts[i] in ("tcp", "udp") and parts[i + 1] == "0" for i in range(len(parts) - 1)):
+            raise SwarmError(f"announce_maddrs: {addr!r} has port 0; announce the real, reachable port")
+    kwargs = dict(host_maddrs=host_maddrs, client_mode=client_mode, use_relay=use_relay,
+                  use_auto_relay=client_mode and use_relay, startup_timeout=startup_timeout)
+    if announce_maddrs:
+        kwargs["announce_maddrs"] = announce_maddrs
+    if identity_path:
+        ensure_identity(identity_path)
+        kwargs["identity_path"] = identity_path
+    start = time.monotonic()
+    dht = WorkerBoundDHT(initial_peers=initial_peers or None, start=True, await_ready=False, **kwargs)
+    try:
+        dht.wait_until_ready(timeout=startup_timeout)
+    except TimeoutError:
+        dht.shutdown()
+        raise SwarmError(f"could not start the DHT node within {startup_timeout:.0f}s "
+                         f"(initial peers: {', '.join(initial_peers) or 'none'})") from None
+    except Exception as e:
+        dht.shutdown()
+        msg = str(e)
+        if "bootstrap" in msg or "connect" in msg:
+            raise SwarmError(f"none of the initial peers could be reached after {time.monotonic() - start:.1f}s: "
+                             f"{', '.join(initial_peers)} (is the peer running, the port open, the address "
+                             "copied whole?)") from None
+        if "identity" in msg.lower() or "taken" in msg.lower():
+            raise SwarmError(f"identity {identity_path!r} is already used by a live peer: {msg}") from None
+        raise SwarmError(f"could not start the DHT node: {msg}") from None
+    return dht
+
+
+def visible_maddrs(dht: hivemind.DHT) -> list[str]:
+    return [str(m) for m in dht.get_visible_maddrs(latest=True)]
