@@ -1,0 +1,39 @@
+"""`opendiloco status`: the live workers of a run, read from their DHT records."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+from hivemind.utils.timed_storage import get_dht_time
+
+from . import records
+from .node import start_dht
+
+
+def fetch_workers(initial_peers: Sequence[str], run_id: str, settle: float = 1.0) -> list[records.WorkerRecord]:
+    dht = start_dht(initial_peers=initial_peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"], client_mode=True)
+    try:
+        time.sleep(settle)  # let the routing table fill before asking
+        workers = records.read_workers(dht, run_id)
+    finally:
+        dht.shutdown()
+    return sorted(workers.values(), key=lambda r: (-r.outer_step, r.peer_id))
+
+
+def format_table(workers: Sequence[records.WorkerRecord], run_id: str) -> str:
+    if not workers:
+        return f"run {run_id!r}: no live workers"
+    now = get_dht_time()
+    rows = [("peer", "outer", "inner", "samples/s", "loss", "since sync", "global_hash")]
+    for w in workers:
+        since = f"{now - w.last_sync_time:.0f}s" if w.last_sync_time else "-"
+        loss = f"{w.loss:.4f}" if isinstance(w.loss, (int, float)) else "-"
+        rows.append((w.peer_id, str(w.outer_step), str(w.inner_step), f"{w.samples_per_s:.1f}", loss, since,
+                     w.global_hash or "-"))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.ljust(wd) for c, wd in zip(r, widths)).rstrip() for r in rows]
+    hashes = {w.global_hash for w in workers if w.global_hash}
+    lines.append(f"run {run_id!r}: {len(workers)} live worker(s); "
+                 + ("global_hash agrees" if len(hashes) <= 1 else f"{len(hashes)} different global_hash values"))
+    return "\n".join(lines)

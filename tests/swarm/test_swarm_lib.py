@@ -1,0 +1,82 @@
+"""The library's swarm path end to end: real DHT, real p2p all-reduce, separate processes."""
+
+import time
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.swarm, pytest.mark.timeout(240)]
+
+
+def by_step(records):
+    return {r["outer_step"]: r for r in records if r["ok"]}
+
+
+def test_three_workers_average_every_round_together_and_agree(swarm):
+    swarm.bootstrap()
+    names = ["w0", "w1", "w2"]
+    procs = [swarm.worker(n, seed=i + 1, outer_steps=4, local_steps=5, dump=swarm.tmp, min_group_size=3)
+             for i, n in enumerate(names)]
+    swarm.wait(procs, timeout=180)
+    syncs = {n: by_step(swarm.records(n)) for n in names}
+    for n in names:
+        assert sorted(syncs[n]) == [1, 2, 3, 4], swarm.log(n)
+    for step in range(1, 5):
+        assert {syncs[n][step]["group_size"] for n in names} == {3}
+        hashes = {syncs[n][step]["global_hash"] for n in names}
+        assert len(hashes) == 1, f"outer step {step}: replicas disagree: {hashes}"
+    first = sum(syncs[n][1]["loss"] for n in names)
+    last = sum(syncs[n][4]["loss"] for n in names)
+    assert last < first, (first, last)
+
+    # The average each worker applied equals the mean of what the workers sent (FP16 tolerance),
+    # and every worker received exactly the same bits.
+    start = {r["peer_id"]: r for r in (swarm.records(n, "start")[0] for n in names)}
+    for step in range(4):
+        dumps = [torch.load(swarm.tmp / f"{peer}-{step}.pt") for peer in start]
+        for i in range(len(dumps[0]["sent"])):
+            reference = sum(d["sent"][i].half().float() for d in dumps) / len(dumps)
+            for d in dumps:
+                assert torch.equal(d["got"][i], dumps[0]["got"][i])
+                torch.testing.assert_close(d["got"][i], reference, rtol=2e-3, atol=2e-3)
+            assert not torch.equal(dumps[0]["sent"][i], dumps[1]["sent"][i])  # the workers really differed
+
+
+def test_two_runs_on_one_dht_never_average_together(swarm):
+    swarm.bootstrap()
+    procs = [swarm.worker(f"{run}{i}", run_id=run, seed=i + 10 * (run == "b"), outer_steps=2, local_steps=4,
+                          min_group_size=2, straggler_wait=4)
+             for run in ("a", "b") for i in range(2)]
+    swarm.wait(procs, timeout=180)
+    peers = {name: swarm.records(name, "start")[0]["peer_id"] for name in ("a0", "a1", "b0", "b1")}
+    for run in ("a", "b"):
+        mine = {peers[f"{run}0"], peers[f"{run}1"]}
+        for name in (f"{run}0", f"{run}1"):
+            syncs = by_step(swarm.records(name))
+            assert sorted(syncs) == [1, 2]
+            for rec in syncs.values():
+                assert set(rec["peers"]) == mine, (run, rec["peers"])
+    assert by_step(swarm.records("a0"))[2]["global_hash"] != by_step(swarm.records("b0"))[2]["global_hash"]
+
+
+def test_worker_killed_leaves_no_daemons(swarm):
+    """SIGKILL of a worker takes its DHT process and p2pd with it (hivemind alone leaves them running)."""
+    import os
+    import signal
+
+    from tests.swarm.conftest import alive, descendants
+
+    swarm.bootstrap()
+    proc = swarm.worker("lone", outer_steps=1000, local_steps=50)
+    deadline = time.monotonic() + 60
+    while not swarm.records("lone", "start"):
+        assert time.monotonic() < deadline and proc.poll() is None, swarm.log("lone")
+        time.sleep(0.2)
+    children = descendants(proc.pid)
+    assert children, "expected a DHT process and p2pd under the worker"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(10)
+    deadline = time.monotonic() + 5
+    while any(alive(p) for p in children) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [p for p in children if alive(p)]

@@ -1,0 +1,104 @@
+"""A minimal DiLoCo worker for swarm tests: a user's own loop, a small regression MLP, real swarm.
+
+Writes one JSON line per outer step to ``--out``; with ``--dump`` it also saves, per outer step,
+the pseudo-gradient it contributed and the average it received (to check the math from outside).
+"""
+
+import argparse
+import functools
+import json
+import logging
+import os
+import signal
+import sys
+import time
+
+import torch
+
+from opendiloco import DiLoCoOptimizer
+from opendiloco.comm.hivemind import HivemindCommunicator, SwarmSettings
+from opendiloco.swarm.node import start_dht
+
+
+class RecordingCommunicator(HivemindCommunicator):
+    dump_dir = None
+
+    def average(self, tensors, *, weight=1.0, outer_step=0):
+        result = super().average(tensors, weight=weight, outer_step=outer_step)
+        if self.dump_dir:
+            torch.save({"sent": [t.clone() for t in tensors], "got": result.tensors, "peers": result.peers},
+                       os.path.join(self.dump_dir, f"{self.peer_id}-{outer_step}.pt"))
+        return result
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--peers-file", required=True)
+    p.add_argument("--run-id", default="test")
+    p.add_argument("--outer-steps", type=int, default=3)
+    p.add_argument("--local-steps", type=int, default=5)
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--out", required=True)
+    p.add_argument("--dump", default=None)
+    p.add_argument("--compression", default="fp16")
+    p.add_argument("--min-group-size", type=int, default=1)
+    p.add_argument("--straggler-wait", type=float, default=8.0)
+    p.add_argument("--allreduce-timeout", type=float, default=20.0)
+    p.add_argument("--step-delay", type=float, default=0.0)
+    p.add_argument("--hidden", type=int, default=64)
+    args = p.parse_args()
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s [{args.seed}] %(name)s: %(message)s")
+    torch.set_num_threads(1)
+
+    peers = open(args.peers_file).read().split()
+    dht = start_dht(initial_peers=peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    settings = SwarmSettings(run_id=args.run_id, compression=args.compression, min_group_size=args.min_group_size,
+                             straggler_wait=args.straggler_wait, allreduce_timeout=args.allreduce_timeout,
+                             heartbeat_interval=1.0, record_ttl=4.0, verify_timeout=3.0)
+    comm = RecordingCommunicator(dht, settings)
+    comm.dump_dir = args.dump
+    stop = []
+    signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
+
+    torch.manual_seed(0)  # identical initial weights everywhere
+    model = torch.nn.Sequential(torch.nn.Linear(16, args.hidden), torch.nn.Tanh(), torch.nn.Linear(args.hidden, 1))
+    opt = DiLoCoOptimizer(model.parameters(), local_steps=args.local_steps, communicator=comm,
+                          inner_optimizer=functools.partial(torch.optim.AdamW, lr=3e-2),
+                          outer_optimizer=functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True))
+    state = comm.download_state(timeout=30)
+    if state is not None:
+        opt.load_shareable_state(state)
+    gen = torch.Generator().manual_seed(args.seed)
+    w_true = torch.linspace(-1, 1, 16)
+    out = open(args.out, "a")
+    out.write(json.dumps({"event": "start", "peer_id": comm.peer_id, "outer_step": opt.outer_step,
+                          "global_hash": opt.global_hash(), "pid": os.getpid(), "time": time.time()}) + "\n")
+    out.flush()
+    try:
+        while opt.outer_step < args.outer_steps and not stop:
+            x = torch.randn(64, 16, generator=gen)
+            y = (x @ w_true).tanh()[:, None] + 0.05 * torch.randn(64, 1, generator=gen)
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            before = opt.outer_step
+            opt.step()
+            opt.zero_grad()
+            comm.report_progress(outer_step=opt.outer_step, inner_step=opt.inner_steps_total, loss=loss.item(),
+                                 global_hash=opt.global_hash())
+            if args.step_delay:
+                time.sleep(args.step_delay)
+            if opt.local_step == 0:
+                s = opt.last_sync
+                out.write(json.dumps({"event": "sync", "ok": s.ok, "outer_step": opt.outer_step, "before": before,
+                                      "group_size": s.group_size, "peers": list(s.peers),
+                                      "global_hash": opt.global_hash(), "loss": loss.item(),
+                                      "allreduce_s": s.allreduce_s, "reason": s.reason,
+                                      "time": time.time()}) + "\n")
+                out.flush()
+    finally:
+        comm.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
