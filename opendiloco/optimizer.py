@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -52,6 +53,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         communicator: Communicator | None = None,
         module: torch.nn.Module | None = None,
         weight_by_samples: bool = False,
+        catch_up_timeout: float = 60.0,
     ):
         if not isinstance(local_steps, int) or isinstance(local_steps, bool) or local_steps < 1:
             raise ValueError(f"local_steps must be a positive integer, got {local_steps!r}")
@@ -71,6 +73,10 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         self.communicator = communicator if communicator is not None else SingleWorker()
         self.communicator.attach_state_provider(self.shareable_state)
         self.weight_by_samples = weight_by_samples
+        self.catch_up_timeout = catch_up_timeout
+        # Held while θ_global changes, so state served to a joiner from another thread is never torn.
+        self._state_lock = threading.RLock()
+        self._hash: str | None = None
         self._local_step = 0
         self._outer_step = 0
         self._inner_steps_total = 0
@@ -97,7 +103,15 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         self._samples_since_sync += int(n)
 
     def global_hash(self) -> str:
-        return self.outer.global_hash()
+        """Short hash of θ_global's exact bytes (cached; recomputed after each change)."""
+        if self._hash is None:
+            with self._state_lock:
+                self._hash = self.outer.global_hash()
+        return self._hash
+
+    def _global_changed(self) -> None:
+        self._hash = None
+        self.communicator.report_progress(outer_step=self._outer_step, global_hash=self.global_hash())
 
     # -- the torch.optim.Optimizer surface ---------------------------------------------------
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -137,10 +151,12 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
             report = self._round_failed(str(e), time.perf_counter() - start, own_finite)
         else:
             n = self.outer.num_params
-            self.outer.apply(averaged[:n], averaged[n:])
-            self._outer_step += 1
+            with self._state_lock:
+                self.outer.apply(averaged[:n], averaged[n:])
+                self._outer_step += 1
+            self._global_changed()
             report = SyncReport(self._outer_step, True, result.group_size, result.peers,
-                                time.perf_counter() - start, self.outer.global_hash(), extra=result.extra)
+                                time.perf_counter() - start, self.global_hash(), extra=result.extra)
         self._local_step = 0
         self._samples_since_sync = 0
         self.last_sync = report
@@ -150,44 +166,54 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         log.warning("outer step %d failed, θ_global kept: %s", self._outer_step, reason)
         if not own_finite:
             self.outer.reset_local()  # local weights are poisoned: start over from θ_global
-        return SyncReport(self._outer_step, False, allreduce_s=seconds, global_hash=self.outer.global_hash(),
+        return SyncReport(self._outer_step, False, allreduce_s=seconds, global_hash=self.global_hash(),
                           reason=reason)
 
     def _catch_up(self, err: BehindError, seconds: float) -> SyncReport:
-        log.warning("outer step %d: behind the group (at %d); loading state from a peer",
-                    self._outer_step, err.group_outer_step)
-        state = self.communicator.download_state(timeout=60.0)
-        if state is None:
-            return self._round_failed(f"behind the group and no peer served state: {err}", seconds, True)
-        self.load_shareable_state(state)
-        return SyncReport(self._outer_step, False, allreduce_s=seconds, global_hash=self.outer.global_hash(),
-                          reason="caught up from a peer", extra={"caught_up": True})
+        log.warning("outer step %d: %s; loading state from a peer", self._outer_step, err)
+        try:
+            timeout = min(self.catch_up_timeout, err.timeout or self.catch_up_timeout)
+            state = self.communicator.download_state(timeout, min_outer_step=err.group_outer_step)
+            if state is None:
+                raise AveragingError("no live peer to download state from")
+            self.load_shareable_state(state)
+        except (AveragingError, ValueError) as e:
+            return self._round_failed(f"{err}; could not catch up: {e}", seconds, True)
+        drift = "drift" in str(err)
+        return SyncReport(self._outer_step, False, allreduce_s=seconds, global_hash=self.global_hash(),
+                          reason="healed drift from a peer" if drift else "caught up from a peer",
+                          extra={"caught_up": True})
 
     # -- state for joiners -------------------------------------------------------------------
     def shareable_state(self) -> dict:
         """What a late joiner needs: θ_global, outer optimizer state, counters. Never inner state."""
-        return {
-            "outer": self.outer.state_dict(),
-            "outer_step": self._outer_step,
-            "inner_steps_total": self._inner_steps_total,
-            "buffers": self.outer.buffer_values(),
-        }
+        with self._state_lock:
+            return {
+                "outer": self.outer.state_dict(),
+                "outer_step": self._outer_step,
+                "inner_steps_total": self._inner_steps_total,
+                "buffers": self.outer.buffer_values(),
+            }
 
     @torch.no_grad()
     def load_shareable_state(self, state: dict) -> None:
         """Adopts a peer's θ_global and outer state; local weights restart from θ_global."""
         if not isinstance(state, dict) or not {"outer", "outer_step", "inner_steps_total"} <= state.keys():
             raise ValueError("peer state is missing required fields")
+        if not all(isinstance(state[k], int) and state[k] >= 0 for k in ("outer_step", "inner_steps_total")):
+            raise ValueError("peer state has invalid step counters")
         buffers = state.get("buffers", [])
         validate_tensors(buffers, self.outer.buffer_values(), "buffers")
-        self.outer.load_state_dict(state["outer"])
-        for b, src in zip(self.outer.buffers, buffers):
-            b.copy_(src)
-        self._outer_step = int(state["outer_step"])
-        self._inner_steps_total = int(state["inner_steps_total"])
-        self._local_step = 0
-        self._samples_since_sync = 0
-        self.outer.reset_local()
+        with self._state_lock:
+            self.outer.load_state_dict(state["outer"])
+            for b, src in zip(self.outer.buffers, buffers):
+                b.copy_(src)
+            self._outer_step = state["outer_step"]
+            self._inner_steps_total = state["inner_steps_total"]
+            self._local_step = 0
+            self._samples_since_sync = 0
+            self.outer.reset_local()
+        self._global_changed()
 
     # -- checkpoints -------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -205,11 +231,22 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         missing = {"inner", "outer", "local_step", "outer_step", "inner_steps_total"} - state_dict.keys()
         if missing:
             raise ValueError(f"DiLoCoOptimizer state_dict is missing {sorted(missing)}")
+        outer = state_dict["outer"]
+        if not isinstance(outer, dict) or not {"global_params", "optimizer"} <= outer.keys():
+            raise ValueError("DiLoCoOptimizer state_dict['outer'] needs 'global_params' and 'optimizer'")
+        # Validate before touching anything, so a refused state dict leaves this optimizer as it was.
+        validate_tensors(outer["global_params"], self.outer.global_params, "outer.global_params")
+        inner_backup = self.inner.state_dict()
         self.inner.load_state_dict(state_dict["inner"])
-        # torch's load_state_dict rebuilds param_groups: keep sharing them.
-        self.param_groups = self.inner.param_groups
-        self.state = self.inner.state
-        self.outer.load_state_dict(state_dict["outer"])
+        try:
+            self.outer.load_state_dict(outer)
+        except Exception:
+            self.inner.load_state_dict(inner_backup)
+            raise
+        finally:
+            # torch's load_state_dict rebuilds param_groups: keep sharing them.
+            self.param_groups = self.inner.param_groups
+            self.state = self.inner.state
         self._local_step = int(state_dict["local_step"])
         self._outer_step = int(state_dict["outer_step"])
         self._inner_steps_total = int(state_dict["inner_steps_total"])

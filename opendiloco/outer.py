@@ -76,9 +76,10 @@ class OuterState:
     @torch.no_grad()
     def load_state_dict(self, state: dict) -> None:
         validate_tensors(state["global_params"], self.global_params, "global_params")
+        validate_optimizer_state(state["optimizer"], self.global_params)
+        self.optimizer.load_state_dict(state["optimizer"])  # first: it may refuse, and nothing is changed yet
         for g, src in zip(self.global_params, state["global_params"]):
             g.copy_(src)
-        self.optimizer.load_state_dict(state["optimizer"])
 
 
 def validate_tensors(incoming: Sequence, expected: Sequence[torch.Tensor], what: str) -> None:
@@ -95,3 +96,15 @@ def validate_tensors(incoming: Sequence, expected: Sequence[torch.Tensor], what:
             raise ValueError(f"{what}[{i}]: dtype {t.dtype} != expected {ref.dtype}")
         if t.is_floating_point() and not torch.isfinite(t).all():
             raise ValueError(f"{what}[{i}]: contains NaN or Inf")
+
+
+def validate_optimizer_state(state: dict, params: Sequence[torch.Tensor]) -> None:
+    """Refuses outer-optimizer state (e.g. momentum from a peer) whose tensors don't fit ``params``."""
+    if not isinstance(state, dict) or not isinstance(state.get("state"), dict):
+        raise ValueError("outer optimizer state is malformed")
+    for index, entry in state["state"].items():
+        if not isinstance(index, int) or not 0 <= index < len(params) or not isinstance(entry, dict):
+            raise ValueError(f"outer optimizer state has an unexpected entry {index!r}")
+        for name, value in entry.items():
+            if isinstance(value, torch.Tensor) and value.dim() > 0:
+                validate_tensors([value], [params[index]], f"outer optimizer state[{index}].{name}")

@@ -77,10 +77,6 @@ def unpack(header: list, payload: bytes, expected: dict[str, tuple[torch.dtype, 
     return out
 
 
-def expected_bytes(codec: Codec, numel: int) -> int:
-    return codec.wire_bytes(numel)
-
-
 def digest(payload: bytes) -> str:
     return hashlib.sha256(payload).hexdigest()
 
@@ -108,6 +104,9 @@ class ShardReducer:
     def complete(self) -> bool:
         return len(self._contributions) == len(self.members)
 
+    def missing(self) -> list[str]:
+        return [m for m in self.members if m not in self._contributions]
+
     def add(self, sender: str, weight: float, header: list, payload: bytes) -> None:
         if sender not in self.members:
             raise ProtocolError(f"{sender} is not a member of this group")
@@ -122,8 +121,7 @@ class ShardReducer:
 
     def reduce(self) -> ShardResult:
         if not self.complete:
-            missing = sorted(set(self.members) - self._contributions.keys())
-            raise AveragingError(f"shard incomplete, missing {missing}")
+            raise AveragingError(f"shard incomplete, missing {self.missing()}")
         total = sum(w for w, _ in self._contributions.values())
         if total <= 0:
             raise AveragingError("every member of the group contributed weight 0")

@@ -16,9 +16,11 @@ class AveragingError(RuntimeError):
 class BehindError(AveragingError):
     """The group has already moved past this worker's outer step: load state from a peer instead."""
 
-    def __init__(self, message: str, *, group_outer_step: int):
+    def __init__(self, message: str, *, group_outer_step: int, timeout: float | None = None):
         super().__init__(message)
         self.group_outer_step = group_outer_step
+        self.timeout = timeout
+        """How long catching up may wait for a peer to reach ``group_outer_step`` (None: the caller's bound)."""
 
 
 @dataclass

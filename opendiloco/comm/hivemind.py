@@ -87,6 +87,18 @@ async def _read_payload(first: Message, rest: AsyncIterator[Message], size: int,
     return b"".join(parts)
 
 
+class PeerFailure(AveragingError):
+    """A round failed because of these peers (unreachable, refused, or silent until the timeout)."""
+
+    def __init__(self, message: str, peers):
+        super().__init__(message)
+        self.peers = set(peers)
+
+
+class DriftError(BehindError):
+    """Our θ_global differs from the one most of the run holds at the same outer step."""
+
+
 class _Round:
     """This worker's side of one round: its shard reducer, as the handlers see it."""
 
@@ -95,13 +107,16 @@ class _Round:
         self.result: ShardResult | None = None
         self.error: Exception | None = None
         self.finished = asyncio.Event()
+        self._reducing = False
 
     async def contribute(self, sender: str, weight: float, header: list, payload: bytes) -> None:
         if self.finished.is_set():
             raise ProtocolError("round already finished")
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(None, self.reducer.add, sender, weight, header, payload)
-        if self.reducer.complete:
+        # Decided on the event loop with no await in between: exactly one contributor reduces.
+        if self.reducer.complete and not self._reducing:
+            self._reducing = True
             try:
                 self.result = await loop.run_in_executor(None, self.reducer.reduce)
             except Exception as e:
@@ -136,6 +151,7 @@ class HivemindCommunicator(Communicator):
         self._progress = {"outer_step": -1}
         self._progress_lock = threading.Lock()
         self._state_provider: StateProvider | None = None
+        self._heal_hash: str | None = None
         self._closed = False
 
         self._loop = uvloop.new_event_loop()
@@ -214,9 +230,10 @@ class HivemindCommunicator(Communicator):
         s = self.settings
         flat = flatten(tensors)
         self.report_progress(outer_step=outer_step)
-        start, attempt, errors = time.perf_counter(), 0, []
+        self._raise_if_drifted(outer_step)
+        start, attempt, errors, suspects = time.perf_counter(), 0, [], set()
         while len(errors) < s.max_attempts:
-            members, attempt = self._matchmake(outer_step, attempt, flat.numel())
+            members, attempt = self._matchmake(outer_step, attempt, flat.numel(), suspects)
             group_id = make_group_id(s.run_id, outer_step, attempt, members)
             try:
                 if len(members) == 1:
@@ -225,15 +242,17 @@ class HivemindCommunicator(Communicator):
                     averaged, total, digest = self.codec.roundtrip(flat), float(weight), "solo"
                 else:
                     averaged, total, digest = self._call(
-                        self._allreduce(group_id, members, flat, float(weight)), timeout=s.allreduce_timeout)
+                        self._allreduce(group_id, members, flat, float(weight)), timeout=s.allreduce_timeout + 10)
                     self._verify(outer_step, attempt, members, digest)
             except AveragingError as e:
+                if isinstance(e, PeerFailure):
+                    suspects |= e.peers - {self._peer_id}
                 errors.append(f"attempt {attempt}: {e}")
                 log.warning("outer step %d, attempt %d with %d peers failed: %s", outer_step, attempt,
                             len(members), e)
                 attempt += 1
                 continue
-            self.report_progress(outer_step=outer_step + 1, last_sync_time=get_dht_time())
+            self.report_progress(last_sync_time=get_dht_time())
             return AverageResult(unflatten(averaged, tensors), tuple(members), total,
                                  time.perf_counter() - start,
                                  extra={"attempts": len(errors) + 1, "group_id": group_id, "digest": digest})
@@ -246,8 +265,28 @@ class HivemindCommunicator(Communicator):
             raise BehindError(f"peers are at outer step {max(ahead)}, this worker at {outer_step}",
                               group_outer_step=max(ahead))
 
-    def _matchmake(self, outer_step: int, attempt: int, numel: int) -> tuple[list[str], int]:
-        """Waits for the run's live workers to be ready for ``outer_step``; returns (members, attempt)."""
+    def _raise_if_drifted(self, outer_step: int) -> None:
+        """Compares our θ_global hash with the other workers at the same outer step (majority wins)."""
+        with self._progress_lock:
+            mine = self._progress.get("global_hash")
+        if not mine:
+            return
+        counts: dict[str, int] = {mine: 1}
+        for peer, rec in self.live_workers().items():
+            if peer != self._peer_id and rec.outer_step == outer_step and rec.global_hash:
+                counts[rec.global_hash] = counts.get(rec.global_hash, 0) + 1
+        majority, votes = max(counts.items(), key=lambda kv: kv[1])
+        if majority != mine and votes > counts[mine]:
+            self._heal_hash = majority
+            raise DriftError(f"θ_global drifted: hash {mine} vs {majority} held by {votes} peer(s) at outer step "
+                             f"{outer_step}", group_outer_step=outer_step)
+
+    def _matchmake(self, outer_step: int, attempt: int, numel: int,
+                   suspects: set[str] = frozenset()) -> tuple[list[str], int]:
+        """Waits for the run's live workers to be ready for ``outer_step``; returns (members, attempt).
+
+        ``suspects`` (peers that broke an earlier attempt) are not waited for, but may still join.
+        """
         s, me = self.settings, self._peer_id
         key = records.round_key(s.run_id, outer_step)
         t0, announced = time.monotonic(), None
@@ -266,7 +305,7 @@ class HivemindCommunicator(Communicator):
                 ready[me], announced = value, attempt
             compatible = {p for p, v in ready.items() if v.get("attempt") == attempt
                           and v.get("numel") == numel and v.get("codec") == self.codec.name}
-            expected = {p for p, r in workers.items() if r.outer_step == outer_step} | {me}
+            expected = ({p for p, r in workers.items() if r.outer_step == outer_step} - suspects) | {me}
             waited = time.monotonic() - t0
             if len(compatible) >= s.min_group_size and (expected <= compatible or waited >= s.straggler_wait):
                 break
@@ -289,7 +328,7 @@ class HivemindCommunicator(Communicator):
                     return sorted(members), attempt
                 # The leader closed the group without us: the others are about to move on.
                 raise BehindError(f"left out of the group for outer step {outer_step}",
-                                  group_outer_step=outer_step + 1)
+                                  group_outer_step=outer_step + 1, timeout=s.allreduce_timeout + s.verify_timeout)
             self._raise_if_behind(self.live_workers(), outer_step)
             time.sleep(s.poll_interval)
         raise AveragingError(f"leader {leader[-8:]} published no group for outer step {outer_step}")
@@ -317,10 +356,16 @@ class HivemindCommunicator(Communicator):
                                      self._exchange(members[j], group_id, weight, parts[j], numels[j]))
                  for j in range(len(members))]
         try:
-            done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+            done, pending = await asyncio.wait(tasks, timeout=self.settings.allreduce_timeout,
+                                               return_when=asyncio.FIRST_EXCEPTION)
             for task in done:
                 if task.exception() is not None:
                     raise task.exception()
+            if pending:
+                silent = {members[j] for j, t in enumerate(tasks) if t in pending and j != me}
+                silent |= set(rnd.reducer.missing()) - {self._peer_id}
+                raise PeerFailure(f"no answer within {self.settings.allreduce_timeout:.0f}s from "
+                                  f"{sorted(p[-8:] for p in silent)}", silent)
         except BaseException as e:
             for task in tasks:
                 task.cancel()
@@ -356,10 +401,12 @@ class HivemindCommunicator(Communicator):
                 raise ProtocolError(f"peer {peer[-8:]} refused: {reply['error']}")
             limit = self.codec.wire_bytes(numel)
             payload = await _read_payload(first, stream, reply.get("size"), limit)
+        except ProtocolError as e:
+            raise PeerFailure(str(e), {peer}) from None
         except (AveragingError, asyncio.CancelledError):
             raise
         except Exception as e:
-            raise AveragingError(f"exchange with {peer[-8:]} failed: {type(e).__name__}: {e}") from None
+            raise PeerFailure(f"exchange with {peer[-8:]} failed: {type(e).__name__}: {e}", {peer}) from None
         loop = asyncio.get_running_loop()
         values = await loop.run_in_executor(None, decode_shard, self.codec, numel, reply.get("header"), payload,
                                             reply.get("digest"))
@@ -467,7 +514,8 @@ class HivemindCommunicator(Communicator):
             others = [r for p, r in self.live_workers().items() if p != self._peer_id and r.outer_step >= 0]
             if not others and min_outer_step is None:
                 return None
-            candidates = sorted((r for r in others if min_outer_step is None or r.outer_step >= min_outer_step),
+            candidates = sorted((r for r in others if (min_outer_step is None or r.outer_step >= min_outer_step)
+                                 and (self._heal_hash is None or r.global_hash == self._heal_hash)),
                                 key=lambda r: -r.outer_step)
             for rec in candidates:
                 remaining = deadline - time.monotonic()
@@ -481,8 +529,10 @@ class HivemindCommunicator(Communicator):
                     continue
                 log.info("downloaded state of outer step %s from %s in %.2fs", state.get("outer_step"),
                          rec.peer_id[-8:], time.perf_counter() - t0)
+                self._heal_hash = None
                 return state
             if time.monotonic() >= deadline:
+                self._heal_hash = None
                 raise AveragingError(f"no peer served state within {timeout:.0f}s"
                                      + (f": {errors}" if errors else ""))
             time.sleep(0.5)

@@ -77,7 +77,8 @@ class Swarm:
     def worker(self, name: str, **options) -> subprocess.Popen:
         args = [sys.executable, str(WORKER), "--peers-file", str(self.peers_file), "--out", str(self.out(name))]
         for key, value in options.items():
-            args += [f"--{key.replace('_', '-')}", str(value)]
+            values = value if isinstance(value, (list, tuple)) else [value]
+            args += [f"--{key.replace('_', '-')}", *map(str, values)]
         return self.spawn(args, name)
 
     def out(self, name: str) -> Path:

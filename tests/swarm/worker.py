@@ -5,6 +5,7 @@ the pseudo-gradient it contributed and the average it received (to check the mat
 """
 
 import argparse
+import asyncio
 import functools
 import json
 import logging
@@ -21,14 +22,26 @@ from opendiloco.swarm.node import start_dht
 
 
 class RecordingCommunicator(HivemindCommunicator):
+    """Adds test instrumentation: dumps of each round, and a fault injected inside one all-reduce."""
+
     dump_dir = None
+    stall_at: tuple[int, float] | None = None
+    marker = None
 
     def average(self, tensors, *, weight=1.0, outer_step=0):
+        self.current_step = outer_step
         result = super().average(tensors, weight=weight, outer_step=outer_step)
         if self.dump_dir:
             torch.save({"sent": [t.clone() for t in tensors], "got": result.tensors, "peers": result.peers},
                        os.path.join(self.dump_dir, f"{self.peer_id}-{outer_step}.pt"))
         return result
+
+    async def _allreduce(self, group_id, members, flat, weight):
+        if self.stall_at and self.stall_at[0] == self.current_step:
+            with open(self.marker, "a") as f:  # tells the test we are inside the all-reduce
+                f.write(f"{self.current_step} {time.time()}\n")
+            await asyncio.sleep(self.stall_at[1])
+        return await super()._allreduce(group_id, members, flat, weight)
 
 
 def main():
@@ -46,6 +59,12 @@ def main():
     p.add_argument("--allreduce-timeout", type=float, default=20.0)
     p.add_argument("--step-delay", type=float, default=0.0)
     p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--stall-in-allreduce", nargs=2, type=float, default=None, metavar=("OUTER_STEP", "SECONDS"),
+                   help="sleep inside the all-reduce of that outer step (the test kills or stops us there)")
+    p.add_argument("--poison-at", type=int, default=None, help="make the pseudo-gradient of this outer step NaN")
+    p.add_argument("--corrupt-at", type=int, default=None, help="perturb θ_global after this outer step")
+    p.add_argument("--join-timeout", type=float, default=30.0)
+    p.add_argument("--matchmaking-timeout", type=float, default=30.0)
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s [{args.seed}] %(name)s: %(message)s")
     torch.set_num_threads(1)
@@ -54,9 +73,13 @@ def main():
     dht = start_dht(initial_peers=peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
     settings = SwarmSettings(run_id=args.run_id, compression=args.compression, min_group_size=args.min_group_size,
                              straggler_wait=args.straggler_wait, allreduce_timeout=args.allreduce_timeout,
+                             matchmaking_timeout=args.matchmaking_timeout,
                              heartbeat_interval=1.0, record_ttl=4.0, verify_timeout=3.0)
     comm = RecordingCommunicator(dht, settings)
     comm.dump_dir = args.dump
+    if args.stall_in_allreduce:
+        comm.stall_at = (int(args.stall_in_allreduce[0]), args.stall_in_allreduce[1])
+        comm.marker = args.out + ".inround"
     stop = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
 
@@ -65,14 +88,18 @@ def main():
     opt = DiLoCoOptimizer(model.parameters(), local_steps=args.local_steps, communicator=comm,
                           inner_optimizer=functools.partial(torch.optim.AdamW, lr=3e-2),
                           outer_optimizer=functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True))
-    state = comm.download_state(timeout=30)
+    t0 = time.perf_counter()
+    state = comm.download_state(timeout=args.join_timeout)
+    download_s = time.perf_counter() - t0
     if state is not None:
         opt.load_shareable_state(state)
     gen = torch.Generator().manual_seed(args.seed)
     w_true = torch.linspace(-1, 1, 16)
     out = open(args.out, "a")
     out.write(json.dumps({"event": "start", "peer_id": comm.peer_id, "outer_step": opt.outer_step,
-                          "global_hash": opt.global_hash(), "pid": os.getpid(), "time": time.time()}) + "\n")
+                          "global_hash": opt.global_hash(), "pid": os.getpid(), "time": time.time(),
+                          "downloaded": state is not None, "download_s": download_s,
+                          "numel": sum(p.numel() for p in model.parameters())}) + "\n")
     out.flush()
     try:
         while opt.outer_step < args.outer_steps and not stop:
@@ -81,6 +108,10 @@ def main():
             loss = torch.nn.functional.mse_loss(model(x), y)
             loss.backward()
             before = opt.outer_step
+            if args.poison_at == opt.outer_step and opt.local_step == args.local_steps - 1:
+                with torch.no_grad():
+                    model[0].weight.fill_(float("nan"))  # this worker blew up right before the sync
+                    model[0].weight.grad = None
             opt.step()
             opt.zero_grad()
             comm.report_progress(outer_step=opt.outer_step, inner_step=opt.inner_steps_total, loss=loss.item(),
@@ -89,6 +120,10 @@ def main():
                 time.sleep(args.step_delay)
             if opt.local_step == 0:
                 s = opt.last_sync
+                if args.corrupt_at is not None and s.ok and opt.outer_step == args.corrupt_at:
+                    with torch.no_grad():  # a silent divergence (e.g. a bit flip) that the swarm must heal
+                        opt.outer.global_params[0].add_(1e-3)
+                        opt.outer.reset_local()
                 out.write(json.dumps({"event": "sync", "ok": s.ok, "outer_step": opt.outer_step, "before": before,
                                       "group_size": s.group_size, "peers": list(s.peers),
                                       "global_hash": opt.global_hash(), "loss": loss.item(),
