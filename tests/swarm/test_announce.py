@@ -34,6 +34,10 @@ async def _connected_peers(dht, node) -> dict[str, list[str]]:
     return {info.peer_id.to_base58(): [str(a) for a in info.addrs] for info in await node.p2p.list_peers()}
 
 
+# Long-lived helpers that torch / multiprocessing start once per process, not per node.
+PROCESS_HELPERS = ("torch_shm_manager", "resource_tracker")
+
+
 def _cmdline(pid: int) -> str:
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
@@ -50,7 +54,8 @@ def dhts():
     yield started
     for dht in started:
         dht.shutdown()
-    children = descendants(os.getpid()) - before
+    children = {p for p in descendants(os.getpid()) - before
+                if not any(helper in _cmdline(p) for helper in PROCESS_HELPERS)}
     deadline = time.monotonic() + 10
     while any(alive(p) for p in children) and time.monotonic() < deadline:
         time.sleep(0.2)

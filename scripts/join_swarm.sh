@@ -1,0 +1,113 @@
+#!/usr/bin/env bash
+# Join a running OpenDiLoCo swarm as one training worker.
+#
+#   scripts/join_swarm.sh [options] PEER_MADDR... [-- more `opendiloco train` options]
+#   scripts/join_swarm.sh --peers-file FILE [options] [-- ...]
+#
+# Examples:
+#   # a worker with a public IP, port 31337 open:
+#   scripts/join_swarm.sh --port 31337 --public-ip 203.0.113.7 /ip4/198.51.100.1/tcp/31337/p2p/12D3KooW...
+#   # behind NAT (outbound connections only):
+#   scripts/join_swarm.sh --client-mode /ip4/198.51.100.1/tcp/31337/p2p/12D3KooW...
+#   # the address published by a bootstrap (`opendiloco dht --addrs-file FILE`), waiting for it:
+#   scripts/join_swarm.sh --peers-file /data/swarm/bootstrap.addrs --port 31337 -- --resume
+#
+# Options:
+#   --peers-file FILE   initial peers, one multiaddr per line (as written by --addrs-file);
+#                       waits up to --wait seconds for it to appear
+#   --wait SECONDS      how long to wait for --peers-file (default 300)
+#   --config FILE       training config (default $OPENDILOCO_CONFIG, else configs/tiny.toml)
+#   --run-id ID         swarm run id: only workers with the same id average together
+#                       (default $OPENDILOCO_RUN_ID, else the config's)
+#   --port PORT         p2p TCP port to listen on (default $OPENDILOCO_P2P_PORT, else 0 = any free port)
+#   --listen-ip IP      address to listen on (default 0.0.0.0: all interfaces)
+#   --public-ip IP      announce /ip4/IP/tcp/PORT to others (a public IP, or the host's IP in front of
+#                       a container); needs a fixed --port
+#   --public-port PORT  the port others reach on --public-ip, when a NAT/port mapping changes it
+#   --client-mode       make outbound connections only (behind NAT without port forwarding)
+#   --identity-path F   persistent peer identity (a stable peer id across restarts)
+#   --run-dir DIR       where checkpoints and metrics.jsonl go (default: runs/<run name>/<hostname>)
+#   --dry-run           print the command instead of running it
+#
+# The script `exec`s `opendiloco train`, so signals (Ctrl-C, docker stop) reach the trainer itself.
+set -euo pipefail
+
+usage() { sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; }
+die() { echo "join_swarm.sh: $*" >&2; exit 2; }
+
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+peers=() peers_file="" wait_s=300 dry_run=0 client_mode=0
+config=${OPENDILOCO_CONFIG:-} run_id=${OPENDILOCO_RUN_ID:-} port=${OPENDILOCO_P2P_PORT:-0}
+listen_ip=0.0.0.0 public_ip="" public_port="" identity="" run_dir=""
+
+while [ $# -gt 0 ]; do
+    case "$1" in
+        -h|--help) usage; exit 0 ;;
+        --peers-file) peers_file=${2:?--peers-file needs a value}; shift 2 ;;
+        --wait) wait_s=${2:?--wait needs a value}; shift 2 ;;
+        --config) config=${2:?--config needs a value}; shift 2 ;;
+        --run-id) run_id=${2:?--run-id needs a value}; shift 2 ;;
+        --port) port=${2:?--port needs a value}; shift 2 ;;
+        --listen-ip) listen_ip=${2:?--listen-ip needs a value}; shift 2 ;;
+        --public-ip) public_ip=${2:?--public-ip needs a value}; shift 2 ;;
+        --public-port) public_port=${2:?--public-port needs a value}; shift 2 ;;
+        --client-mode) client_mode=1; shift ;;
+        --identity-path) identity=${2:?--identity-path needs a value}; shift 2 ;;
+        --run-dir) run_dir=${2:?--run-dir needs a value}; shift 2 ;;
+        --dry-run) dry_run=1; shift ;;
+        --) shift; break ;;
+        /*) peers+=("$1"); shift ;;
+        *) die "unknown option or not a multiaddr: $1 (see --help)" ;;
+    esac
+done
+
+case "$port" in ''|*[!0-9]*) die "--port must be a number, got '$port'" ;; esac
+[ "$port" -le 65535 ] || die "--port must be <= 65535, got $port"
+
+if [ -n "$peers_file" ]; then
+    deadline=$((SECONDS + wait_s))
+    until [ -s "$peers_file" ]; do
+        [ "$SECONDS" -lt "$deadline" ] || die "no peer address in $peers_file after ${wait_s}s (is the bootstrap running?)"
+        sleep 1
+    done
+    while read -r line; do
+        [ -n "$line" ] && peers+=("$line")
+    done < "$peers_file"
+fi
+[ ${#peers[@]} -gt 0 ] || die "give at least one peer address (/ip4/.../tcp/PORT/p2p/12D3KooW...) or --peers-file"
+for p in "${peers[@]}"; do
+    case "$p" in */p2p/*) ;; *) die "$p has no /p2p/<peer id> part; copy the whole address a peer printed" ;; esac
+done
+
+if [ -z "$config" ]; then
+    config="$here/../configs/tiny.toml"
+    [ -f "$config" ] || config=/app/configs/tiny.toml
+fi
+[ -f "$config" ] || die "config $config not found (use --config)"
+
+if command -v opendiloco >/dev/null 2>&1; then
+    cmd=(opendiloco)
+elif [ -x "$here/../.venv/bin/opendiloco" ]; then
+    cmd=("$here/../.venv/bin/opendiloco")
+else
+    die "opendiloco is not installed (run scripts/setup.sh, or activate its venv)"
+fi
+
+cmd+=(train --config "$config" --swarm.initial-peers "${peers[@]}"
+      --swarm.host-maddrs "/ip4/$listen_ip/tcp/$port")
+if [ -n "$public_ip" ]; then
+    [ "$port" != 0 ] || die "--public-ip needs a fixed --port (the one forwarded to this machine)"
+    cmd+=(--swarm.announce-maddrs "/ip4/$public_ip/tcp/${public_port:-$port}")
+fi
+[ "$client_mode" = 0 ] || cmd+=(--swarm.client-mode)
+[ -z "$identity" ] || cmd+=(--swarm.identity-path "$identity")
+[ -z "$run_id" ] || cmd+=(--swarm.run-id "$run_id")
+[ -z "$run_dir" ] || cmd+=(--run.dir "$run_dir")
+cmd+=("$@")
+
+if [ "$dry_run" = 1 ]; then
+    printf '%q ' "${cmd[@]}"; echo
+    exit 0
+fi
+echo "join_swarm.sh: ${cmd[*]}" >&2
+exec "${cmd[@]}"
