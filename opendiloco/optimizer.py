@@ -71,7 +71,6 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         self.outer = OuterState(trainable, buffers, outer_optimizer)
         self.local_steps = local_steps
         self.communicator = communicator if communicator is not None else SingleWorker()
-        self.communicator.attach_state_provider(self.shareable_state)
         self.weight_by_samples = weight_by_samples
         self.catch_up_timeout = catch_up_timeout
         # Held while θ_global changes, so state served to a joiner from another thread is never torn.
@@ -82,6 +81,8 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         self._inner_steps_total = 0
         self._samples_since_sync = 0
         self.last_sync: SyncReport | None = None
+        self.communicator.attach_state_provider(self.shareable_state)
+        self._global_changed()  # the swarm learns our outer step (and θ_global hash) at once
 
     # -- counters ---------------------------------------------------------------------------
     @property
@@ -251,6 +252,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         self._outer_step = int(state_dict["outer_step"])
         self._inner_steps_total = int(state_dict["inner_steps_total"])
         self._samples_since_sync = int(state_dict.get("samples_since_sync", 0))
+        self._global_changed()  # θ_global was replaced: drop the cached hash
 
     def __repr__(self) -> str:
         return (f"DiLoCoOptimizer(local_steps={self.local_steps}, inner={type(self.inner).__name__}, "

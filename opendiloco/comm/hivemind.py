@@ -314,24 +314,30 @@ class HivemindCommunicator(Communicator):
                                      f"after {waited:.0f}s, need {s.min_group_size}")
             time.sleep(s.poll_interval)
 
-        leader = min(compatible)
         gkey = records.group_key(s.run_id, outer_step, attempt)
-        if leader == me:
-            members = sorted(compatible)
-            self.dht.store(gkey, members, get_dht_time() + s.allreduce_timeout + s.matchmaking_timeout, subkey=me)
-            return members, attempt
+        leader = min(compatible)
         deadline = time.monotonic() + s.straggler_wait + 2 * s.verify_timeout
-        while time.monotonic() < deadline:
-            members = records.subkey_values(self.dht, gkey).get(leader)
-            if isinstance(members, list) and all(isinstance(m, str) for m in members):
+        while True:
+            # A group already closed for this round wins over our own view of who is ready.
+            live = set(self.live_workers()) | {me}
+            published = {p: m for p, m in records.subkey_values(self.dht, gkey).items()
+                         if isinstance(m, list) and all(isinstance(x, str) for x in m) and live & set(m)}
+            if published:
+                members = published[min(published)]
                 if me in members:
                     return sorted(members), attempt
-                # The leader closed the group without us: the others are about to move on.
                 raise BehindError(f"left out of the group for outer step {outer_step}",
                                   group_outer_step=outer_step + 1, timeout=s.allreduce_timeout + s.verify_timeout)
+            if leader == me:
+                members = sorted(compatible)
+                self.dht.store(gkey, members, get_dht_time() + s.allreduce_timeout + s.matchmaking_timeout,
+                               subkey=me)
+                leader = None  # read it back: a concurrent leader with a smaller id would win
+                continue
+            if time.monotonic() > deadline:
+                raise AveragingError(f"no group was published for outer step {outer_step}")
             self._raise_if_behind(self.live_workers(), outer_step)
             time.sleep(s.poll_interval)
-        raise AveragingError(f"leader {leader[-8:]} published no group for outer step {outer_step}")
 
     async def _allreduce(self, group_id: str, members: list[str], flat: torch.Tensor,
                          weight: float) -> tuple[torch.Tensor, float, str]:
@@ -395,7 +401,9 @@ class HivemindCommunicator(Communicator):
         try:
             stream = await self.p2p.iterate_protobuf_handler(PeerID.from_base58(peer), self._reduce_handler,
                                                              requests(), Message)
-            first = await anext(stream)
+            first = await anext(stream, None)
+            if first is None:
+                raise ProtocolError(f"peer {peer[-8:]} closed the stream without answering")
             reply = msgpack.unpackb(first.metadata)
             if "error" in reply:
                 raise ProtocolError(f"peer {peer[-8:]} refused: {reply['error']}")

@@ -55,7 +55,7 @@ def test_late_joiner_downloads_state_and_trains_in_step(swarm):
 @pytest.mark.parametrize("fault", ["kill", "stop"])
 def test_peer_lost_mid_allreduce_survivors_finish_and_it_catches_up(swarm, fault):
     swarm.bootstrap()
-    opts = dict(outer_steps=5, local_steps=5, step_delay=0.02, min_group_size=2, **FAST)
+    opts = dict(outer_steps=14, local_steps=5, step_delay=0.15, min_group_size=2, **FAST)
     survivors = [swarm.worker(f"w{i}", seed=i + 1, **opts) for i in range(2)]
     victim = swarm.worker("victim", seed=9, stall_in_allreduce=(2, 30), **opts)
     marker = swarm.out("victim").with_name("victim.jsonl.inround")
@@ -81,8 +81,8 @@ def test_peer_lost_mid_allreduce_survivors_finish_and_it_catches_up(swarm, fault
         start = swarm.records("victim2", "start")[0]
         assert start["downloaded"] and start["outer_step"] >= 3
         steps = sorted(ok_syncs(swarm, "victim2"))
-        assert steps and steps[-1] == 5
-        assert_hashes_agree(swarm, ["w0", "w1", "victim2"], range(1, 6))
+        assert len(steps) >= 2 and steps[-1] == 14, swarm.records("victim2")
+        assert_hashes_agree(swarm, ["w0", "w1", "victim2"], range(1, 15))
     else:
         time.sleep(1)
         os.kill(victim.pid, signal.SIGCONT)
@@ -90,8 +90,7 @@ def test_peer_lost_mid_allreduce_survivors_finish_and_it_catches_up(swarm, fault
         # It woke up behind: it caught up from a peer instead of contributing a stale round.
         syncs = swarm.records("victim")
         assert any(r["reason"] == "caught up from a peer" for r in syncs), syncs
-        assert_hashes_agree(swarm, ["w0", "w1", "victim"], range(1, 6))
-        assert all(ok_syncs(swarm, "w0")[s]["group_size"] <= 3 for s in range(1, 6))
+        assert_hashes_agree(swarm, ["w0", "w1", "victim"], range(1, 15))
 
 
 def test_drift_is_detected_and_healed(swarm):
