@@ -27,6 +27,13 @@ class ProtocolError(AveragingError):
     """A peer sent something that does not fit the round (wrong group, shape, dtype, non-finite...)."""
 
 
+def all_finite(values: torch.Tensor) -> bool:
+    """Exact and much faster than ``isfinite(x).all()``: any NaN or ±inf reaches the min or the max."""
+    if values.numel() == 0:
+        return True
+    return bool(torch.isfinite(torch.stack(torch.aminmax(values))).all())
+
+
 def shard_bounds(numel: int, parts: int) -> list[tuple[int, int]]:
     """Contiguous, nearly equal [start, end) ranges covering ``numel`` elements."""
     base, extra = divmod(numel, parts)
@@ -115,7 +122,7 @@ class ShardReducer:
         if not (isinstance(weight, (int, float)) and np.isfinite(weight) and weight >= 0):
             raise ProtocolError(f"{sender} sent an invalid weight {weight!r}")
         values = self.codec.decode(unpack(header, payload, self.expected_fields), self.numel)
-        if not torch.isfinite(values).all():
+        if not all_finite(values):
             raise ProtocolError(f"{sender} sent non-finite values")
         self._contributions[sender] = (float(weight), values)
 
@@ -125,12 +132,14 @@ class ShardReducer:
         total = sum(w for w, _ in self._contributions.values())
         if total <= 0:
             raise AveragingError("every member of the group contributed weight 0")
-        acc = torch.zeros(self.numel, dtype=torch.float64)
-        for member in self.members:  # fixed order
+        # Only this shard's owner computes its average and everyone decodes the same bytes, so a
+        # fixed summation order in fp32 is enough for bit-identical replicas.
+        acc = torch.zeros(self.numel, dtype=torch.float32)
+        for member in self.members:
             w, values = self._contributions[member]
             if w:
-                acc.add_(values.double(), alpha=w)
-        average = (acc / total).float()
+                acc.add_(values, alpha=w / total)
+        average = acc
         header, payload = pack(self.codec.encode(average))
         self._contributions.clear()
         return ShardResult(header, payload, digest(payload), total, self.members)
@@ -141,6 +150,6 @@ def decode_shard(codec: Codec, numel: int, result_header: list, payload: bytes, 
     if digest(payload) != claimed_digest:
         raise ProtocolError("averaged shard does not match its digest")
     values = codec.decode(unpack(result_header, payload, codec.expected_fields(numel)), numel)
-    if not torch.isfinite(values).all():
+    if not all_finite(values):
         raise ProtocolError("averaged shard is not finite")
     return values

@@ -1,0 +1,575 @@
+"""All-reduce alone: OpenDiLoCo's swarm communicator against torch.distributed gloo, same machine, same run.
+
+For every peer count (``--peers``) this starts, as separate processes on 127.0.0.1,
+
+* a bootstrap DHT node and N OpenDiLoCo peers, each with its own DHT node (and p2pd) joined
+  through the bootstrap, each averaging a flat fp32 vector with ``HivemindCommunicator``
+  (one communicator per wire codec, ``none`` = fp32 and ``fp16``, each its own run id);
+* N ``torch.distributed`` gloo ranks that ``all_reduce`` tensors of the same sizes in fp32 and fp16.
+
+What is timed
+-------------
+* OpenDiLoCo: ``HivemindCommunicator._allreduce`` (encode, reduce-scatter over p2p streams,
+  reduce, all-gather, decode, digests), i.e. a round *after* matchmaking and *before* the DHT
+  digest verification. Each peer records wall-clock timestamps when it enters and leaves
+  ``_allreduce``; one round's time is ``max(leave) - max(enter)`` over the peers (from the moment
+  the last peer has the group until the last peer holds the average). The rest of
+  ``average()`` (matchmaking through the DHT, digest verification, flatten/unflatten) is reported
+  separately as "mm+verify" (median over peers and rounds of ``average()`` minus ``_allreduce``).
+* gloo: ``dist.all_reduce`` after a ``dist.barrier()``, same ``max(leave) - max(enter)`` rule.
+
+Each configuration runs one untimed warmup round and then ``--repeats`` timed rounds; the table
+shows medians. Throughput is per-peer *wire* traffic: a reduce-scatter + all-gather sends
+``2 (N-1)/N`` times the encoded vector from every peer (gloo's ring sends the same amount), divided
+by the round time (MB = 1e6 bytes). Every peer checks its average against the exact mean and all
+peers must report the same digest (OpenDiLoCo promises bit-identical averages).
+
+``--profile`` additionally times the communicator's CPU stages inside the peers (pack, decode,
+reduce, sha256 digests, chunking) and reports CPU seconds of the Python process and of its p2pd.
+
+    .venv/bin/python scripts/bench_allreduce.py                 # 2 and 4 peers, 1M/10M/50M
+    .venv/bin/python scripts/bench_allreduce.py --quick         # 1M and 10M only
+    .venv/bin/python scripts/bench_allreduce.py --peers 2 --sizes 1e6 5e7 --profile
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+CODECS = {"none": ("float32", 4), "fp16": ("float16", 2)}  # codec -> (gloo dtype, wire bytes per element)
+
+
+# -- process bookkeeping (by PID only) --------------------------------------------------------------
+
+def _proc_table() -> dict[int, list[int]]:
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+                children.setdefault(ppid, []).append(int(entry))
+            except (OSError, ValueError, IndexError):
+                pass
+    return children
+
+
+def descendants(pid: int, table: dict[int, list[int]] | None = None) -> list[int]:
+    table = _proc_table() if table is None else table
+    out, todo = [], [pid]
+    while todo:
+        for child in table.get(todo.pop(), []):
+            if child not in out:
+                out.append(child)
+                todo.append(child)
+    return out
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def rss_bytes(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def cpu_seconds(pid: int) -> float:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
+def mem_available() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+class Group:
+    """Processes started for one measurement; everything is stopped by PID in ``stop``."""
+
+    def __init__(self, tmp: Path):
+        self.tmp, self.procs, self.known = tmp, [], set()
+        self.peak_rss, self._sampling = 0, True
+        self._sampler = threading.Thread(target=self._sample, daemon=True)
+        self._sampler.start()
+
+    def spawn(self, args: list[str], name: str, env: dict | None = None) -> subprocess.Popen:
+        log = open(self.tmp / f"{name}.log", "ab")
+        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
+                                env=dict(os.environ, PYTHONUNBUFFERED="1", **(env or {})))
+        log.close()
+        proc.name = name
+        self.procs.append(proc)
+        return proc
+
+    def log(self, name: str) -> str:
+        path = self.tmp / f"{name}.log"
+        return path.read_text(errors="replace")[-3000:] if path.exists() else ""
+
+    def _sample(self) -> None:
+        while self._sampling:
+            table = _proc_table()
+            pids = set()
+            for proc in list(self.procs):
+                if proc.poll() is None:
+                    pids.add(proc.pid)
+                    pids.update(descendants(proc.pid, table))
+            self.known |= pids
+            self.peak_rss = max(self.peak_rss, sum(rss_bytes(p) for p in pids))
+            if mem_available() < 2**30:  # stop before the OOM killer picks a victim
+                print("less than 1 GiB of memory left: stopping this measurement", file=sys.stderr, flush=True)
+                for proc in list(self.procs):
+                    if proc.poll() is None:
+                        proc.kill()
+            time.sleep(0.25)
+
+    def wait(self, procs: list[subprocess.Popen], timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        for proc in procs:
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                msg = f"{proc.name} did not finish within {timeout:.0f}s:\n{self.log(proc.name)}"
+                raise RuntimeError(msg) from None
+            if proc.returncode != 0:
+                raise RuntimeError(f"{proc.name} exited with {proc.returncode}:\n{self.log(proc.name)}")
+
+    def stop(self) -> list[int]:
+        self._sampling = False
+        for proc in self.procs:
+            if proc.poll() is None:
+                self.known.update(descendants(proc.pid))
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in self.procs:
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(5)
+        deadline = time.monotonic() + 8
+        while any(alive(p) for p in self.known) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        leaked = sorted(p for p in self.known if alive(p))
+        for pid in leaked:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        return leaked
+
+
+# -- the OpenDiLoCo peer -------------------------------------------------------------------------------
+
+class _Profile:
+    """Wall seconds spent in the communicator's CPU stages (summed over executor threads)."""
+
+    def __init__(self):
+        self.totals: dict[str, float] = {}
+        self.lock = threading.Lock()
+
+    def add(self, name: str, seconds: float) -> None:
+        with self.lock:
+            self.totals[name] = self.totals.get(name, 0.0) + seconds
+
+    def take(self) -> dict[str, float]:
+        with self.lock:
+            out, self.totals = self.totals, {}
+        return out
+
+    def wrap(self, name: str, fn):
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.add(name, time.perf_counter() - t0)
+        return timed
+
+
+def _install_profile(prof: _Profile) -> None:
+    """Wraps stage functions in this process only (module attributes; no file is changed)."""
+    from opendiloco.comm import allreduce as ar
+    from opendiloco.comm import hivemind as hm
+
+    ar.digest = prof.wrap("sha256", ar.digest)
+    ar.unpack = prof.wrap("unpack(copy)", ar.unpack)
+    hm.pack = prof.wrap("encode+pack (own parts)", hm.pack)
+    ar.pack = prof.wrap("encode+pack (reduced shard)", ar.pack)
+    hm._chunks = prof.wrap("chunking", hm._chunks)
+    hm.decode_shard = prof.wrap("decode_shard (sha256+unpack+decode+isfinite)", hm.decode_shard)
+    ar.ShardReducer.add = prof.wrap("reducer.add (unpack+decode+isfinite)", ar.ShardReducer.add)
+    ar.ShardReducer.reduce = prof.wrap("reducer.reduce (fp64 sum+encode+pack+sha256)", ar.ShardReducer.reduce)
+
+
+def run_peer(args) -> int:
+    import resource
+
+    import torch
+
+    from opendiloco.comm.hivemind import HivemindCommunicator, SwarmSettings
+    from opendiloco.swarm.node import start_dht
+
+    torch.set_num_threads(args.threads)
+    prof = _Profile()
+    if args.profile:
+        _install_profile(prof)
+
+    class TimedCommunicator(HivemindCommunicator):
+        """Records when this peer enters and leaves the all-reduce proper (after matchmaking)."""
+
+        marks: list[tuple[float, float, float, float]] = []
+
+        async def _allreduce(self, *a, **kw):
+            my_cpu, p2pd_cpu = cpu_seconds(os.getpid()), sum(map(cpu_seconds, p2pd_pids))
+            t0 = time.time()
+            try:
+                return await super()._allreduce(*a, **kw)
+            finally:
+                t1 = time.time()
+                self.marks.append((t0, t1, cpu_seconds(os.getpid()) - my_cpu,
+                                   sum(map(cpu_seconds, p2pd_pids)) - p2pd_cpu))
+
+    peers = Path(args.peers_file).read_text().split()
+    dht = start_dht(initial_peers=peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    p2pd_pids = [p for p in descendants(os.getpid()) if "p2pd" in _cmdline(p)]
+    codec = args.codecs[0]  # one communicator per DHT node (see measure_swarm)
+    settings = SwarmSettings(run_id=f"bench-{codec}", compression=codec, min_group_size=args.world,
+                             matchmaking_timeout=300.0, allreduce_timeout=300.0, straggler_wait=60.0,
+                             max_attempts=1, heartbeat_interval=2.0, record_ttl=60.0, verify_timeout=60.0)
+    comm = None
+    out = open(args.out, "w")
+    try:
+        comm = TimedCommunicator(dht, settings, own_dht=False)
+        step, factor = 0, float(args.rank + 1)
+        for size in args.sizes:
+            gen = torch.Generator().manual_seed(size)
+            vec = torch.randn(size, generator=gen).mul_(factor)  # peer r sends (r+1) * base
+            for rnd in range(args.warmup + args.repeats):
+                prof.take()
+                t0 = time.time()
+                result = comm.average([vec], outer_step=step)
+                t1 = time.time()
+                step += 1
+                enter, leave, py_cpu, p2pd_cpu = comm.marks[-1]
+                got, digest, group = result.tensors[0], result.extra.get("digest"), len(result.peers)
+                if rnd == 0:  # correctness, outside the timed window
+                    expected = vec * ((args.world + 1) / 2 / factor)
+                    tol = dict(rtol=1e-5, atol=1e-6) if codec == "none" else dict(rtol=3e-3, atol=2e-3)
+                    ok = bool(torch.allclose(got, expected, **tol))
+                    err = float((got - expected).abs().max())
+                    del expected
+                else:
+                    ok, err = None, None
+                del got, result
+                out.write(json.dumps({
+                    "rank": args.rank, "size": size, "codec": codec, "round": rnd, "warmup": rnd < args.warmup,
+                    "enter": enter, "leave": leave, "average_start": t0, "average_end": t1,
+                    "py_cpu": py_cpu, "p2pd_cpu": p2pd_cpu, "ok": ok, "max_err": err,
+                    "digest": digest, "group": group, "profile": prof.take(),
+                    "maxrss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}) + "\n")
+                out.flush()
+            del vec
+    finally:
+        if comm is not None:
+            comm.close()
+        dht.shutdown()
+        out.close()
+    return 0
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+# -- the gloo rank -------------------------------------------------------------------------------------
+
+def run_gloo(args) -> int:
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(args.threads)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=args.rank,
+                            world_size=args.world, timeout=timedelta(seconds=300))
+    out = open(args.out, "w")
+    try:
+        factor = float(args.rank + 1)
+        for size in args.sizes:
+            base = torch.randn(size, generator=torch.Generator().manual_seed(size)).mul_(factor)
+            for codec in args.codecs:
+                dtype = getattr(torch, CODECS[codec][0])
+                vec = base.to(dtype)
+                for rnd in range(args.warmup + args.repeats):
+                    x = vec.clone()
+                    dist.barrier()
+                    t0 = time.time()
+                    dist.all_reduce(x)
+                    t1 = time.time()
+                    ok = None
+                    if rnd == 0:
+                        expected = (base * ((args.world + 1) / 2 / factor)).to(dtype)
+                        tol = dict(rtol=1e-5, atol=1e-5) if codec == "none" else dict(rtol=5e-3, atol=1e-2)
+                        ok = bool(torch.allclose((x / args.world).float(), expected.float(), **tol))
+                        del expected
+                    del x
+                    out.write(json.dumps({"rank": args.rank, "size": size, "codec": codec, "round": rnd,
+                                          "warmup": rnd < args.warmup, "enter": t0, "leave": t1, "ok": ok}) + "\n")
+                    out.flush()
+                del vec
+            del base
+    finally:
+        out.close()
+        dist.destroy_process_group()
+    return 0
+
+
+# -- the orchestrator ------------------------------------------------------------------------------------
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _child_args(args, role: str, rank: int, world: int, out: Path, extra: list[str]) -> list[str]:
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--role", role, "--rank", str(rank), "--world", str(world),
+           "--out", str(out), "--warmup", str(args.warmup), "--repeats", str(args.repeats),
+           "--threads", str(args.threads), "--sizes", *map(str, args.sizes), "--codecs", *args.codecs]
+    return cmd + (["--profile"] if args.profile else []) + extra
+
+
+def _read(paths: list[Path]) -> list[dict]:
+    rows = []
+    for p in paths:
+        rows += [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
+    return rows
+
+
+def _timeout(args, world: int, sizes: list[int]) -> float:
+    rounds = (args.warmup + args.repeats) * len(args.codecs)
+    return 120 + rounds * sum(sizes) / 1e6 * world * 0.3
+
+
+def measure_gloo(args, world: int, sizes: list[int], tmp: Path) -> list[dict]:
+    group = Group(tmp)
+    outs = [tmp / f"gloo{world}-{r}.jsonl" for r in range(world)]
+    port = _free_port()
+    try:
+        a = argparse.Namespace(**{**vars(args), "sizes": sizes})
+        procs = [group.spawn(_child_args(a, "gloo", r, world, outs[r], ["--port", str(port)]), f"gloo{world}-{r}")
+                 for r in range(world)]
+        group.wait(procs, _timeout(args, world, sizes))
+    finally:
+        leaked = group.stop()
+        if leaked:
+            print(f"warning: killed {len(leaked)} leftover gloo processes: {leaked}", file=sys.stderr)
+    return _read(outs)
+
+
+def measure_swarm(args, world: int, sizes: list[int], codec: str, tmp: Path) -> tuple[list[dict], int]:
+    """A fresh swarm per codec: two HivemindCommunicators on one DHT node would share its single
+    p2p replica, which is bound to the first communicator's event loop (the second one stalled)."""
+    group = Group(tmp)
+    peers_file = tmp / f"peers{world}-{codec}.txt"
+    outs = [tmp / f"swarm{world}-{codec}-{r}.jsonl" for r in range(world)]
+    try:
+        code = ("import sys; from opendiloco.swarm.bootstrap import run_bootstrap; "
+                f"sys.exit(run_bootstrap(host_maddrs=['/ip4/127.0.0.1/tcp/0'], addrs_file={str(peers_file)!r}))")
+        boot = group.spawn([sys.executable, "-c", code], f"bootstrap{world}-{codec}")
+        deadline = time.monotonic() + 60
+        while not peers_file.exists():
+            if boot.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"bootstrap did not start:\n{group.log(boot.name)}")
+            time.sleep(0.1)
+        a = argparse.Namespace(**{**vars(args), "sizes": sizes, "codecs": [codec]})
+        procs = [group.spawn(_child_args(a, "peer", r, world, outs[r], ["--peers-file", str(peers_file)]),
+                             f"swarm{world}-{codec}-{r}") for r in range(world)]
+        group.wait(procs, _timeout(a, world, sizes))
+    finally:
+        leaked = group.stop()
+        if leaked:
+            print(f"warning: killed {len(leaked)} leftover swarm processes: {leaked}", file=sys.stderr)
+    return _read(outs), group.peak_rss
+
+
+def summarize(rows: list[dict], world: int, size: int, codec: str) -> dict | None:
+    mine = [r for r in rows if r["size"] == size and r["codec"] == codec]
+    if not mine:
+        return None
+    rounds = sorted({r["round"] for r in mine if not r["warmup"]})
+    spans, own, mm, py_cpu, p2pd_cpu = [], [], [], [], []
+    for rnd in rounds:
+        rs = [r for r in mine if r["round"] == rnd]
+        if len(rs) != world:
+            raise RuntimeError(f"round {rnd} of {size}/{codec}: {len(rs)} of {world} peers reported")
+        spans.append(max(r["leave"] for r in rs) - max(r["enter"] for r in rs))
+        own += [r["leave"] - r["enter"] for r in rs]
+        if "average_start" in rs[0]:
+            mm += [(r["average_end"] - r["average_start"]) - (r["leave"] - r["enter"]) for r in rs]
+            py_cpu += [r["py_cpu"] for r in rs]
+            p2pd_cpu += [r["p2pd_cpu"] for r in rs]
+    checks = [r["ok"] for r in mine if r["ok"] is not None]
+    for rnd in {r["round"] for r in mine if "digest" in r}:
+        rs = [r for r in mine if r["round"] == rnd]
+        if len({r["digest"] for r in rs}) != 1 or any(r["group"] != world for r in rs):
+            checks.append(False)  # peers must hold bit-identical averages from a full group
+    out = {"seconds": statistics.median(spans), "all": spans, "own_median": statistics.median(own),
+           "ok": all(checks) and len(checks) == world}
+    if mm:
+        out.update(mm=statistics.median(mm), py_cpu=statistics.median(py_cpu), p2pd_cpu=statistics.median(p2pd_cpu),
+                   max_err=max(r["max_err"] for r in mine if r["max_err"] is not None),
+                   maxrss=max(r["maxrss"] for r in mine))
+        profiles = [r["profile"] for r in mine if not r["warmup"] and r["profile"]]
+        if profiles:
+            keys = sorted({k for p in profiles for k in p})
+            out["profile"] = {k: statistics.median(p.get(k, 0.0) for p in profiles) for k in keys}
+    return out
+
+
+def human(n: int) -> str:
+    return f"{n / 1e6:g}M" if n >= 1e6 else f"{n / 1e3:g}k"
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--role", choices=["main", "peer", "gloo"], default="main", help=argparse.SUPPRESS)
+    p.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--world", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--out", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--peers-file", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--peers", type=int, nargs="+", default=[2, 4], help="peer counts (default: 2 4)")
+    p.add_argument("--sizes", type=float, nargs="+", default=None,
+                   help="vector sizes in fp32 parameters, e.g. 1e6 1e7 5e7 (default: 1M 10M 50M)")
+    p.add_argument("--quick", action="store_true", help="only 1M and 10M parameters")
+    p.add_argument("--codecs", nargs="+", default=list(CODECS), choices=list(CODECS))
+    p.add_argument("--warmup", type=int, default=1, help="untimed rounds per configuration")
+    p.add_argument("--repeats", type=int, default=3, help="timed rounds per configuration (median reported)")
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads per process (2 cores here)")
+    p.add_argument("--profile", action="store_true", help="time the communicator's CPU stages inside the peers")
+    p.add_argument("--json", default=None, help="also write all results to this JSON file")
+    args = p.parse_args()
+    if args.sizes is None:
+        args.sizes = [1_000_000, 10_000_000] if args.quick else [1_000_000, 10_000_000, 50_000_000]
+    args.sizes = sorted(int(s) for s in args.sizes)
+    if args.repeats < 3 and args.role == "main":
+        print("note: fewer than 3 repeats; medians are noisy", file=sys.stderr)
+    if args.role == "peer":
+        return run_peer(args)
+    if args.role == "gloo":
+        return run_gloo(args)
+
+    import hivemind
+    import torch
+
+    print(f"# {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
+          f"{mem_available() / 2**30:.1f} GiB available; torch {torch.__version__}, hivemind {hivemind.__version__}; "
+          f"127.0.0.1; {args.threads} torch thread(s) per process", flush=True)
+    results = []
+    with tempfile.TemporaryDirectory(prefix="bench-allreduce-") as tmp_dir:
+        tmp = Path(tmp_dir)
+        for world in args.peers:
+            # Measured (2 peers, 50M fp32): a peer's python process peaks at ~0.35 GiB + ~12x the fp32
+            # vector (input, flat copy, packed parts, chunks, received payloads, fp64 accumulator,
+            # decoded shards, result), its DHT process and p2pd add ~0.3 GiB: budget 0.7 GiB + 14x.
+            sizes = []
+            for size in args.sizes:
+                need = world * (0.7 * 2**30 + 14 * 4 * size)
+                if need > 0.8 * mem_available():
+                    print(f"skipping {world} peers x {human(size)}: needs ~{need / 2**30:.1f} GiB, "
+                          f"{mem_available() / 2**30:.1f} GiB available", flush=True)
+                else:
+                    sizes.append(size)
+            if not sizes:
+                continue
+            t0 = time.monotonic()
+            gloo = measure_gloo(args, world, sizes, tmp)
+            print(f"# gloo, {world} processes: done in {time.monotonic() - t0:.0f}s; "
+                  f"load average {os.getloadavg()[0]:.2f}", flush=True)
+            swarm, peaks = [], {}
+            for codec in args.codecs:
+                t0 = time.monotonic()
+                rows, peaks[codec] = measure_swarm(args, world, sizes, codec, tmp)
+                swarm += rows
+                print(f"# opendiloco, {world} peers, {codec}: done in {time.monotonic() - t0:.0f}s; peak RSS of the "
+                      f"bootstrap + {world} peers (python + DHT + p2pd) {peaks[codec] / 2**30:.2f} GiB; "
+                      f"load average {os.getloadavg()[0]:.2f}", flush=True)
+            for size in sizes:
+                for codec in args.codecs:
+                    s, g = summarize(swarm, world, size, codec), summarize(gloo, world, size, codec)
+                    wire = 2 * (world - 1) / world * size * CODECS[codec][1]
+                    results.append({"peers": world, "params": size, "codec": codec, "opendiloco": s, "gloo": g,
+                                    "wire_bytes_per_peer": wire, "peak_rss_group": peaks[codec]})
+
+    header = ("| peers | params | codec | opendiloco s | gloo s | ratio | opendiloco MB/s/peer | gloo MB/s/peer "
+              "| mm+verify s | py CPU s | p2pd CPU s | peak RSS/peer | ok |")
+    print()
+    print(header)
+    print("|" + "---|" * (header.count("|") - 1))
+    for r in results:
+        s, g, wire = r["opendiloco"], r["gloo"], r["wire_bytes_per_peer"]
+        print(f"| {r['peers']} | {human(r['params'])} | {r['codec']} | {s['seconds']:.3f} | {g['seconds']:.3f} "
+              f"| {s['seconds'] / g['seconds']:.1f}x | {wire / s['seconds'] / 1e6:.0f} "
+              f"| {wire / g['seconds'] / 1e6:.0f} "
+              f"| {s['mm']:.2f} | {s['py_cpu']:.2f} | {s['p2pd_cpu']:.2f} | {s['maxrss'] / 2**30:.2f} GiB "
+              f"| {'yes' if s['ok'] and g['ok'] else 'NO'} |")
+    print("\nopendiloco s / gloo s: median of the timed rounds of max(leave) - max(enter) over peers "
+          "(all-reduce only; matchmaking and verification excluded, shown as mm+verify).")
+    print("MB/s/peer: 2(N-1)/N x encoded vector bytes sent by each peer, / seconds. py/p2pd CPU: per peer per round. "
+          "peak RSS/peer: the python process (ru_maxrss, cumulative over sizes).")
+    if args.profile:
+        for r in results:
+            prof = r["opendiloco"].get("profile")
+            if prof:
+                print(f"\nprofile, {r['peers']} peers, {human(r['params'])}, {r['codec']} "
+                      f"(median per peer per round; wall seconds summed over threads; round "
+                      f"{r['opendiloco']['seconds']:.2f}s):")
+                for k, v in sorted(prof.items(), key=lambda kv: -kv[1]):
+                    print(f"  {v:7.3f}s  {k}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+    bad = [r for r in results if not (r["opendiloco"]["ok"] and r["gloo"]["ok"])]
+    if bad:
+        print(f"\nWARNING: {len(bad)} configuration(s) failed the correctness check", file=sys.stderr)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
