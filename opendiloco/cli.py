@@ -1,0 +1,144 @@
+"""The ``opendiloco`` command: one argparse subcommand per function.
+
+Heavy imports (torch, transformers, hivemind) happen inside the subcommands, so that
+``--help`` and config errors answer at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+EXIT_CONFIG = 2
+
+
+def _add_train(sub) -> None:
+    p = sub.add_parser(
+        "train", allow_abbrev=False, help="train a model with DiLoCo (alone, or in a swarm)",
+        description="Train with DiLoCo. Any config key can be overridden after the options, e.g. "
+                    "--optim.local-steps 50 --data.seq-len 256 --swarm.initial-peers ADDR1 ADDR2 "
+                    "(see docs/config.md).")
+    p.add_argument("--config", "-c", type=Path, help="TOML config (e.g. configs/tiny.toml)")
+    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in the run dir")
+    p.add_argument("--print-config", action="store_true", help="print the resolved config as TOML and exit")
+    p.set_defaults(func=cmd_train, takes_overrides=True)
+
+
+def cmd_train(args, overrides: list[str]) -> int:
+    from .train.config import ConfigError, load_config, to_toml
+
+    try:
+        cfg = load_config(args.config, overrides)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return EXIT_CONFIG
+    if args.print_config:
+        print(to_toml(cfg), end="")
+        return 0
+    from .train.trainer import TrainError, train
+
+    try:
+        result = train(cfg, resume=args.resume)
+    except TrainError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    if result.stopped:
+        print(f"stopped at inner step {result.inner_steps}; continue with --resume", file=sys.stderr)
+    return 0
+
+
+def _add_plot(sub) -> None:
+    p = sub.add_parser("plot", help="draw the loss curves of one or several workers to a PNG")
+    p.add_argument("run_dirs", nargs="+", type=Path, metavar="RUN_DIR", help="worker run dirs (with metrics.jsonl)")
+    p.add_argument("--out", "-o", type=Path, default=Path("loss.png"), help="PNG to write (default loss.png)")
+    p.add_argument("--title", default=None)
+    p.set_defaults(func=cmd_plot)
+
+
+def cmd_plot(args) -> int:
+    from .train.plot import plot_runs
+
+    try:
+        out = plot_runs(args.run_dirs, args.out, title=args.title)
+    except FileNotFoundError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(out)
+    return 0
+
+
+def _add_dht(sub) -> None:
+    p = sub.add_parser("dht", help="run a bootstrap DHT node and print the addresses others join through")
+    p.add_argument("--initial-peers", nargs="*", default=[], help="join an existing swarm (redundant bootstraps)")
+    p.add_argument("--host-maddrs", nargs="+", default=["/ip4/0.0.0.0/tcp/31337"],
+                   help="listen addresses (default: all interfaces, port 31337)")
+    p.add_argument("--announce-maddrs", nargs="*", default=[],
+                   help="public addresses to advertise (behind NAT or a port mapping)")
+    p.add_argument("--identity-path", default=None, help="private key file: a stable peer id across restarts")
+    p.add_argument("--addrs-file", default=None, help="also write the addresses to this file")
+    p.set_defaults(func=cmd_dht)
+
+
+def cmd_dht(args) -> int:
+    from .swarm.bootstrap import run_bootstrap
+    from .swarm.node import SwarmError
+
+    try:
+        return run_bootstrap(initial_peers=args.initial_peers, host_maddrs=args.host_maddrs,
+                             announce_maddrs=args.announce_maddrs, identity_path=args.identity_path,
+                             addrs_file=args.addrs_file)
+    except SwarmError as e:
+        print(f"opendiloco dht: {e}", file=sys.stderr)
+        return EXIT_CONFIG
+
+
+def _add_status(sub) -> None:
+    p = sub.add_parser("status", help="print a table of the live workers of a run")
+    p.add_argument("--swarm.initial-peers", dest="initial_peers", nargs="+", required=True)
+    p.add_argument("--run-id", "--swarm.run-id", dest="run_id", default="opendiloco")
+    p.set_defaults(func=cmd_status)
+
+
+def cmd_status(args) -> int:
+    from .swarm.node import SwarmError
+    from .swarm.status import fetch_workers, format_table
+
+    try:
+        workers = fetch_workers(args.initial_peers, args.run_id)
+    except SwarmError as e:
+        print(f"opendiloco status: {e}", file=sys.stderr)
+        return EXIT_CONFIG
+    print(format_table(workers, args.run_id))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="opendiloco", description="Decentralized DiLoCo training for PyTorch.")
+    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_train(sub)
+    _add_plot(sub)
+    _add_dht(sub)
+    _add_status(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        datefmt="%H:%M:%S")
+    if getattr(args, "takes_overrides", False):
+        return args.func(args, rest)
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,364 @@
+"""The trainer's configuration: typed sections, TOML loading, dotted command-line overrides.
+
+Deliberately free of torch and hivemind imports, so that a bad config is refused within a
+fraction of a second, before any work starts.
+"""
+
+from __future__ import annotations
+
+import socket
+import sys
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator, model_validator
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+
+class ConfigError(ValueError):
+    """A config that cannot be used; ``str()`` is one line naming the offending key."""
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class RunConfig(Section):
+    name: str | None = None
+    """Run name; the default run dir is ``runs/<name or swarm.run_id>/<worker>``."""
+    worker: str | None = None
+    """This worker's name (default: the host name). Also the default data shard key."""
+    dir: str | None = None
+    progress: bool = True
+    log_every: int = Field(10, ge=1)
+    """Inner steps between ``train`` records in metrics.jsonl."""
+
+
+class ModelConfig(Section):
+    arch: Literal["llama"] = "llama"
+    hidden_size: int = Field(256, ge=8)
+    num_layers: int = Field(4, ge=1)
+    num_heads: int = Field(4, ge=1)
+    num_kv_heads: int | None = Field(None, ge=1)
+    intermediate_size: int = Field(1024, ge=1)
+    tie_embeddings: bool = False
+    rms_norm_eps: float = Field(1e-5, gt=0)
+    rope_theta: float = Field(10000.0, gt=0)
+    init_std: float = Field(0.02, gt=0)
+    init_seed: int = 0
+    """Every worker must start from the same weights: they are drawn from this seed."""
+
+    @model_validator(mode="after")
+    def _heads(self):
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}")
+        if self.num_kv_heads is not None and self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads {self.num_heads} is not divisible by num_kv_heads {self.num_kv_heads}")
+        return self
+
+
+class DataConfig(Section):
+    source: Literal["stdlib", "files", "hf"] = "stdlib"
+    """stdlib: Python's own standard library sources (offline); files: local .txt/.jsonl; hf: a HF dataset."""
+    paths: list[str] = []
+    """For source=files: .txt files (documents split at blank lines) or .jsonl files (a ``text`` field)."""
+    dataset: str | None = None
+    """For source=hf: the dataset name, streamed (needs ``pip install opendiloco[data]``)."""
+    dataset_config: str | None = None
+    split: str = "train"
+    eval_split: str | None = None
+    """For source=hf: a separate split for eval; when unset, documents are held out by hash."""
+    text_field: str = "text"
+    tokenizer: str = "bytes"
+    """``bytes`` (UTF-8 bytes + specials, nothing to download) or a Hugging Face tokenizer name."""
+    seq_len: int = Field(256, ge=2)
+    eval_fraction: float = Field(0.02, ge=0, lt=1)
+    """Share of documents held out for eval, chosen by a hash of each document's identity."""
+    shard_seed: str | None = None
+    """Key that picks this worker's part of the data (default: run.worker)."""
+    rank: int | None = Field(None, ge=0)
+    world_size: int | None = Field(None, ge=1)
+    """Explicit disjoint sharding: this worker reads every world_size-th document from rank."""
+    seed: int = 0
+
+    @field_validator("paths")
+    @classmethod
+    def _paths(cls, v):
+        for p in v:
+            if not p.endswith((".txt", ".jsonl")):
+                raise ValueError(f"{p!r}: expected a .txt or .jsonl file")
+        return v
+
+    @model_validator(mode="after")
+    def _check(self):
+        if (self.rank is None) != (self.world_size is None):
+            raise ValueError("rank and world_size must be given together")
+        if self.rank is not None and self.rank >= self.world_size:
+            raise ValueError(f"rank {self.rank} must be < world_size {self.world_size}")
+        if self.source == "files" and not self.paths:
+            raise ValueError("source 'files' needs data.paths")
+        if self.source == "hf" and not self.dataset:
+            raise ValueError("source 'hf' needs data.dataset")
+        return self
+
+
+class OptimConfig(Section):
+    local_steps: int = Field(500, ge=1)
+    """H: inner steps between outer steps."""
+    lr: float = Field(4e-4, gt=0)
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)
+    warmup_steps: int = Field(100, ge=0)
+    weight_decay: float = Field(0.1, ge=0)
+    betas: list[float] = [0.9, 0.95]
+    eps: float = Field(1e-8, gt=0)
+    grad_clip: float = Field(1.0, ge=0)
+    """Max gradient norm; 0 disables clipping."""
+    outer_lr: float = Field(0.7, gt=0)
+    outer_momentum: float = Field(0.9, ge=0, lt=1)
+    outer_nesterov: bool = True
+
+    @field_validator("betas")
+    @classmethod
+    def _betas(cls, v):
+        if len(v) != 2 or not all(0 <= b < 1 for b in v):
+            raise ValueError(f"expected two numbers in [0, 1), got {v}")
+        return v
+
+
+class TrainConfig(Section):
+    total_steps: int = Field(1000, ge=1)
+    """Inner optimizer steps in the whole run (the lr schedule spans them)."""
+    batch_size: int = Field(16, ge=1)
+    grad_accum: int = Field(1, ge=1)
+    device: str = "auto"
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
+    """auto: bf16 autocast on CUDA, fp32 on CPU. fp16 adds a GradScaler (CUDA only)."""
+    compile: bool = False
+    threads: int = Field(0, ge=0)
+    """torch CPU threads; 0 uses every core this process may run on."""
+    eval_every: int = Field(0, ge=0)
+    """Inner steps between evals; 0 evaluates after every outer step."""
+    eval_batches: int = Field(8, ge=0)
+    seed: int = 0
+
+
+class CheckpointConfig(Section):
+    every_outer_steps: int = Field(1, ge=0)
+    """0 writes a checkpoint only at the end (or when stopped)."""
+    keep: int = Field(3, ge=1)
+
+
+def _check_maddr(addr: str, what: str) -> None:
+    if not addr.startswith("/") or "//" in addr or len(addr.strip("/").split("/")) < 2:
+        raise ValueError(f"{addr!r} is not a multiaddr like /ip4/1.2.3.4/tcp/31337 ({what})")
+
+
+class SwarmConfig(Section):
+    enabled: bool = False
+    """Join a swarm; implied by initial_peers."""
+    initial_peers: list[str] = []
+    host_maddrs: list[str] = ["/ip4/0.0.0.0/tcp/0"]
+    announce_maddrs: list[str] = []
+    identity_path: str | None = None
+    client_mode: bool = False
+    run_id: str = "opendiloco"
+    compression: Literal["none", "fp16", "scaled-fp16", "int8"] = "fp16"
+    min_group_size: int = Field(1, ge=1)
+    matchmaking_timeout: float = Field(30.0, gt=0)
+    allreduce_timeout: float = Field(60.0, gt=0)
+    straggler_wait: float = Field(10.0, ge=0)
+    """Seconds to wait for slower peers before starting a round."""
+    join_timeout: float = Field(30.0, ge=0)
+    on_join_failure: Literal["start-fresh", "exit"] = "start-fresh"
+    weight_by_samples: bool = False
+
+    @field_validator("initial_peers")
+    @classmethod
+    def _peers(cls, v):
+        for addr in v:
+            _check_maddr(addr, "initial peer")
+            if "/p2p/" not in addr:
+                raise ValueError(f"{addr!r} has no /p2p/<peer id> part; copy the full address a peer printed")
+        return v
+
+    @field_validator("host_maddrs", "announce_maddrs")
+    @classmethod
+    def _maddrs(cls, v):
+        for addr in v:
+            _check_maddr(addr, "listen/announce address")
+        return v
+
+    @model_validator(mode="after")
+    def _enable(self):
+        if self.initial_peers:
+            self.enabled = True
+        return self
+
+
+class Config(Section):
+    run: RunConfig = RunConfig()
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    optim: OptimConfig = OptimConfig()
+    train: TrainConfig = TrainConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    swarm: SwarmConfig = SwarmConfig()
+
+    @property
+    def worker(self) -> str:
+        return self.run.worker or socket.gethostname()
+
+    @property
+    def run_dir(self) -> Path:
+        if self.run.dir:
+            return Path(self.run.dir)
+        return Path("runs") / (self.run.name or self.swarm.run_id) / self.worker
+
+    @property
+    def shard_key(self) -> str:
+        return self.data.shard_seed if self.data.shard_seed is not None else self.worker
+
+
+# -- errors -----------------------------------------------------------------------------------
+
+def _describe(err: dict) -> str:
+    kind, ctx, value = err["type"], err.get("ctx") or {}, err.get("input")
+    if kind == "extra_forbidden":
+        return "unknown key"
+    for key, op in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<")):
+        if key in ctx and kind.startswith(("greater", "less")):
+            return f"must be {op} {ctx[key]}, got {value!r}"
+    if kind == "literal_error":
+        return f"must be one of {ctx.get('expected')}, got {value!r}"
+    names = {"int": "an integer", "float": "a number", "bool": "true or false", "string": "a string",
+             "list": "a list", "tuple": "a list", "model": "a table", "dict": "a table"}
+    for prefix, name in names.items():
+        if kind.startswith(prefix + "_") and kind != "int_from_float":
+            return f"expected {name}, got {value!r}"
+    if kind == "int_from_float":
+        return f"expected an integer, got {value!r}"
+    msg = err["msg"]
+    return msg.removeprefix("Value error, ")
+
+
+def _format(exc: ValidationError, prefix: tuple = ()) -> str:
+    errors = exc.errors()
+    first = errors[0]
+    loc = ".".join(str(p) for p in (*prefix, *first["loc"]) if p != "__root__")
+    more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+    return f"{loc or 'config'}: {_describe(first)}{more}"
+
+
+# -- loading ----------------------------------------------------------------------------------
+
+def parse_overrides(args: list[str]) -> dict[str, dict[str, Any]]:
+    """``['--optim.local-steps', '50', '--swarm.initial-peers', 'A', 'B']`` -> nested dict.
+
+    Values are parsed by the type of the field they set; list fields take every value up to
+    the next ``--option``; a bool field given without a value means true; ``none`` sets an
+    optional field to None.
+    """
+    out: dict[str, dict[str, Any]] = {}
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--") or len(arg) < 3:
+            raise ConfigError(f"unexpected argument {arg!r}; overrides look like --section.key VALUE")
+        key, _, inline = arg[2:].partition("=")
+        values = [inline] if inline else []
+        i += 1
+        if not inline:
+            while i < len(args) and not (args[i].startswith("--") and len(args[i]) > 2):
+                values.append(args[i])
+                i += 1
+        section, _, name = key.replace("-", "_").partition(".")
+        dotted = f"{section}.{name}"
+        if section not in Config.model_fields or not name:
+            raise ConfigError(f"{key}: unknown key")
+        model = Config.model_fields[section].annotation
+        if name not in model.model_fields:
+            raise ConfigError(f"{dotted}: unknown key")
+        out.setdefault(section, {})[name] = _parse_value(model.model_fields[name].annotation, values, dotted)
+    return out
+
+
+def _parse_value(annotation, values: list[str], dotted: str):
+    adapter = TypeAdapter(annotation)
+    origin = getattr(annotation, "__origin__", None)
+    if origin in (list, tuple):
+        raw: Any = values
+    elif not values:
+        if annotation is not bool:
+            raise ConfigError(f"{dotted}: needs a value")
+        raw = True
+    elif len(values) > 1:
+        raise ConfigError(f"{dotted}: expected one value, got {len(values)}")
+    elif values[0].lower() in ("none", "null") and _nullable(annotation):
+        raw = None
+    else:
+        raw = values[0]
+    try:
+        return adapter.validate_python(raw)
+    except ValidationError as e:
+        raise ConfigError(f"{dotted}: {_describe(e.errors()[0])}") from None
+
+
+def _nullable(annotation) -> bool:
+    return type(None) in getattr(annotation, "__args__", ())
+
+
+def _merge(base: dict, extra: dict) -> dict:
+    out = dict(base)
+    for k, v in extra.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Reads a TOML file, applies command-line overrides, and validates the result strictly."""
+    data: dict = {}
+    if path is not None:
+        path = Path(path)
+        try:
+            with path.open("rb") as f:
+                data = tomllib.load(f)
+        except FileNotFoundError:
+            raise ConfigError(f"{path}: no such config file") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{path}: not valid TOML: {e}") from None
+    data = _merge(data, parse_overrides(overrides or []))
+    return validate_config(data)
+
+
+def validate_config(data: dict) -> Config:
+    try:
+        # Strict: a TOML string where a number belongs is an error, not silently converted.
+        return Config.model_validate(data, strict=True)
+    except ValidationError as e:
+        raise ConfigError(_format(e)) from None
+
+
+def to_toml(cfg: Config) -> str:
+    """The resolved config as TOML (for ``--print-config`` and the run dir)."""
+    lines = []
+    for section, values in cfg.model_dump().items():
+        lines.append(f"[{section}]")
+        for k, v in values.items():
+            if v is not None:
+                lines.append(f"{k} = {_toml_value(v)}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _toml_value(v) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    if isinstance(v, str):
+        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    return repr(v)

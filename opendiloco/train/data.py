@@ -1,0 +1,281 @@
+"""Training data: document sources, a held-out split, per-worker shards, packing into sequences.
+
+Sharding needs no rank. Each worker walks the training documents in its own order, a
+permutation drawn from a key (``data.shard_seed``, by default the worker's name), so workers
+that never talked to each other still read different parts of the data. With an explicit
+``data.rank``/``data.world_size`` the documents are split into disjoint slices instead.
+
+The held-out eval documents are chosen by a hash of each document's identity (a file's
+relative path, or the text itself): the same split on every worker, with no list to ship.
+
+The reading position is three integers (epoch, document index, token offset in that
+document), so a checkpoint restores it exactly.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import itertools
+import json
+import os
+import sysconfig
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .config import DataConfig
+
+
+def stable_int(key: str) -> int:
+    """A 64-bit integer from a string, the same on every machine and Python run."""
+    return int.from_bytes(hashlib.sha256(key.encode("utf-8")).digest()[:8], "little")
+
+
+def is_held_out(key: str, fraction: float) -> bool:
+    return fraction > 0 and stable_int("eval:" + key) / 2**64 < fraction
+
+
+# -- sources --------------------------------------------------------------------------------
+
+class Corpus(ABC):
+    """Documents to train on, in an order that depends on the worker, and documents to evaluate on."""
+
+    @abstractmethod
+    def documents(self, epoch: int, start: int = 0) -> Iterator[str]:
+        """This worker's training documents for ``epoch``, from the ``start``-th on."""
+
+    @abstractmethod
+    def eval_documents(self) -> Iterator[str]:
+        """Held-out documents, in the same fixed order on every worker."""
+
+
+class ListCorpus(Corpus):
+    """A finite, indexable collection: ``items`` are (identity key, loader) pairs."""
+
+    def __init__(self, items: list[tuple[str, Callable[[], str]]], *, eval_fraction: float, order_key: str,
+                 rank: int | None = None, world_size: int | None = None, seed: int = 0):
+        items = sorted(items, key=lambda kv: kv[0])
+        held_out = [is_held_out(key, eval_fraction) for key, _ in items]
+        self.train_keys = [key for (key, _), h in zip(items, held_out) if not h]
+        self.eval_keys = [key for (key, _), h in zip(items, held_out) if h]
+        self.train = [load for (_, load), h in zip(items, held_out) if not h]
+        self.eval = [load for (_, load), h in zip(items, held_out) if h]
+        if not self.train:
+            raise ValueError("the corpus has no training documents")
+        if rank is not None:
+            self.indices = np.arange(rank, len(self.train), world_size)  # disjoint slices
+            self.order_seed = stable_int(f"rank-order:{seed}:{rank}")
+        else:
+            self.indices = np.arange(len(self.train))
+            self.order_seed = stable_int(f"order:{order_key}")
+        if len(self.indices) == 0:
+            raise ValueError(f"data shard {rank} of {world_size} is empty ({len(self.train)} documents)")
+
+    def order(self, epoch: int) -> np.ndarray:
+        return np.random.default_rng([self.order_seed, epoch]).permutation(self.indices)
+
+    def documents(self, epoch, start=0):
+        for i in self.order(epoch)[start:]:
+            yield self.train[int(i)]()
+
+    def eval_documents(self):
+        for load in self.eval:
+            yield load()
+
+
+def _read(path: Path) -> Callable[[], str]:
+    return lambda: path.read_text(encoding="utf-8", errors="replace")
+
+
+@functools.lru_cache(maxsize=1)
+def _stdlib_files() -> tuple[tuple[str, Path], ...]:
+    root = Path(sysconfig.get_paths()["stdlib"])
+    skip = {"site-packages", "dist-packages", "__pycache__"}
+    found = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if d not in skip and not d.startswith(".")]
+        for name in filenames:
+            path = Path(dirpath, name)
+            if name.endswith(".py") and path.is_file() and path.stat().st_size > 0:
+                found.append((path.relative_to(root).as_posix(), path))
+    if not found:
+        raise RuntimeError(f"found no Python sources under {root} for the default corpus")
+    return tuple(sorted(found))
+
+
+def stdlib_items() -> list[tuple[str, Callable[[], str]]]:
+    """The standard library's own ``*.py`` sources: tens of MB of real text on every Python install."""
+    return [(key, _read(path)) for key, path in _stdlib_files()]
+
+
+def file_items(paths: list[str]) -> list[tuple[str, Callable[[], str]]]:
+    """Documents of local files: .jsonl lines (their ``text`` field) or .txt paragraphs."""
+    items = []
+    for name in paths:
+        path = Path(name)
+        if not path.is_file():
+            raise FileNotFoundError(f"data file not found: {path}")
+        if path.suffix == ".jsonl":
+            with path.open(encoding="utf-8") as f:
+                for n, line in enumerate(f, 1):
+                    if not line.strip():
+                        continue
+                    try:
+                        text = json.loads(line)["text"]
+                    except (ValueError, KeyError, TypeError):
+                        raise ValueError(f"{path}:{n}: expected a JSON object with a 'text' field") from None
+                    items.append((text, _const(str(text))))
+        else:
+            text = path.read_text(encoding="utf-8", errors="replace")
+            for para in text.split("\n\n"):
+                if para.strip():
+                    items.append((para, _const(para + "\n\n")))
+    if not items:
+        raise ValueError(f"no documents in {paths}")
+    return items
+
+
+def _const(text: str) -> Callable[[], str]:
+    return lambda: text
+
+
+class HFCorpus(Corpus):
+    """A Hugging Face dataset, streamed: nothing is downloaded ahead of time."""
+
+    def __init__(self, cfg: DataConfig, order_key: str):
+        try:
+            import datasets
+        except ImportError:
+            raise RuntimeError("data.source = 'hf' needs the datasets package: "
+                               "pip install 'opendiloco[data]'") from None
+        self.datasets = datasets
+        self.cfg = cfg
+        self.seed = stable_int(f"rank-order:{cfg.seed}") if cfg.rank is not None else stable_int(f"order:{order_key}")
+        self.seed %= 2**32
+
+    def _stream(self, split: str):
+        return self.datasets.load_dataset(self.cfg.dataset, self.cfg.dataset_config, split=split, streaming=True)
+
+    def _texts(self, ds) -> Iterator[str]:
+        field = self.cfg.text_field
+        for row in ds:
+            if field not in row:
+                raise KeyError(f"dataset {self.cfg.dataset!r} has no field {field!r} (data.text_field)")
+            yield row[field]
+
+    def documents(self, epoch, start=0):
+        ds = self._stream(self.cfg.split)
+        if self.cfg.rank is not None:
+            from datasets.distributed import split_dataset_by_node
+
+            ds = split_dataset_by_node(ds, rank=self.cfg.rank, world_size=self.cfg.world_size)
+        # Shuffles the order of the dataset's files by the seed, then within a buffer.
+        ds = ds.shuffle(seed=self.seed, buffer_size=10_000)
+        ds.set_epoch(epoch)
+        texts = self._texts(ds)
+        if self.cfg.eval_split is None:
+            texts = (t for t in texts if not is_held_out(t, self.cfg.eval_fraction))
+        return itertools.islice(texts, start, None)
+
+    def eval_documents(self):
+        if self.cfg.eval_split is not None:
+            return self._texts(self._stream(self.cfg.eval_split))
+        return (t for t in self._texts(self._stream(self.cfg.split)) if is_held_out(t, self.cfg.eval_fraction))
+
+
+def make_corpus(cfg: DataConfig, order_key: str) -> Corpus:
+    if cfg.source == "hf":
+        return HFCorpus(cfg, order_key)
+    items = stdlib_items() if cfg.source == "stdlib" else file_items(cfg.paths)
+    return ListCorpus(items, eval_fraction=cfg.eval_fraction, order_key=order_key,
+                      rank=cfg.rank, world_size=cfg.world_size, seed=cfg.seed)
+
+
+# -- packing --------------------------------------------------------------------------------
+
+class PackedStream:
+    """Concatenates tokenized documents (each followed by EOS) and cuts them into ``seq_len`` rows.
+
+    Not a generator on purpose: its position is plain state that ``state_dict`` captures
+    between any two calls, and ``load_state_dict`` restores exactly.
+    """
+
+    def __init__(self, corpus: Corpus, tokenizer, seq_len: int):
+        self.corpus, self.tokenizer, self.seq_len = corpus, tokenizer, seq_len
+        self.epoch, self.doc, self.pos = 0, 0, 0
+        self._docs: Iterator[str] | None = None
+        self._tokens: np.ndarray | None = None
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "doc": self.doc, "pos": self.pos}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.doc, self.pos = int(state["epoch"]), int(state["doc"]), int(state["pos"])
+        self._docs, self._tokens = None, None
+
+    def _current(self) -> np.ndarray:
+        """The tokens of the document at (epoch, doc), opening the next epoch when one runs out."""
+        if self._tokens is None:
+            if self._docs is None:
+                self._docs = self.corpus.documents(self.epoch, self.doc)
+            for attempt in range(2):
+                text = next(self._docs, None)
+                if text is not None:
+                    break
+                if attempt or self.doc == 0:
+                    raise RuntimeError("the data source yielded no documents")
+                self.epoch, self.doc, self.pos = self.epoch + 1, 0, 0
+                self._docs = self.corpus.documents(self.epoch, 0)
+            self._tokens = np.append(self.tokenizer.encode(text), self.tokenizer.eos_id)
+        return self._tokens
+
+    def _take(self, n: int, out: list | None) -> None:
+        while n > 0:
+            tokens = self._current()
+            k = min(n, len(tokens) - self.pos)
+            if out is not None:
+                out.append(tokens[self.pos : self.pos + k])
+            self.pos += k
+            n -= k
+            if self.pos >= len(tokens):
+                self.doc, self.pos, self._tokens = self.doc + 1, 0, None
+
+    def next_batch(self, batch_size: int) -> torch.Tensor:
+        """The next ``batch_size`` rows as a ``[batch_size, seq_len]`` LongTensor."""
+        parts: list[np.ndarray] = []
+        self._take(batch_size * self.seq_len, parts)
+        return torch.from_numpy(np.concatenate(parts).reshape(batch_size, self.seq_len))
+
+    def skip(self, rows: int) -> None:
+        """Moves on by ``rows`` sequences without building them."""
+        self._take(rows * self.seq_len, None)
+
+
+def eval_batches(corpus: Corpus, tokenizer, seq_len: int, batch_size: int, count: int,
+                 pool_factor: int = 32) -> list[torch.Tensor]:
+    """The fixed held-out batches (identical on every worker); fewer if the split is small.
+
+    Rows are cut at evenly spaced offsets of the whole held-out text (up to ``pool_factor``
+    times what the batches need), so that they sample every part of many documents rather
+    than the openings of the first few (file headers are not typical text).
+    """
+    rows = batch_size * count
+    if rows == 0:
+        return []
+    pool, have = [], 0
+    for text in corpus.eval_documents():
+        pool.append(np.append(tokenizer.encode(text), tokenizer.eos_id))
+        have += len(pool[-1])
+        if have >= pool_factor * rows * seq_len:
+            break
+    if have < seq_len:
+        return []
+    flat = np.concatenate(pool)
+    rows = min(rows, len(flat) // seq_len)
+    starts = np.linspace(0, len(flat) - seq_len, rows).astype(np.int64)
+    table = torch.from_numpy(np.stack([flat[i : i + seq_len] for i in starts]))
+    return [table[i : i + batch_size] for i in range(0, rows, batch_size)]

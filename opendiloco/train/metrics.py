@@ -1,0 +1,42 @@
+"""Per-worker ``metrics.jsonl``: one JSON object per line, appended and flushed as it happens."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+
+
+class MetricsWriter:
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._f = self.path.open("a", encoding="utf-8")
+
+    def write(self, event: str, **fields) -> None:
+        record = {"event": event, "time": time.time(), **{k: _clean(v) for k, v in fields.items()}}
+        self._f.write(json.dumps(record) + "\n")
+        self._f.flush()
+
+    def close(self) -> None:
+        self._f.close()
+
+
+def _clean(v):
+    """JSON has no NaN/Inf: write null instead of an invalid file."""
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    return v
+
+
+def read_metrics(path: Path) -> list[dict]:
+    """Records of a metrics.jsonl; a torn last line (a killed writer) is skipped."""
+    records = []
+    with Path(path).open(encoding="utf-8") as f:
+        for line in f:
+            try:
+                records.append(json.loads(line))
+            except ValueError:
+                continue
+    return records

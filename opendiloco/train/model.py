@@ -1,0 +1,61 @@
+"""The model: a randomly initialised Llama from ``transformers``, nothing downloaded."""
+
+from __future__ import annotations
+
+import torch
+
+from .config import ModelConfig
+
+
+def padded_vocab(vocab_size: int, multiple: int = 64) -> int:
+    """Rounds the embedding table up so its matmuls hit fast GPU shapes."""
+    return -(-vocab_size // multiple) * multiple
+
+
+def build_model(cfg: ModelConfig, vocab_size: int, max_seq_len: int) -> torch.nn.Module:
+    """The same weights on every worker: drawn from ``cfg.init_seed``, not from the trainer's RNG."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=padded_vocab(vocab_size),
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads or cfg.num_heads,
+        max_position_embeddings=max_seq_len,
+        rms_norm_eps=cfg.rms_norm_eps,
+        rope_theta=cfg.rope_theta,
+        initializer_range=cfg.init_std,
+        tie_word_embeddings=cfg.tie_embeddings,
+        use_cache=False,
+    )
+    rng_state = torch.random.get_rng_state()
+    torch.manual_seed(cfg.init_seed)
+    try:
+        model = LlamaForCausalLM(config)
+    finally:
+        torch.random.set_rng_state(rng_state)
+    return model.float()
+
+
+def count_parameters(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+class PersistentBuffers(torch.nn.Module):
+    """A view of ``model``'s persistent buffers (e.g. BatchNorm statistics) that shares their storage.
+
+    Given to ``DiLoCoOptimizer(module=...)`` in place of the model: the optimizer averages every
+    floating buffer of the module it gets, and a Llama's only buffers are its rotary
+    frequencies, constants derived from the config (non-persistent: not in ``state_dict``).
+    Averaging them through a lossy fp16 wire would round them, and a run restored from a
+    checkpoint would then differ from one that never stopped.
+    """
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        persistent = model.state_dict(keep_vars=True)
+        for i, (name, buf) in enumerate(model.named_buffers()):
+            if name in persistent:
+                self.register_buffer(f"b{i}", buf)  # the same tensor object: in-place updates reach the model

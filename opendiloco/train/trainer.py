@@ -1,0 +1,463 @@
+"""The reference training loop: a plain PyTorch loop that uses ``DiLoCoOptimizer`` like any user would."""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import functools
+import logging
+import math
+import os
+import random
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
+
+from opendiloco import Communicator, DiLoCoOptimizer
+from opendiloco.comm import SingleWorker
+
+from .checkpoint import CheckpointManager
+from .config import Config, to_toml
+from .data import PackedStream, eval_batches, make_corpus
+from .metrics import MetricsWriter
+from .model import PersistentBuffers, build_model, count_parameters
+from .tokenizer import make_tokenizer
+
+log = logging.getLogger(__name__)
+
+
+class TrainError(RuntimeError):
+    """A problem the user can fix (printed as one line by the CLI)."""
+
+
+def make_communicator(cfg: Config, run_dir: Path) -> Communicator:
+    """The one place that decides how this worker averages with others."""
+    if not cfg.swarm.enabled:
+        return SingleWorker(compression=cfg.swarm.compression)
+    from opendiloco.comm.hivemind import HivemindCommunicator
+
+    return HivemindCommunicator.from_config(cfg.swarm, run_dir=run_dir)
+
+
+def lr_lambda(step: int, *, warmup: int, total: int, min_ratio: float) -> float:
+    """Linear warmup to the peak, then cosine decay to ``min_ratio`` of it at ``total``."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def set_schedule_position(scheduler: torch.optim.lr_scheduler.LambdaLR, step: int) -> None:
+    """Puts the scheduler at ``step`` (used after adopting a peer's state, whose step count we take)."""
+    scheduler.last_epoch = step
+    for group, base, fn in zip(scheduler.optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
+        group["lr"] = base * fn(step)
+    scheduler._last_lr = [g["lr"] for g in scheduler.optimizer.param_groups]
+
+
+@dataclass
+class TrainResult:
+    run_dir: Path
+    losses: list[float] = field(default_factory=list)
+    """Training loss of every inner step this process took, in order."""
+    eval_loss: float | None = None
+    tokens_per_s: float = 0.0
+    inner_steps: int = 0
+    outer_steps: int = 0
+    stopped: bool = False
+
+
+class StopRequest:
+    """SIGINT/SIGTERM ask the loop to finish its step, checkpoint and exit; a second SIGINT aborts."""
+
+    def __init__(self):
+        self.requested = False
+        self._previous: dict = {}
+
+    def _handle(self, signum, frame):
+        if self.requested and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.requested = True
+        log.warning("%s received: finishing this step, then checkpointing and exiting",
+                    signal.Signals(signum).name)
+
+    def __enter__(self):
+        if _in_main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc):
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+def _in_main_thread() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()
+
+
+@contextlib.contextmanager
+def run_dir_lock(run_dir: Path):
+    """Two workers sharing a run dir would overwrite each other's checkpoints: refuse the second."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with open(run_dir / ".lock", "a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            holder = f.read().strip() or "?"
+            raise TrainError(f"run dir {run_dir} is in use by another worker (pid {holder}); "
+                             "give each worker its own --run.worker NAME") from None
+        f.seek(0)
+        f.truncate()
+        f.write(str(os.getpid()))
+        f.flush()
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_precision(precision: str, device: torch.device) -> str:
+    if device.type != "cuda":
+        if precision not in ("auto", "fp32"):
+            log.warning("train.precision=%s needs CUDA; training in fp32 on %s", precision, device)
+        return "fp32"
+    if precision == "auto":
+        return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+    return precision
+
+
+def rng_state() -> dict:
+    state = {"torch": torch.random.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    torch.random.set_rng_state(state["torch"])
+    random.setstate(_tuples(state["python"]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _tuples(x):
+    """Python's random state is nested tuples; a checkpoint round trip may turn them into lists."""
+    return tuple(_tuples(v) for v in x) if isinstance(x, (list, tuple)) else x
+
+
+class Trainer:
+    """Builds everything from a config, then runs the loop. One instance per run."""
+
+    def __init__(self, cfg: Config, *, resume: bool = False):
+        self.cfg = cfg
+        self.resume = resume
+        self.run_dir = cfg.run_dir
+        threads = cfg.train.threads or len(os.sched_getaffinity(0))
+        torch.set_num_threads(threads)
+        self.device = resolve_device(cfg.train.device)
+        self.precision = resolve_precision(cfg.train.precision, self.device)
+        self.autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.precision)
+
+    # -- setup --------------------------------------------------------------------------------
+    def _build_model_and_data(self) -> None:
+        cfg = self.cfg
+        torch.manual_seed(cfg.train.seed)
+        random.seed(cfg.train.seed)
+        try:
+            self.tokenizer = make_tokenizer(cfg.data.tokenizer)
+            corpus = make_corpus(cfg.data, order_key=cfg.shard_key)
+        except (RuntimeError, OSError, ValueError) as e:  # missing files, bad lines, no datasets package...
+            raise TrainError(f"data: {e}") from e
+        self.stream = PackedStream(corpus, self.tokenizer, cfg.data.seq_len)
+        self.eval_set = eval_batches(corpus, self.tokenizer, cfg.data.seq_len, cfg.train.batch_size,
+                                     cfg.train.eval_batches)
+        self.model = build_model(cfg.model, self.tokenizer.vocab_size, cfg.data.seq_len).to(self.device)
+        self.forward = torch.compile(self.model) if cfg.train.compile else self.model
+
+    def _build_optimizer(self) -> None:
+        cfg, o = self.cfg, self.cfg.optim
+        self.opt = DiLoCoOptimizer(
+            self.model.parameters(),
+            local_steps=o.local_steps,
+            inner_optimizer=functools.partial(torch.optim.AdamW, lr=o.lr, betas=tuple(o.betas), eps=o.eps,
+                                              weight_decay=o.weight_decay),
+            outer_optimizer=functools.partial(torch.optim.SGD, lr=o.outer_lr, momentum=o.outer_momentum,
+                                              nesterov=o.outer_nesterov and o.outer_momentum > 0),
+            communicator=self.comm,
+            module=PersistentBuffers(self.model),
+            weight_by_samples=cfg.swarm.weight_by_samples,
+        )
+        schedule = functools.partial(lr_lambda, warmup=o.warmup_steps, total=cfg.train.total_steps,
+                                     min_ratio=o.min_lr_ratio)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.opt, schedule)
+        self.scaler = torch.amp.GradScaler("cuda") if self.precision == "fp16" else None
+        self.checkpoints = CheckpointManager(self.run_dir, keep=cfg.checkpoint.keep)
+
+    def _restore(self) -> int | None:
+        """Loads the latest checkpoint of the run dir; returns its inner step, or None."""
+        ckpt = self.checkpoints.load()
+        if ckpt is None:
+            log.info("no checkpoint in %s; starting fresh", self.checkpoints.dir)
+            return None
+        self.model.load_state_dict(ckpt["model"])
+        self.opt.load_state_dict(ckpt["optimizer"])
+        self.scheduler.load_state_dict(ckpt["scheduler"])
+        self.stream.load_state_dict(ckpt["data"])
+        if self.scaler is not None and ckpt.get("scaler"):
+            self.scaler.load_state_dict(ckpt["scaler"])
+        set_rng_state(ckpt["rng"])
+        log.info("resumed from %s (inner step %d, outer step %d)", self.checkpoints.latest(),
+                 self.opt.inner_steps_total, self.opt.outer_step)
+        return self.opt.inner_steps_total
+
+    def _join(self, resumed: bool) -> None:
+        """Adopts θ_global and the step counters of a live peer, if there is one (DESIGN.md invariant 9)."""
+        swarm = self.cfg.swarm
+        try:
+            state = self.comm.download_state(timeout=swarm.join_timeout)
+        except Exception as e:  # the transport's own errors: policy decides
+            if swarm.on_join_failure == "exit":
+                raise TrainError(f"could not download state from the swarm: {e}") from e
+            log.warning("could not download state from the swarm (%s); starting from our own state", e)
+            return
+        if state is None:
+            return
+        if resumed and int(state.get("outer_step", -1)) <= self.opt.outer_step:
+            log.info("peers are at outer step %s, not ahead of our checkpoint; keeping it", state.get("outer_step"))
+            return
+        before = self.opt.inner_steps_total
+        self.opt.load_shareable_state(state)
+        set_schedule_position(self.scheduler, self.opt.inner_steps_total)
+        ahead = self.opt.inner_steps_total - before
+        if ahead > 0:
+            self.stream.skip(ahead * self.cfg.train.batch_size * self.cfg.train.grad_accum)
+        log.info("joined the swarm at outer step %d (inner step %d)", self.opt.outer_step,
+                 self.opt.inner_steps_total)
+
+    # -- pieces of the loop --------------------------------------------------------------------
+    def _autocast(self):
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+
+    @torch.no_grad()
+    def evaluate(self) -> float | None:
+        if not self.eval_set:
+            return None
+        self.model.eval()
+        total = 0.0
+        for batch in self.eval_set:
+            batch = batch.to(self.device)
+            with self._autocast():
+                total += float(self.forward(input_ids=batch, labels=batch).loss)
+        self.model.train()
+        return total / len(self.eval_set)
+
+    def save_checkpoint(self) -> Path:
+        state = {
+            "version": 1,
+            "model": self.model.state_dict(),
+            "optimizer": self.opt.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "data": self.stream.state_dict(),
+            "scaler": self.scaler.state_dict() if self.scaler is not None else None,
+            "rng": rng_state(),
+            "config": self.cfg.model_dump(),
+        }
+        return self.checkpoints.save(state, self.opt.inner_steps_total)
+
+    def _train_step(self) -> tuple[float, float | None]:
+        """One inner step (with gradient accumulation); returns (loss, gradient norm)."""
+        cfg = self.cfg.train
+        loss_sum = 0.0
+        for _ in range(cfg.grad_accum):
+            batch = self.stream.next_batch(cfg.batch_size).to(self.device, non_blocking=True)
+            with self._autocast():
+                loss = self.forward(input_ids=batch, labels=batch).loss / cfg.grad_accum
+            (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+            loss_sum += float(loss.detach())
+        if self.scaler is not None:
+            self.scaler.unscale_(self.opt)
+        grad_norm = None
+        if self.cfg.optim.grad_clip > 0:
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.optim.grad_clip))
+        self.opt.count_samples(cfg.batch_size * cfg.grad_accum)
+        before = self.opt.inner_steps_total
+        if self.scaler is not None:
+            self.scaler.step(self.opt)  # skips the step on inf/NaN gradients; then it does not count
+            self.scaler.update()
+        else:
+            self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        if self.opt.inner_steps_total > before:
+            self.scheduler.step()
+        return loss_sum, grad_norm
+
+    # -- the loop -----------------------------------------------------------------------------
+    def run(self, stop_after: int | None = None) -> TrainResult:
+        """Trains to ``train.total_steps`` (or ``stop_after`` more inner steps, or a signal)."""
+        with run_dir_lock(self.run_dir):
+            if not self.resume and CheckpointManager(self.run_dir).latest() is not None:
+                raise TrainError(f"{self.run_dir} already holds checkpoints: pass --resume to continue that run, "
+                                 "or choose another --run.name or --run.dir")
+            self._build_model_and_data()  # before joining a swarm: a data problem fails fast
+            (self.run_dir / "config.toml").write_text(to_toml(self.cfg))
+            self.comm = make_communicator(self.cfg, self.run_dir)
+            self.metrics = MetricsWriter(self.run_dir / "metrics.jsonl")
+            try:
+                self._build_optimizer()
+                with StopRequest() as stop, logging_redirect_tqdm():
+                    return self._loop(stop, stop_after)
+            finally:
+                self.metrics.close()
+                self.comm.close()
+
+    def _loop(self, stop: StopRequest, stop_after: int | None) -> TrainResult:
+        cfg = self.cfg
+        resumed = self.resume and self._restore() is not None
+        self._join(resumed)
+        result = TrainResult(self.run_dir)
+        self.metrics.write("start", worker=cfg.worker, peer_id=self.comm.peer_id, device=str(self.device),
+                           precision=self.precision, parameters=count_parameters(self.model),
+                           inner_step=self.opt.inner_steps_total, outer_step=self.opt.outer_step,
+                           resumed=resumed, config=cfg.model_dump())
+        log.info("worker %s on %s (%s): %.2fM parameters, run dir %s", cfg.worker, self.device, self.precision,
+                 count_parameters(self.model) / 1e6, self.run_dir)
+
+        bar = tqdm(total=cfg.train.total_steps, initial=self.opt.inner_steps_total, unit="step",
+                   disable=not cfg.run.progress, dynamic_ncols=True, desc=cfg.worker)
+        tally = _Tally(tokens_per_step=cfg.train.batch_size * cfg.train.grad_accum * cfg.data.seq_len,
+                       global_hash=self.opt.global_hash())  # θ_global changes only at outer steps: hash it then
+        while self.opt.inner_steps_total < cfg.train.total_steps and not stop.requested:
+            if stop_after is not None and tally.steps >= stop_after:
+                result.stopped = True
+                break
+            t0 = time.perf_counter()
+            prev_sync = self.opt.last_sync
+            loss, grad_norm = self._train_step()
+            tally.add(loss, time.perf_counter() - t0)
+            result.losses.append(loss)
+            synced = self.opt.last_sync is not prev_sync
+            evaluated = self._maybe_evaluate(synced, tally)
+            self._log_train(tally, grad_norm)
+            if synced:
+                self._outer_step_done(tally, evaluated)
+            self._report_progress(tally, loss, synced)
+            sync = self.opt.last_sync
+            bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tally.tokens_per_s():,.0f}", outer=self.opt.outer_step,
+                            peers=sync.group_size if sync else 0,
+                            ar_s=f"{sync.allreduce_s:.2f}" if sync else "-", refresh=False)
+            bar.update(1)
+        bar.close()
+
+        result.stopped = result.stopped or stop.requested
+        if tally.steps:
+            result.tokens_per_s = tally.tokens_per_s()
+            if not result.stopped and tally.eval_step != self.opt.inner_steps_total:
+                self._evaluate_and_log(tally)
+            self.save_checkpoint()
+        result.eval_loss = tally.eval_loss
+        result.inner_steps = self.opt.inner_steps_total
+        result.outer_steps = self.opt.outer_step
+        self.metrics.write("end", inner_step=result.inner_steps, outer_step=result.outer_steps,
+                           stopped=result.stopped, tokens_per_s=result.tokens_per_s, eval_loss=result.eval_loss)
+        log.info("%s after inner step %d (outer step %d): %.0f tokens/s, eval loss %s",
+                 "stopped" if result.stopped else "done", result.inner_steps, result.outer_steps,
+                 result.tokens_per_s, f"{result.eval_loss:.4f}" if result.eval_loss is not None else "n/a")
+        return result
+
+    def _evaluate_and_log(self, tally: _Tally) -> bool:
+        step = self.opt.inner_steps_total
+        tally.eval_loss, tally.eval_step = self.evaluate(), step
+        if tally.eval_loss is None:
+            return False
+        self.metrics.write("eval", inner_step=step, outer_step=self.opt.outer_step, eval_loss=tally.eval_loss,
+                           perplexity=math.exp(min(tally.eval_loss, 50)))
+        return True
+
+    def _maybe_evaluate(self, synced: bool, tally: _Tally) -> bool:
+        every, step = self.cfg.train.eval_every, self.opt.inner_steps_total
+        due = synced if every == 0 else step % every == 0 and tally.eval_step != step
+        return self._evaluate_and_log(tally) if due else False
+
+    def _log_train(self, tally: _Tally, grad_norm: float | None) -> None:
+        step = self.opt.inner_steps_total
+        if step % self.cfg.run.log_every == 0 and tally.log_losses:
+            now = time.perf_counter()
+            self.metrics.write("train", inner_step=step, outer_step=self.opt.outer_step,
+                               loss=sum(tally.log_losses) / len(tally.log_losses), lr=self.opt.param_groups[0]["lr"],
+                               tokens_per_s=tally.log_tokens / (now - tally.log_start), grad_norm=grad_norm)
+            tally.log_losses, tally.log_start, tally.log_tokens = [], now, 0
+
+    def _outer_step_done(self, tally: _Tally, evaluated: bool) -> None:
+        report = self.opt.last_sync
+        self.metrics.write("outer_step", outer_step=self.opt.outer_step, inner_step=self.opt.inner_steps_total,
+                           loss=sum(tally.round_losses) / len(tally.round_losses),
+                           eval_loss=tally.eval_loss if evaluated else None, ok=report.ok,
+                           group_size=report.group_size, peers=list(report.peers), allreduce_s=report.allreduce_s,
+                           global_hash=report.global_hash, reason=report.reason)
+        tally.round_losses = []
+        tally.global_hash = report.global_hash or tally.global_hash
+        every = self.cfg.checkpoint.every_outer_steps
+        if report.ok and every and self.opt.outer_step % every == 0:
+            self.save_checkpoint()
+
+    def _report_progress(self, tally: _Tally, loss: float, synced: bool) -> None:
+        """Tells the swarm how this worker is doing, at most about once a second."""
+        now = time.monotonic()
+        if now - tally.last_report < 1.0 and not synced:
+            return
+        tally.last_report = now
+        self.comm.report_progress(
+            outer_step=self.opt.outer_step, inner_step=self.opt.inner_steps_total,
+            samples_per_s=tally.tokens_per_s() / self.cfg.data.seq_len, loss=loss, global_hash=tally.global_hash,
+            next_sync_eta=(self.cfg.optim.local_steps - self.opt.local_step) * tally.step_s)
+
+
+@dataclass
+class _Tally:
+    """Running numbers of one ``Trainer.run``: throughput, losses to average, what was last evaluated."""
+
+    tokens_per_step: int
+    global_hash: str
+    steps: int = 0
+    start: float = field(default_factory=time.perf_counter)
+    step_s: float = 0.0
+    """Moving average of the seconds one inner step takes."""
+    round_losses: list[float] = field(default_factory=list)
+    log_losses: list[float] = field(default_factory=list)
+    log_start: float = field(default_factory=time.perf_counter)
+    log_tokens: int = 0
+    last_report: float = float("-inf")
+    eval_loss: float | None = None
+    eval_step: int | None = None
+
+    def add(self, loss: float, seconds: float) -> None:
+        self.steps += 1
+        self.round_losses.append(loss)
+        self.log_losses.append(loss)
+        self.log_tokens += self.tokens_per_step
+        self.step_s = seconds if self.steps == 1 else 0.9 * self.step_s + 0.1 * seconds
+
+    def tokens_per_s(self) -> float:
+        return self.tokens_per_step * self.steps / max(1e-9, time.perf_counter() - self.start)
+
+
+def train(cfg: Config, *, resume: bool = False, stop_after: int | None = None) -> TrainResult:
+    return Trainer(cfg, resume=resume).run(stop_after=stop_after)
+

@@ -1,0 +1,103 @@
+"""Config loading, validation and command-line overrides of the reference trainer."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from opendiloco.cli import main
+from opendiloco.train.config import ConfigError, load_config, parse_overrides, to_toml, validate_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_cli(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.mark.parametrize("toml, fragment", [
+    ("[optim]\nlocal_steps = 0\n", "config error: optim.local_steps: must be >= 1"),
+    ("[optim]\nlocal_stepz = 5\n", "config error: optim.local_stepz: unknown key"),
+    ("[optimizer]\nlr = 1.0\n", "config error: optimizer: unknown key"),
+    ("[optim]\nlocal_steps = \"many\"\n", "config error: optim.local_steps: expected an integer"),
+    ("[train]\nprecision = \"fp8\"\n", "config error: train.precision: must be one of"),
+    ("[swarm]\ninitial_peers = [\"1.2.3.4:31337\"]\n", "config error: swarm.initial_peers:"),
+    ("[swarm]\ninitial_peers = [\"/ip4/1.2.3.4/tcp/31337\"]\n", "no /p2p/"),
+    ("[data]\nrank = 3\nworld_size = 2\n", "config error: data: rank 3 must be < world_size 2"),
+    ("[optim\n", "not valid TOML"),
+])
+def test_bad_config_file_exits_2_with_one_line(tmp_path, capsys, toml, fragment):
+    path = tmp_path / "bad.toml"
+    path.write_text(toml)
+    code, out, err = run_cli(capsys, "train", "--config", str(path))
+    assert code == 2
+    assert fragment in err
+    assert len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("override, fragment", [
+    (["--optim.local-steps", "0"], "optim.local_steps: must be >= 1"),
+    (["--optim.local-steps", "lots"], "optim.local_steps: expected an integer, got 'lots'"),
+    (["--optim.nonsense", "1"], "optim.nonsense: unknown key"),
+    (["--bogus.key", "1"], "bogus.key: unknown key"),
+    (["--optim.lr"], "optim.lr: needs a value"),
+    (["--data.eval-fraction", "1.5"], "data.eval_fraction: must be < 1"),
+    (["stray"], "unexpected argument 'stray'"),
+])
+def test_bad_override_exits_2(capsys, override, fragment):
+    code, out, err = run_cli(capsys, "train", *override)
+    assert code == 2
+    assert err.startswith("config error: ") and fragment in err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_overrides_are_parsed_by_field_type():
+    cfg = load_config(ROOT / "configs" / "tiny.toml", [
+        "--optim.local-steps", "50", "--data.seq-len", "256", "--optim.lr=0.01", "--run.progress", "false",
+        "--swarm.initial-peers", "/ip4/10.0.0.1/tcp/1/p2p/QmA", "/dns/example.org/tcp/2/p2p/QmB",
+        "--optim.betas", "0.8", "0.99", "--model.tie-embeddings", "--data.shard-seed", "none",
+    ])
+    assert cfg.optim.local_steps == 50 and cfg.data.seq_len == 256 and cfg.optim.lr == 0.01
+    assert cfg.run.progress is False and cfg.model.tie_embeddings is True
+    assert cfg.swarm.initial_peers == ["/ip4/10.0.0.1/tcp/1/p2p/QmA", "/dns/example.org/tcp/2/p2p/QmB"]
+    assert cfg.swarm.enabled  # implied by initial peers
+    assert cfg.optim.betas == [0.8, 0.99] and cfg.data.shard_seed is None
+    assert cfg.model.hidden_size == 128  # untouched values come from the file
+
+
+def test_print_config_round_trips(tmp_path, capsys):
+    code, out, _ = run_cli(capsys, "train", "-c", str(ROOT / "configs" / "tiny.toml"), "--optim.local-steps", "7",
+                           "--print-config")
+    assert code == 0
+    path = tmp_path / "resolved.toml"
+    path.write_text(out)
+    assert load_config(path) == load_config(ROOT / "configs" / "tiny.toml", ["--optim.local-steps", "7"])
+
+
+@pytest.mark.parametrize("name", ["tiny", "150m", "1b"])
+def test_shipped_configs_are_valid(name):
+    cfg = load_config(ROOT / "configs" / f"{name}.toml")
+    assert validate_config(cfg.model_dump()) == cfg
+    assert to_toml(cfg)
+
+
+def test_run_dir_defaults():
+    cfg = load_config(None, ["--run.name", "exp", "--run.worker", "w1"])
+    assert cfg.run_dir == Path("runs/exp/w1") and cfg.shard_key == "w1"
+    cfg = load_config(None, ["--run.worker", "w2", "--swarm.run-id", "swarm7", "--data.shard-seed", "s"])
+    assert cfg.run_dir == Path("runs/swarm7/w2") and cfg.shard_key == "s"
+
+
+def test_parse_overrides_rejects_two_values_for_a_scalar():
+    with pytest.raises(ConfigError, match="optim.lr: expected one value"):
+        parse_overrides(["--optim.lr", "1", "2"])
+
+
+def test_cli_subprocess_config_error_is_fast_and_clean():
+    proc = subprocess.run([sys.executable, "-m", "opendiloco.cli", "train", "--train.batch-size", "-3"],
+                          capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == "config error: train.batch_size: must be >= 1, got -3"

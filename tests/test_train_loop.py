@@ -1,0 +1,175 @@
+"""The reference training loop end to end, on a model small enough for a 2-core CI machine."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import types
+from pathlib import Path
+
+import pytest
+
+from opendiloco import SingleWorker
+from opendiloco.cli import main
+from opendiloco.train import trainer as trainer_mod
+from opendiloco.train.config import load_config
+from opendiloco.train.data import PackedStream
+from opendiloco.train.metrics import read_metrics
+from opendiloco.train.trainer import Trainer, TrainError, lr_lambda, make_communicator, train
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = [
+    "--model.hidden-size", "32", "--model.num-layers", "2", "--model.num-heads", "4", "--model.intermediate-size", "64",
+    "--data.seq-len", "32", "--train.batch-size", "4", "--train.eval-batches", "2", "--train.threads", "1",
+    "--optim.local-steps", "4", "--optim.warmup-steps", "2", "--optim.lr", "3e-3", "--run.progress", "false",
+    "--run.log-every", "2", "--run.worker", "w", "--swarm.compression", "fp16",
+]
+
+
+def small_config(run_dir, *extra):
+    return load_config(None, [*SMALL, "--run.dir", str(run_dir), *extra])
+
+
+def test_resume_is_bit_exact(tmp_path):
+    whole = train(small_config(tmp_path / "whole", "--train.total-steps", "12"))
+    assert len(whole.losses) == 12 and whole.outer_steps == 3
+
+    cfg = small_config(tmp_path / "split", "--train.total-steps", "12")
+    first = train(cfg, stop_after=6)  # stops mid local round (local_steps 4)
+    assert first.stopped and first.inner_steps == 6
+    with pytest.raises(TrainError, match="--resume"):
+        train(cfg)  # a fresh start would silently overwrite the run
+    second = train(cfg, resume=True)
+    assert second.inner_steps == 12 and not second.stopped
+    assert first.losses + second.losses == whole.losses  # exact float equality, step by step
+    assert second.eval_loss == whole.eval_loss
+
+    hashes = [[r["global_hash"] for r in read_metrics(d / "metrics.jsonl") if r["event"] == "outer_step"]
+              for d in (tmp_path / "whole", tmp_path / "split")]
+    assert hashes[0] == hashes[1]
+
+
+def test_loss_goes_down_and_metrics_are_written(tmp_path):
+    result = train(small_config(tmp_path, "--train.total-steps", "24", "--optim.lr", "5e-3"))
+    first, last = sum(result.losses[:3]) / 3, sum(result.losses[-3:]) / 3
+    assert last < first - 0.8, (first, last)
+
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    events = [r["event"] for r in records]
+    assert events[0] == "start" and events[-1] == "end"
+    outer = [r for r in records if r["event"] == "outer_step"]
+    assert [r["outer_step"] for r in outer] == [1, 2, 3, 4, 5, 6]
+    for r in outer:
+        for key in ("outer_step", "inner_step", "loss", "eval_loss", "group_size", "allreduce_s", "global_hash",
+                    "time"):
+            assert key in r, key
+        assert r["group_size"] == 1 and r["ok"] and len(r["global_hash"]) == 16
+    assert outer[-1]["eval_loss"] < outer[0]["eval_loss"]
+    evals = [r for r in records if r["event"] == "eval"]
+    assert evals and all(r["perplexity"] > 1 for r in evals)
+    assert [r["inner_step"] for r in records if r["event"] == "train"] == list(range(2, 25, 2))
+    assert (tmp_path / "config.toml").is_file()
+    assert result.eval_loss == outer[-1]["eval_loss"]
+
+
+def test_plot_writes_png(tmp_path, capsys):
+    for name in ("a", "b"):
+        train(small_config(tmp_path / name, "--train.total-steps", "8", "--run.worker", name))
+    out = tmp_path / "plots" / "loss.png"
+    assert main(["plot", str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(out)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 5000
+    assert main(["plot", str(tmp_path / "missing"), "--out", str(out)]) == 1
+    assert "no metrics.jsonl" in capsys.readouterr().err
+
+
+def test_lr_schedule_warms_up_then_decays():
+    lrs = [lr_lambda(s, warmup=10, total=100, min_ratio=0.1) for s in range(101)]
+    assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0)
+    assert all(a >= b for a, b in zip(lrs[9:], lrs[10:]))
+    assert lrs[100] == pytest.approx(0.1)
+
+
+def _wait_for(predicate, timeout):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def test_cli_train_subprocess_stops_cleanly_on_sigint_and_resumes(tmp_path):
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "opendiloco.cli", "train", *SMALL, "--run.dir", str(run_dir),
+           "--train.total-steps", "100000", "--checkpoint.every-outer-steps", "0"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        metrics = run_dir / "metrics.jsonl"
+        started = _wait_for(lambda: metrics.is_file() and '"event": "train"' in metrics.read_text(), 90)
+        assert started, proc.stderr.read() if proc.poll() is not None else "no training progress in 90 s"
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, err
+    assert "continue with --resume" in err
+    end = json.loads(metrics.read_text().splitlines()[-1])
+    assert end["event"] == "end" and end["stopped"] is True
+    stopped_at = end["inner_step"]
+    assert (run_dir / "checkpoints" / "latest").is_file()
+
+    cfg = load_config(None, [*SMALL, "--run.dir", str(run_dir), "--train.total-steps", str(stopped_at + 2)])
+    resumed = train(cfg, resume=True)
+    assert resumed.inner_steps == stopped_at + 2 and len(resumed.losses) == 2
+
+
+class _ServesState(SingleWorker):
+    """A group of one whose 'live peer' hands out a fixed state, as a swarm would to a joiner."""
+
+    def __init__(self, state):
+        super().__init__(compression="fp16")
+        self.state = state
+        self.progress = []
+
+    def download_state(self, timeout):
+        return self.state
+
+    def report_progress(self, **fields):
+        self.progress.append(fields)
+
+
+def test_joiner_adopts_peer_state_schedule_and_data_position(tmp_path, monkeypatch):
+    peer = Trainer(small_config(tmp_path / "peer", "--train.total-steps", "8"))
+    peer_result = peer.run()
+    comm = _ServesState(peer.opt.shareable_state())
+    monkeypatch.setattr(trainer_mod, "make_communicator", lambda cfg, run_dir: comm)
+
+    joiner = Trainer(small_config(tmp_path / "joiner", "--train.total-steps", "12", "--run.worker", "late"))
+    result = joiner.run()
+    assert result.inner_steps == 12 and len(result.losses) == 4 and result.outer_steps == 3
+    assert result.losses[0] < peer_result.losses[0] - 0.5  # starts from the trained θ_global, not from scratch
+    assert joiner.scheduler.last_epoch == 12
+    expected = PackedStream(joiner.stream.corpus, joiner.tokenizer, 32)
+    expected.skip(12 * 4)  # 8 steps skipped on joining + 4 trained, 4 rows each
+    assert joiner.stream.state_dict() == expected.state_dict()
+    fields = comm.progress[-1]
+    assert {"outer_step", "inner_step", "samples_per_s", "loss", "global_hash", "next_sync_eta"} <= fields.keys()
+    assert fields["global_hash"] == joiner.opt.global_hash()
+
+
+def test_make_communicator_seam(tmp_path, monkeypatch):
+    comm = make_communicator(load_config(None, ["--swarm.compression", "int8"]), tmp_path)
+    assert isinstance(comm, SingleWorker) and comm.codec.name == "int8"
+
+    calls = []
+    fake = types.ModuleType("opendiloco.comm.hivemind")
+    fake.HivemindCommunicator = types.SimpleNamespace(from_config=lambda swarm, run_dir: calls.append((swarm, run_dir)))
+    monkeypatch.setitem(sys.modules, "opendiloco.comm.hivemind", fake)
+    cfg = load_config(None, ["--swarm.enabled"])
+    make_communicator(cfg, tmp_path)
+    assert calls == [(cfg.swarm, tmp_path)]
