@@ -65,7 +65,7 @@ def test_overrides_are_parsed_by_field_type():
     assert cfg.swarm.initial_peers == ["/ip4/10.0.0.1/tcp/1/p2p/QmA", "/dns/example.org/tcp/2/p2p/QmB"]
     assert cfg.swarm.enabled  # implied by initial peers
     assert cfg.optim.betas == [0.8, 0.99] and cfg.data.shard_seed is None
-    assert cfg.model.hidden_size == 128  # untouched values come from the file
+    assert cfg.model.hidden_size == 256  # untouched values come from the file
 
 
 def test_print_config_round_trips(tmp_path, capsys):

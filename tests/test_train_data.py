@@ -63,9 +63,10 @@ def test_explicit_ranks_are_disjoint_and_cover_everything(stdlib):
     assert set().union(*seen) == set(range(len(shards[0].train)))
 
 
-def test_packing_and_exact_resume(stdlib):
+@pytest.mark.parametrize("lanes", [1, 8])
+def test_packing_and_exact_resume(stdlib, lanes):
     tok = ByteTokenizer()
-    s = PackedStream(corpus(stdlib), tok, seq_len=64)
+    s = PackedStream(corpus(stdlib), tok, seq_len=64, lanes=lanes)
     first = s.next_batch(4)
     assert first.shape == (4, 64) and first.dtype == torch.long
     for _ in range(20):
@@ -73,13 +74,24 @@ def test_packing_and_exact_resume(stdlib):
     state = s.state_dict()
     expected = [s.next_batch(8) for _ in range(30)]
 
-    again = PackedStream(corpus(stdlib), tok, seq_len=64)
+    again = PackedStream(corpus(stdlib), tok, seq_len=64, lanes=lanes)
     again.load_state_dict(state)
     assert all(torch.equal(x, y) for x, y in zip(expected, [again.next_batch(8) for _ in range(30)]))
 
-    skipper = PackedStream(corpus(stdlib), tok, seq_len=64)
+    skipper = PackedStream(corpus(stdlib), tok, seq_len=64, lanes=lanes)
     skipper.skip(4 + 20 * 8)
     assert torch.equal(skipper.next_batch(8), expected[0])
+
+
+def test_lanes_put_different_documents_in_one_batch(stdlib):
+    tok = ByteTokenizer()
+    one, many = (PackedStream(corpus(stdlib), tok, seq_len=64, lanes=n) for n in (1, 8))
+    for _ in range(3):
+        one.next_batch(8)
+        many.next_batch(8)
+    assert len({lane.doc for lane in many.lanes}) == 8
+    assert one.lanes[0].doc < 3  # one lane: three batches come from the first document or two
+    assert many.next_doc < 16  # lanes take the worker's documents in order, none skipped
 
 
 def test_documents_are_separated_by_eos_and_epochs_wrap(tmp_path):
@@ -91,6 +103,13 @@ def test_documents_are_separated_by_eos_and_epochs_wrap(tmp_path):
     rows = torch.cat([s.next_batch(1) for _ in range(12)]).flatten().tolist()
     assert rows.count(tok.eos_id) >= 6  # > one epoch of 3 documents
     assert s.epoch >= 1
+
+    lanes = PackedStream(c, tok, seq_len=16, lanes=2)
+    for _ in range(12):
+        lanes.next_batch(2)
+    restored = PackedStream(c, tok, seq_len=16, lanes=2)
+    restored.load_state_dict(lanes.state_dict())  # lanes may hold documents of different epochs
+    assert all(torch.equal(lanes.next_batch(2), restored.next_batch(2)) for _ in range(6))
     text = tok.decode(rows)
     assert "alpha alpha" in text and "beta beta beta" in text
 

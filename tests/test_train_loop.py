@@ -154,7 +154,7 @@ def test_joiner_adopts_peer_state_schedule_and_data_position(tmp_path, monkeypat
     assert result.inner_steps == 12 and len(result.losses) == 4 and result.outer_steps == 3
     assert result.losses[0] < peer_result.losses[0] - 0.5  # starts from the trained θ_global, not from scratch
     assert joiner.scheduler.last_epoch == 12
-    expected = PackedStream(joiner.stream.corpus, joiner.tokenizer, 32)
+    expected = PackedStream(joiner.stream.corpus, joiner.tokenizer, 32, lanes=4)
     expected.skip(12 * 4)  # 8 steps skipped on joining + 4 trained, 4 rows each
     assert joiner.stream.state_dict() == expected.state_dict()
     fields = comm.progress[-1]

@@ -8,8 +8,8 @@ that never talked to each other still read different parts of the data. With an 
 The held-out eval documents are chosen by a hash of each document's identity (a file's
 relative path, or the text itself): the same split on every worker, with no list to ship.
 
-The reading position is three integers (epoch, document index, token offset in that
-document), so a checkpoint restores it exactly.
+The reading position is a few integers (epoch, next document, and for each lane of
+``PackedStream`` its document and token offset), so a checkpoint restores it exactly.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import os
 import sysconfig
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -52,6 +53,17 @@ class Corpus(ABC):
     def eval_documents(self) -> Iterator[str]:
         """Held-out documents, in the same fixed order on every worker."""
 
+    def fetch(self, epoch: int, indices: list[int]) -> dict[int, str]:
+        """Training documents by their index in ``epoch``'s order (to restore a reading position)."""
+        want, out = set(indices), {}
+        first = min(want)
+        for i, text in enumerate(self.documents(epoch, first), start=first):
+            if i in want:
+                out[i] = text
+                if len(out) == len(want):
+                    break
+        return out
+
 
 class ListCorpus(Corpus):
     """A finite, indexable collection: ``items`` are (identity key, loader) pairs."""
@@ -81,6 +93,10 @@ class ListCorpus(Corpus):
     def documents(self, epoch, start=0):
         for i in self.order(epoch)[start:]:
             yield self.train[int(i)]()
+
+    def fetch(self, epoch, indices):
+        order = self.order(epoch)
+        return {i: self.train[int(order[i])]() for i in indices}
 
     def eval_documents(self):
         for load in self.eval:
@@ -198,61 +214,95 @@ def make_corpus(cfg: DataConfig, order_key: str) -> Corpus:
 # -- packing --------------------------------------------------------------------------------
 
 class PackedStream:
-    """Concatenates tokenized documents (each followed by EOS) and cuts them into ``seq_len`` rows.
+    """Cuts tokenized documents (each followed by EOS) into ``seq_len`` rows, reading ``lanes`` at a time.
 
-    Not a generator on purpose: its position is plain state that ``state_dict`` captures
-    between any two calls, and ``load_state_dict`` restores exactly.
+    Each lane is a cursor in one document; row ``i`` comes from lane ``i % lanes``, and a lane
+    that finishes its document takes the next one in this worker's order. With as many lanes
+    as rows in a batch, every row of a batch comes from a different document: a long document
+    (a stdlib file is ~150 rows of 128 bytes) would otherwise fill whole batches, and a model
+    that sees one file for many steps in a row learns that file rather than the language.
+
+    Not a generator on purpose: the position is plain state (epoch, next document, and each
+    lane's document and offset) that ``state_dict`` captures between any two calls and
+    ``load_state_dict`` restores exactly.
     """
 
-    def __init__(self, corpus: Corpus, tokenizer, seq_len: int):
+    def __init__(self, corpus: Corpus, tokenizer, seq_len: int, lanes: int = 1):
+        if lanes < 1:
+            raise ValueError("lanes must be >= 1")
         self.corpus, self.tokenizer, self.seq_len = corpus, tokenizer, seq_len
-        self.epoch, self.doc, self.pos = 0, 0, 0
+        self.epoch, self.next_doc, self.turn = 0, 0, 0
+        self.lanes = [_Lane() for _ in range(lanes)]
         self._docs: Iterator[str] | None = None
-        self._tokens: np.ndarray | None = None
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "doc": self.doc, "pos": self.pos}
+        return {"epoch": self.epoch, "next_doc": self.next_doc, "turn": self.turn,
+                "lanes": [[lane.epoch, lane.doc, lane.pos] for lane in self.lanes]}
 
     def load_state_dict(self, state: dict) -> None:
-        self.epoch, self.doc, self.pos = int(state["epoch"]), int(state["doc"]), int(state["pos"])
-        self._docs, self._tokens = None, None
+        if len(state["lanes"]) != len(self.lanes):
+            raise ValueError(f"data position has {len(state['lanes'])} lanes, this stream {len(self.lanes)} "
+                             "(train.batch_size changed?)")
+        self.epoch, self.next_doc, self.turn = int(state["epoch"]), int(state["next_doc"]), int(state["turn"])
+        self._docs = None
+        self.lanes = [_Lane(int(e), int(d), int(p)) for e, d, p in state["lanes"]]
+        for epoch in {lane.epoch for lane in self.lanes if lane.doc >= 0}:
+            lanes = [lane for lane in self.lanes if lane.doc >= 0 and lane.epoch == epoch]
+            texts = self.corpus.fetch(epoch, [lane.doc for lane in lanes])
+            for lane in lanes:
+                lane.tokens = self._encode(texts[lane.doc])
 
-    def _current(self) -> np.ndarray:
-        """The tokens of the document at (epoch, doc), opening the next epoch when one runs out."""
-        if self._tokens is None:
+    def _encode(self, text: str) -> np.ndarray:
+        return np.append(self.tokenizer.encode(text), self.tokenizer.eos_id)
+
+    def _open_next(self, lane: _Lane) -> None:
+        """Gives ``lane`` the next document of the order, opening the next epoch when one runs out."""
+        for _ in range(2):
             if self._docs is None:
-                self._docs = self.corpus.documents(self.epoch, self.doc)
-            for attempt in range(2):
-                text = next(self._docs, None)
-                if text is not None:
-                    break
-                if attempt or self.doc == 0:
-                    raise RuntimeError("the data source yielded no documents")
-                self.epoch, self.doc, self.pos = self.epoch + 1, 0, 0
-                self._docs = self.corpus.documents(self.epoch, 0)
-            self._tokens = np.append(self.tokenizer.encode(text), self.tokenizer.eos_id)
-        return self._tokens
+                self._docs = self.corpus.documents(self.epoch, self.next_doc)
+            text = next(self._docs, None)
+            if text is not None:
+                lane.epoch, lane.doc, lane.pos, lane.tokens = self.epoch, self.next_doc, 0, self._encode(text)
+                self.next_doc += 1
+                return
+            if self.next_doc == 0:
+                break
+            self.epoch, self.next_doc, self._docs = self.epoch + 1, 0, None
+        raise RuntimeError("the data source yielded no documents")
 
-    def _take(self, n: int, out: list | None) -> None:
-        while n > 0:
-            tokens = self._current()
-            k = min(n, len(tokens) - self.pos)
+    def _row(self, out: list | None) -> None:
+        lane = self.lanes[self.turn]
+        self.turn = (self.turn + 1) % len(self.lanes)
+        need = self.seq_len
+        while need > 0:
+            if lane.tokens is None or lane.pos >= len(lane.tokens):
+                self._open_next(lane)
+            k = min(need, len(lane.tokens) - lane.pos)
             if out is not None:
-                out.append(tokens[self.pos : self.pos + k])
-            self.pos += k
-            n -= k
-            if self.pos >= len(tokens):
-                self.doc, self.pos, self._tokens = self.doc + 1, 0, None
+                out.append(lane.tokens[lane.pos : lane.pos + k])
+            lane.pos += k
+            need -= k
 
     def next_batch(self, batch_size: int) -> torch.Tensor:
         """The next ``batch_size`` rows as a ``[batch_size, seq_len]`` LongTensor."""
         parts: list[np.ndarray] = []
-        self._take(batch_size * self.seq_len, parts)
+        for _ in range(batch_size):
+            self._row(parts)
         return torch.from_numpy(np.concatenate(parts).reshape(batch_size, self.seq_len))
 
     def skip(self, rows: int) -> None:
         """Moves on by ``rows`` sequences without building them."""
-        self._take(rows * self.seq_len, None)
+        for _ in range(rows):
+            self._row(None)
+
+
+@dataclass
+class _Lane:
+    epoch: int = 0
+    doc: int = -1
+    """Index of this lane's document in the epoch's order; -1 before its first."""
+    pos: int = 0
+    tokens: np.ndarray | None = None
 
 
 def eval_batches(corpus: Corpus, tokenizer, seq_len: int, batch_size: int, count: int,

@@ -183,7 +183,7 @@ class Trainer:
             corpus = make_corpus(cfg.data, order_key=cfg.shard_key)
         except (RuntimeError, OSError, ValueError) as e:  # missing files, bad lines, no datasets package...
             raise TrainError(f"data: {e}") from e
-        self.stream = PackedStream(corpus, self.tokenizer, cfg.data.seq_len)
+        self.stream = PackedStream(corpus, self.tokenizer, cfg.data.seq_len, lanes=cfg.train.batch_size)
         self.eval_set = eval_batches(corpus, self.tokenizer, cfg.data.seq_len, cfg.train.batch_size,
                                      cfg.train.eval_batches)
         self.model = build_model(cfg.model, self.tokenizer.vocab_size, cfg.data.seq_len).to(self.device)
