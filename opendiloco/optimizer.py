@@ -29,6 +29,9 @@ class SyncReport:
     group_size: int = 0
     peers: tuple[str, ...] = ()
     allreduce_s: float = 0.0
+    """Seconds inside the communicator (matchmaking, waiting for peers, transfer, verification)."""
+    seconds: float = 0.0
+    """Seconds of the whole outer step, as seen by the training loop (``allreduce_s`` plus local work)."""
     global_hash: str = ""
     reason: str = ""
     extra: dict = field(default_factory=dict)
@@ -129,6 +132,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
     # -- the outer step ----------------------------------------------------------------------
     def sync(self) -> SyncReport:
         """Averages pseudo-gradients with the group and applies one outer step (called by ``step``)."""
+        began = time.perf_counter()
         deltas = self.outer.pseudo_gradients()
         buffers = self.outer.buffer_values()
         weight = float(self._samples_since_sync) if self.weight_by_samples else 1.0
@@ -156,10 +160,12 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
                 self.outer.apply(averaged[:n], averaged[n:])
                 self._outer_step += 1
             self._global_changed()
-            report = SyncReport(self._outer_step, True, result.group_size, result.peers,
-                                time.perf_counter() - start, self.global_hash(), extra=result.extra)
+            report = SyncReport(self._outer_step, True, group_size=result.group_size, peers=result.peers,
+                                allreduce_s=time.perf_counter() - start, global_hash=self.global_hash(),
+                                extra=result.extra)
         self._local_step = 0
         self._samples_since_sync = 0
+        report.seconds = time.perf_counter() - began
         self.last_sync = report
         return report
 
@@ -187,12 +193,16 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
 
     # -- state for joiners -------------------------------------------------------------------
     def shareable_state(self) -> dict:
-        """What a late joiner needs: θ_global, outer optimizer state, counters. Never inner state."""
+        """What a late joiner needs: θ_global, outer optimizer state, counters. Never inner state.
+
+        ``inner_steps_total`` is the count at the last outer step, the point θ_global stands for:
+        a joiner then takes exactly ``local_steps`` inner steps before its first outer step.
+        """
         with self._state_lock:
             return {
                 "outer": self.outer.state_dict(),
                 "outer_step": self._outer_step,
-                "inner_steps_total": self._inner_steps_total,
+                "inner_steps_total": self._inner_steps_total - self._local_step,
                 "buffers": self.outer.buffer_values(),
             }
 

@@ -38,53 +38,21 @@ import argparse
 import json
 import os
 import platform
-import signal
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
 
+from opendiloco.proctree import ProcessGroup, descendants
+
 ROOT = Path(__file__).resolve().parents[1]
 CODECS = {"none": ("float32", 4), "fp16": ("float16", 2)}  # codec -> (gloo dtype, wire bytes per element)
 
 
 # -- process bookkeeping (by PID only) --------------------------------------------------------------
-
-def _proc_table() -> dict[int, list[int]]:
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-                children.setdefault(ppid, []).append(int(entry))
-            except (OSError, ValueError, IndexError):
-                pass
-    return children
-
-
-def descendants(pid: int, table: dict[int, list[int]] | None = None) -> list[int]:
-    table = _proc_table() if table is None else table
-    out, todo = [], [pid]
-    while todo:
-        for child in table.get(todo.pop(), []):
-            if child not in out:
-                out.append(child)
-                todo.append(child)
-    return out
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
 
 def rss_bytes(pid: int) -> int:
     try:
@@ -114,37 +82,18 @@ def mem_available() -> int:
     return 0
 
 
-class Group:
-    """Processes started for one measurement; everything is stopped by PID in ``stop``."""
+class Group(ProcessGroup):
+    """Processes started for one measurement, with their peak memory; stopped by PID in ``stop``."""
 
     def __init__(self, tmp: Path):
-        self.tmp, self.procs, self.known = tmp, [], set()
+        super().__init__(tmp, cwd=ROOT)
         self.peak_rss, self._sampling = 0, True
         self._sampler = threading.Thread(target=self._sample, daemon=True)
         self._sampler.start()
 
-    def spawn(self, args: list[str], name: str, env: dict | None = None) -> subprocess.Popen:
-        log = open(self.tmp / f"{name}.log", "ab")
-        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
-                                env=dict(os.environ, PYTHONUNBUFFERED="1", **(env or {})))
-        log.close()
-        proc.name = name
-        self.procs.append(proc)
-        return proc
-
-    def log(self, name: str) -> str:
-        path = self.tmp / f"{name}.log"
-        return path.read_text(errors="replace")[-3000:] if path.exists() else ""
-
     def _sample(self) -> None:
         while self._sampling:
-            table = _proc_table()
-            pids = set()
-            for proc in list(self.procs):
-                if proc.poll() is None:
-                    pids.add(proc.pid)
-                    pids.update(descendants(proc.pid, table))
-            self.known |= pids
+            pids = self.track()
             self.peak_rss = max(self.peak_rss, sum(rss_bytes(p) for p in pids))
             if mem_available() < 2**30:  # stop before the OOM killer picks a victim
                 print("less than 1 GiB of memory left: stopping this measurement", file=sys.stderr, flush=True)
@@ -153,41 +102,9 @@ class Group:
                         proc.kill()
             time.sleep(0.25)
 
-    def wait(self, procs: list[subprocess.Popen], timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        for proc in procs:
-            try:
-                proc.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                msg = f"{proc.name} did not finish within {timeout:.0f}s:\n{self.log(proc.name)}"
-                raise RuntimeError(msg) from None
-            if proc.returncode != 0:
-                raise RuntimeError(f"{proc.name} exited with {proc.returncode}:\n{self.log(proc.name)}")
-
     def stop(self) -> list[int]:
         self._sampling = False
-        for proc in self.procs:
-            if proc.poll() is None:
-                self.known.update(descendants(proc.pid))
-        for proc in self.procs:
-            if proc.poll() is None:
-                proc.terminate()
-        for proc in self.procs:
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(5)
-        deadline = time.monotonic() + 8
-        while any(alive(p) for p in self.known) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        leaked = sorted(p for p in self.known if alive(p))
-        for pid in leaked:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        return leaked
+        return super().stop()
 
 
 # -- the OpenDiLoCo peer -------------------------------------------------------------------------------

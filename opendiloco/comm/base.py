@@ -68,6 +68,12 @@ class Communicator(ABC):
     def report_progress(self, **fields) -> None:
         """Publishes progress (outer step, inner step, throughput, hash...); no-op by default."""
 
+    def interrupt(self) -> None:
+        """The worker is stopping: a round still waiting for peers gives up at once (no-op by default).
+
+        Called from a signal handler, so it only sets a flag.
+        """
+
     def close(self) -> None:
         pass
 

@@ -153,6 +153,8 @@ class HivemindCommunicator(Communicator):
         self._state_provider: StateProvider | None = None
         self._heal_hash: str | None = None
         self._closed = False
+        self._interrupted = threading.Event()
+        self._publishing: set = set()
 
         self._loop = uvloop.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="opendiloco-comm", daemon=True)
@@ -203,8 +205,10 @@ class HivemindCommunicator(Communicator):
         with self._progress_lock:
             changed = fields.get("outer_step", self._progress["outer_step"]) != self._progress["outer_step"]
             self._progress.update(fields)
-        if changed:
-            asyncio.run_coroutine_threadsafe(self._publish(), self._loop)
+        if changed:  # keep the future: an unreferenced task may be garbage-collected mid-flight
+            future = asyncio.run_coroutine_threadsafe(self._publish(), self._loop)
+            self._publishing.add(future)
+            future.add_done_callback(self._publishing.discard)
 
     async def _publish(self, left: bool = False) -> None:
         with self._progress_lock:
@@ -233,16 +237,19 @@ class HivemindCommunicator(Communicator):
         self._raise_if_drifted(outer_step)
         start, attempt, errors, suspects = time.perf_counter(), 0, [], set()
         while len(errors) < s.max_attempts:
+            self._raise_if_interrupted()
             members, attempt = self._matchmake(outer_step, attempt, flat.numel(), suspects)
             group_id = make_group_id(s.run_id, outer_step, attempt, members)
+            transfer_start, sent = time.perf_counter(), 0
             try:
                 if len(members) == 1:
                     if weight <= 0:
                         raise AveragingError("alone in the group and contributing weight 0")
                     averaged, total, digest = self.codec.roundtrip(flat), float(weight), "solo"
                 else:
-                    averaged, total, digest = self._call(
+                    averaged, total, digest, sent = self._call(
                         self._allreduce(group_id, members, flat, float(weight)), timeout=s.allreduce_timeout + 10)
+                    transfer_s = time.perf_counter() - transfer_start
                     self._verify(outer_step, attempt, members, digest)
             except AveragingError as e:
                 if isinstance(e, PeerFailure):
@@ -255,7 +262,9 @@ class HivemindCommunicator(Communicator):
             self.report_progress(last_sync_time=get_dht_time())
             return AverageResult(unflatten(averaged, tensors), tuple(members), total,
                                  time.perf_counter() - start,
-                                 extra={"attempts": len(errors) + 1, "group_id": group_id, "digest": digest})
+                                 extra={"attempts": len(errors) + 1, "group_id": group_id, "digest": digest,
+                                        "transfer_s": transfer_s if len(members) > 1 else 0.0,
+                                        "bytes_sent": sent})
         raise AveragingError(f"outer step {outer_step}: no complete round in {s.max_attempts} attempts: "
                              + "; ".join(errors))
 
@@ -300,8 +309,8 @@ class HivemindCommunicator(Communicator):
             attempt = max([attempt] + [v["attempt"] for v in ready.values()])
             if announced != attempt:
                 value = {"attempt": attempt, "numel": numel, "codec": self.codec.name}
-                self.dht.store(key, value, get_dht_time() + s.matchmaking_timeout + s.allreduce_timeout,
-                               subkey=me)
+                expiry = get_dht_time() + s.matchmaking_timeout + s.allreduce_timeout
+                records.wait_dht(self.dht.store(key, value, expiry, subkey=me, return_future=True), "store")
                 ready[me], announced = value, attempt
             compatible = {p for p, v in ready.items() if v.get("attempt") == attempt
                           and v.get("numel") == numel and v.get("codec") == self.codec.name}
@@ -309,6 +318,7 @@ class HivemindCommunicator(Communicator):
             waited = time.monotonic() - t0
             if len(compatible) >= s.min_group_size and (expected <= compatible or waited >= s.straggler_wait):
                 break
+            self._raise_if_interrupted()
             if waited >= s.matchmaking_timeout:
                 raise AveragingError(f"matchmaking for outer step {outer_step}: {len(compatible)} peer(s) ready "
                                      f"after {waited:.0f}s, need {s.min_group_size}")
@@ -330,17 +340,19 @@ class HivemindCommunicator(Communicator):
                                   group_outer_step=outer_step + 1, timeout=s.allreduce_timeout + s.verify_timeout)
             if leader == me:
                 members = sorted(compatible)
-                self.dht.store(gkey, members, get_dht_time() + s.allreduce_timeout + s.matchmaking_timeout,
-                               subkey=me)
+                expiry = get_dht_time() + s.allreduce_timeout + s.matchmaking_timeout
+                records.wait_dht(self.dht.store(gkey, members, expiry, subkey=me, return_future=True), "store")
                 leader = None  # read it back: a concurrent leader with a smaller id would win
                 continue
+            self._raise_if_interrupted()
             if time.monotonic() > deadline:
                 raise AveragingError(f"no group was published for outer step {outer_step}")
             self._raise_if_behind(self.live_workers(), outer_step)
             time.sleep(s.poll_interval)
 
     async def _allreduce(self, group_id: str, members: list[str], flat: torch.Tensor,
-                         weight: float) -> tuple[torch.Tensor, float, str]:
+                         weight: float) -> tuple[torch.Tensor, float, str, int]:
+        """Reduce-scatter then all-gather of ``flat``; returns (average, total weight, digest, bytes sent)."""
         loop = asyncio.get_running_loop()
         me = members.index(self._peer_id)
         bounds = shard_bounds(flat.numel(), len(members))
@@ -359,7 +371,7 @@ class HivemindCommunicator(Communicator):
                 None, decode_shard, self.codec, numels[me], result.header, result.payload, result.digest), result
 
         tasks = [asyncio.create_task(own_shard() if j == me else
-                                     self._exchange(members[j], group_id, weight, parts[j], numels[j]))
+                                     self._exchange(rnd, members[j], weight, parts[j], numels[j]))
                  for j in range(len(members))]
         try:
             done, pending = await asyncio.wait(tasks, timeout=self.settings.allreduce_timeout,
@@ -385,12 +397,16 @@ class HivemindCommunicator(Communicator):
         if len(total) != 1:
             raise AveragingError(f"shards report different total weights {sorted(total)}")
         digest = hashlib.sha256("".join(r.digest for _, r in results).encode()).hexdigest()[:32]
-        return averaged, results[0][1].total_weight, digest
+        # Payload this worker put on the wire: its contributions to the other shards, and its own
+        # shard's average once to each other member (sent by _rpc_reduce, which every member awaited).
+        sent = sum(len(parts[j][1]) for j in range(len(members)) if j != me)
+        sent += (len(members) - 1) * len(results[me][1].payload)
+        return averaged, results[0][1].total_weight, digest, sent
 
-    async def _exchange(self, peer: str, group_id: str, weight: float, part: tuple[list, bytes], numel: int):
+    async def _exchange(self, rnd: _Round, peer: str, weight: float, part: tuple[list, bytes], numel: int):
         """Sends our contribution to shard owner ``peer`` and receives that shard's average."""
         header, payload = part
-        meta = {"group_id": group_id, "sender": self._peer_id, "weight": weight, "header": header,
+        meta = {"group_id": rnd.group_id, "sender": self._peer_id, "weight": weight, "header": header,
                 "size": len(payload)}
         chunks = _chunks(payload)
 
@@ -459,7 +475,8 @@ class HivemindCommunicator(Communicator):
         """Members compare digests of the whole average through the DHT before anyone applies it."""
         s = self.settings
         key = records.done_key(s.run_id, outer_step, attempt)
-        self.dht.store(key, digest, get_dht_time() + s.allreduce_timeout, subkey=self._peer_id)
+        records.wait_dht(self.dht.store(key, digest, get_dht_time() + s.allreduce_timeout, subkey=self._peer_id,
+                                       return_future=True), "store")
         deadline = time.monotonic() + s.verify_timeout
         while True:
             seen = {p: v for p, v in records.subkey_values(self.dht, key).items() if p in members}
@@ -546,6 +563,13 @@ class HivemindCommunicator(Communicator):
             time.sleep(0.5)
 
     # -- shutdown ----------------------------------------------------------------------------
+    def interrupt(self) -> None:
+        self._interrupted.set()
+
+    def _raise_if_interrupted(self) -> None:
+        if self._interrupted.is_set():
+            raise AveragingError("the worker is stopping: round abandoned")
+
     def close(self) -> None:
         if self._closed:
             return

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import signal
@@ -12,6 +13,8 @@ from collections.abc import Sequence
 import hivemind
 from hivemind.p2p import P2P
 from hivemind.utils.multiaddr import Multiaddr
+
+from opendiloco.proctree import children
 
 log = logging.getLogger(__name__)
 
@@ -48,19 +51,25 @@ def ensure_identity(path: str) -> None:
         log.info("created a new peer identity at %s", path)
 
 
-def _child_pids(pid: int) -> list[int]:
-    children = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            if int(fields[1]) == pid:
-                children.append(int(entry))
-        except (OSError, IndexError, ValueError):
-            continue
-    return children
+def _keep_tasks_referenced() -> None:
+    """Holds a strong reference to every asyncio task of this process until it is done.
+
+    The DHT process starts one task per request (``asyncio.create_task`` in ``DHT.run``) and
+    keeps no reference to it; the event loop holds tasks only weakly, so under load the garbage
+    collector can destroy one mid-request ("Task was destroyed but it is pending!"). The
+    caller's future then never resolves and the worker hangs (seen in ``get_visible_maddrs`` with
+    4 workers starting on 2 cores). Called only inside the DHT process.
+    """
+    running: set[asyncio.Task] = set()
+    create_task = asyncio.create_task
+
+    def create_task_kept(coro, **kwargs):
+        task = create_task(coro, **kwargs)
+        running.add(task)
+        task.add_done_callback(running.discard)
+        return task
+
+    asyncio.create_task = create_task_kept
 
 
 class WorkerBoundDHT(hivemind.DHT):
@@ -71,13 +80,14 @@ class WorkerBoundDHT(hivemind.DHT):
     """
 
     def run(self) -> None:
+        _keep_tasks_referenced()
         parent = self._parent_pid
 
         def watchdog():
             while True:
                 time.sleep(0.5)
                 if os.getppid() != parent:
-                    for child in _child_pids(os.getpid()):  # p2pd
+                    for child in children(os.getpid()):  # p2pd
                         try:
                             os.kill(child, signal.SIGKILL)
                         except ProcessLookupError:

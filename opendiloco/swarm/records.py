@@ -15,6 +15,8 @@ from dataclasses import asdict, dataclass, fields
 import hivemind
 from hivemind.utils.timed_storage import get_dht_time
 
+from opendiloco.comm.base import AveragingError
+
 log = logging.getLogger(__name__)
 
 
@@ -68,9 +70,22 @@ class WorkerRecord:
             return None
 
 
+DHT_CALL_TIMEOUT = 30.0
+
+
+def wait_dht(future, what: str, timeout: float = DHT_CALL_TIMEOUT):
+    """The result of a DHT call, or ``AveragingError`` after ``timeout``: a call whose DHT process died
+    (or lost the request) would otherwise block the worker for ever."""
+    try:
+        return future.result(timeout)
+    except TimeoutError:
+        future.cancel()
+        raise AveragingError(f"the DHT did not answer a {what} within {timeout:.0f}s") from None
+
+
 def subkey_values(dht: hivemind.DHT, key: str) -> dict[str, object]:
     """All live subkey -> value pairs stored under ``key`` (empty if none)."""
-    found = dht.get(key, latest=True)
+    found = wait_dht(dht.get(key, latest=True, return_future=True), "get")
     if found is None or not isinstance(found.value, dict):
         return {}
     now = get_dht_time()

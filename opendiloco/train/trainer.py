@@ -75,14 +75,18 @@ class TrainResult:
 class StopRequest:
     """SIGINT/SIGTERM ask the loop to finish its step, checkpoint and exit; a second SIGINT aborts."""
 
-    def __init__(self):
+    def __init__(self, on_stop=None):
         self.requested = False
+        self.on_stop = on_stop
+        """Called in the handler: e.g. lets an outer step that waits for peers give up."""
         self._previous: dict = {}
 
     def _handle(self, signum, frame):
         if self.requested and signum == signal.SIGINT:
             raise KeyboardInterrupt
         self.requested = True
+        if self.on_stop is not None:
+            self.on_stop()
         log.warning("%s received: finishing this step, then checkpointing and exiting",
                     signal.Signals(signum).name)
 
@@ -321,7 +325,7 @@ class Trainer:
             self.metrics = MetricsWriter(self.run_dir / "metrics.jsonl")
             try:
                 self._build_optimizer()
-                with StopRequest() as stop, logging_redirect_tqdm():
+                with StopRequest(on_stop=self.comm.interrupt) as stop, logging_redirect_tqdm():
                     return self._loop(stop, stop_after)
             finally:
                 self.metrics.close()
@@ -350,9 +354,9 @@ class Trainer:
             t0 = time.perf_counter()
             prev_sync = self.opt.last_sync
             loss, grad_norm = self._train_step()
-            tally.add(loss, time.perf_counter() - t0)
-            result.losses.append(loss)
             synced = self.opt.last_sync is not prev_sync
+            tally.add(loss, time.perf_counter() - t0, sync_s=self.opt.last_sync.seconds if synced else 0.0)
+            result.losses.append(loss)
             evaluated = self._maybe_evaluate(synced, tally)
             self._log_train(tally, grad_norm)
             if synced:
@@ -364,6 +368,7 @@ class Trainer:
                             ar_s=f"{sync.allreduce_s:.2f}" if sync else "-", refresh=False)
             bar.update(1)
         bar.close()
+        loop_s = time.perf_counter() - tally.start
 
         result.stopped = result.stopped or stop.requested
         if tally.steps:
@@ -375,7 +380,9 @@ class Trainer:
         result.inner_steps = self.opt.inner_steps_total
         result.outer_steps = self.opt.outer_step
         self.metrics.write("end", inner_step=result.inner_steps, outer_step=result.outer_steps,
-                           stopped=result.stopped, tokens_per_s=result.tokens_per_s, eval_loss=result.eval_loss)
+                           stopped=result.stopped, tokens_per_s=result.tokens_per_s, eval_loss=result.eval_loss,
+                           loop_s=loop_s, compute_s=tally.compute_s, sync_s=tally.sync_s,
+                           utilisation=tally.compute_s / loop_s if loop_s > 0 else None)
         log.info("%s after inner step %d (outer step %d): %.0f tokens/s, eval loss %s",
                  "stopped" if result.stopped else "done", result.inner_steps, result.outer_steps,
                  result.tokens_per_s, f"{result.eval_loss:.4f}" if result.eval_loss is not None else "n/a")
@@ -410,8 +417,10 @@ class Trainer:
                            loss=sum(tally.round_losses) / len(tally.round_losses),
                            eval_loss=tally.eval_loss if evaluated else None, ok=report.ok,
                            group_size=report.group_size, peers=list(report.peers), allreduce_s=report.allreduce_s,
+                           sync_s=report.seconds, transfer_s=report.extra.get("transfer_s"),
+                           bytes_sent=report.extra.get("bytes_sent"), round_compute_s=tally.round_compute_s,
                            global_hash=report.global_hash, reason=report.reason)
-        tally.round_losses = []
+        tally.round_losses, tally.round_compute_s = [], 0.0
         tally.global_hash = report.global_hash or tally.global_hash
         every = self.cfg.checkpoint.every_outer_steps
         if report.ok and every and self.opt.outer_step % every == 0:
@@ -438,7 +447,12 @@ class _Tally:
     steps: int = 0
     start: float = field(default_factory=time.perf_counter)
     step_s: float = 0.0
-    """Moving average of the seconds one inner step takes."""
+    """Moving average of the seconds one inner step takes (outer steps left out)."""
+    compute_s: float = 0.0
+    """Seconds spent in inner steps (forward, backward, inner optimizer), outer steps left out."""
+    sync_s: float = 0.0
+    """Seconds spent in outer steps (averaging with peers, waiting for them, applying)."""
+    round_compute_s: float = 0.0
     round_losses: list[float] = field(default_factory=list)
     log_losses: list[float] = field(default_factory=list)
     log_start: float = field(default_factory=time.perf_counter)
@@ -447,12 +461,17 @@ class _Tally:
     eval_loss: float | None = None
     eval_step: int | None = None
 
-    def add(self, loss: float, seconds: float) -> None:
+    def add(self, loss: float, seconds: float, sync_s: float = 0.0) -> None:
+        """One inner step that took ``seconds`` in all, ``sync_s`` of them in an outer step."""
+        compute = max(0.0, seconds - sync_s)
         self.steps += 1
         self.round_losses.append(loss)
         self.log_losses.append(loss)
         self.log_tokens += self.tokens_per_step
-        self.step_s = seconds if self.steps == 1 else 0.9 * self.step_s + 0.1 * seconds
+        self.compute_s += compute
+        self.round_compute_s += compute
+        self.sync_s += sync_s
+        self.step_s = compute if self.steps == 1 else 0.9 * self.step_s + 0.1 * compute
 
     def tokens_per_s(self) -> float:
         return self.tokens_per_step * self.steps / max(1e-9, time.perf_counter() - self.start)

@@ -16,9 +16,10 @@ import time
 import pytest
 from hivemind.utils.timed_storage import get_dht_time
 
+from opendiloco.proctree import alive, descendants
 from opendiloco.swarm.node import SwarmError, start_dht, visible_maddrs
 
-from .conftest import ROOT, alive, descendants
+from .conftest import ROOT
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(60)]
 
@@ -50,11 +51,11 @@ def _cmdline(pid: int) -> str:
 def dhts():
     """Collects DHT nodes started in this process; shuts them down and checks nothing is left running."""
     started = []
-    before = descendants(os.getpid())
+    before = set(descendants(os.getpid()))
     yield started
     for dht in started:
         dht.shutdown()
-    children = {p for p in descendants(os.getpid()) - before
+    children = {p for p in set(descendants(os.getpid())) - before
                 if not any(helper in _cmdline(p) for helper in PROCESS_HELPERS)}
     deadline = time.monotonic() + 10
     while any(alive(p) for p in children) and time.monotonic() < deadline:

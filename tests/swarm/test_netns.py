@@ -13,18 +13,18 @@ Needs root (``ip netns add``) and iproute2; skipped with the reason otherwise.
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 import time
 
 import pytest
 
+from opendiloco.netns import Hosts, NetnsError, unavailable_reason
+
 from .conftest import WORKER
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(90)]
 
-SUBNET = "10.203.0"
 PORT = 31337
 
 # tests/swarm/worker.py listens on 127.0.0.1; this wrapper runs it unchanged with another
@@ -56,64 +56,15 @@ sys.exit(run_bootstrap(host_maddrs=[sys.argv[1]], announce_maddrs=[sys.argv[2]],
 """
 
 
-def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    proc = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=20)
-    if check and proc.returncode != 0:
-        raise RuntimeError(f"ip {' '.join(args)}: {proc.stderr.strip()}")
-    return proc
-
-
-class Hosts:
-    """Namespaces ``<prefix>-h1..hN`` with 10.203.0.<i>/24 on a veth, bridged in ``<prefix>-sw``."""
-
-    def __init__(self, count: int):
-        self.prefix = f"odl{os.getpid()}"
-        self.switch = f"{self.prefix}-sw"
-        self.names = [f"{self.prefix}-h{i}" for i in range(1, count + 1)]
-        self.created: list[str] = []
-
-    def ip_of(self, i: int) -> str:
-        return f"{SUBNET}.{i + 1}"
-
-    def setup(self) -> None:
-        _ip("netns", "add", self.switch)
-        self.created.append(self.switch)
-        _ip("-n", self.switch, "link", "add", "br0", "type", "bridge")
-        _ip("-n", self.switch, "link", "set", "br0", "up")
-        for i, ns in enumerate(self.names):
-            _ip("netns", "add", ns)
-            self.created.append(ns)
-            _ip("link", "add", "eth0", "netns", ns, "type", "veth", "peer", "name", f"port{i}", "netns", self.switch)
-            _ip("-n", self.switch, "link", "set", f"port{i}", "master", "br0")
-            _ip("-n", self.switch, "link", "set", f"port{i}", "up")
-            _ip("-n", ns, "addr", "add", f"{self.ip_of(i)}/24", "dev", "eth0")
-            _ip("-n", ns, "link", "set", "eth0", "up")
-            _ip("-n", ns, "link", "set", "lo", "up")
-
-    def teardown(self) -> list[str]:
-        errors = []
-        for ns in reversed(self.created):  # deleting a namespace destroys its veth ends and bridge
-            proc = _ip("netns", "del", ns, check=False)
-            if proc.returncode != 0:
-                errors.append(f"{ns}: {proc.stderr.strip()}")
-        self.created.clear()
-        return errors
-
-    def exec(self, i: int, *cmd: str) -> list[str]:
-        return ["ip", "netns", "exec", self.names[i], *cmd]
-
-
 @pytest.fixture
 def hosts():
-    if shutil.which("ip") is None:
-        pytest.skip("iproute2's `ip` is not installed: cannot create network namespaces")
-    if os.geteuid() != 0:
-        pytest.skip("creating network namespaces needs root (CAP_NET_ADMIN)")
-    h = Hosts(3)
+    reason = unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+    h = Hosts(3, prefix=f"odlt{os.getpid()}")
     try:
         h.setup()
-    except (RuntimeError, OSError, subprocess.TimeoutExpired) as e:
-        h.teardown()
+    except (NetnsError, OSError, subprocess.TimeoutExpired) as e:
         pytest.skip(f"network namespaces are not permitted here: {e}")
     try:
         yield h
@@ -158,3 +109,35 @@ def test_workers_on_three_hosts_join_by_announced_address_and_agree(hosts, swarm
             assert set(syncs[name][step]["peers"]) == set(peer_ids.values())
         hashes = {syncs[name][step]["global_hash"] for name in names}
         assert len(hashes) == 1, f"outer step {step}: replicas disagree: {hashes}"
+
+
+SINK = """
+import socket, sys
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("0.0.0.0", 5001)); s.listen(); print("ready", flush=True)
+c, _ = s.accept(); n = 0
+while b := c.recv(1 << 20): n += len(b)
+print(n, flush=True)
+"""
+
+
+def test_shaped_link_limits_rate_and_counters_see_the_bytes(hosts):
+    """tc tbf on a host's link caps what it can send; its interface counters count every byte sent."""
+    hosts.shape(0, 20)  # 20 Mbit/s: 2.5 MB take at least 1 s
+    sink = subprocess.Popen(hosts.exec(1, sys.executable, "-c", SINK), stdout=subprocess.PIPE, text=True)
+    try:
+        assert sink.stdout.readline().strip() == "ready"
+        before = hosts.counters(0)
+        started = time.monotonic()
+        send = f"import socket; s = socket.create_connection(({hosts.ip_of(1)!r}, 5001)); s.sendall(b'x' * 2_500_000)"
+        subprocess.run(hosts.exec(0, sys.executable, "-c", send), check=True, timeout=30)
+        received = int(sink.communicate(timeout=30)[0].strip())
+        elapsed = time.monotonic() - started
+    finally:
+        if sink.poll() is None:
+            sink.kill()
+            sink.wait()
+    sent = hosts.counters(0)["tx_bytes"] - before["tx_bytes"]
+    assert received == 2_500_000
+    assert 2_500_000 < sent < 2_500_000 * 1.1, sent  # payload plus TCP/IP headers
+    assert elapsed > 0.8, f"2.5 MB crossed a 20 Mbit/s link in {elapsed:.2f}s"

@@ -1,0 +1,131 @@
+"""Processes and their descendants, read from /proc; a group of started processes stopped by PID.
+
+A swarm worker starts a DHT process, which starts ``p2pd``: stopping a worker cleanly means
+finding those too. Everything here acts on PIDs this program started (or their descendants),
+never on processes found by name.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+
+def children_table() -> dict[int, list[int]]:
+    """parent PID -> child PIDs, for every process visible now."""
+    table: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+                table.setdefault(ppid, []).append(int(entry))
+            except (OSError, ValueError, IndexError):
+                pass  # exited while we looked
+    return table
+
+
+def children(pid: int) -> list[int]:
+    return children_table().get(pid, [])
+
+
+def descendants(pid: int, table: dict[int, list[int]] | None = None) -> list[int]:
+    table = children_table() if table is None else table
+    out, todo = [], [pid]
+    while todo:
+        for child in table.get(todo.pop(), []):
+            if child not in out:
+                out.append(child)
+                todo.append(child)
+    return out
+
+
+def alive(pid: int) -> bool:
+    """True for a running process (a zombie is not alive)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+class ProcessError(RuntimeError):
+    """A process of the group failed or did not finish in time (the message ends with its log)."""
+
+
+class ProcessGroup:
+    """Processes started for one job, each logging to ``<log_dir>/<name>.log``.
+
+    ``stop()`` ends them (SIGTERM, then SIGKILL), waits for every descendant seen along the way
+    to exit, kills the ones that do not, and returns their PIDs: a non-empty list is a leak.
+    """
+
+    def __init__(self, log_dir: Path, cwd: Path | None = None):
+        self.log_dir = Path(log_dir)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.cwd = cwd
+        self.procs: list[subprocess.Popen] = []
+        self.known: set[int] = set()
+
+    def spawn(self, args: Sequence[str], name: str, env: dict | None = None) -> subprocess.Popen:
+        with open(self.log_dir / f"{name}.log", "ab") as log:
+            proc = subprocess.Popen(list(args), stdout=log, stderr=subprocess.STDOUT, cwd=self.cwd,
+                                    env=dict(os.environ, PYTHONUNBUFFERED="1", **(env or {})))
+        proc.name = name
+        self.procs.append(proc)
+        return proc
+
+    def log(self, name: str, tail: int = 4000) -> str:
+        path = self.log_dir / f"{name}.log"
+        return path.read_text(errors="replace")[-tail:] if path.exists() else ""
+
+    def track(self, table: dict[int, list[int]] | None = None) -> set[int]:
+        """Remembers the descendants of the running processes; returns the PIDs alive now."""
+        table = children_table() if table is None else table
+        pids = set()
+        for proc in list(self.procs):
+            if proc.poll() is None:
+                pids.add(proc.pid)
+                pids.update(descendants(proc.pid, table))
+        self.known |= pids - {p.pid for p in self.procs}
+        return pids
+
+    def wait(self, procs: Sequence[subprocess.Popen], timeout: float) -> None:
+        """Waits for ``procs`` to exit with status 0 (within ``timeout`` in all)."""
+        deadline = time.monotonic() + timeout
+        for proc in procs:
+            self.track()
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                raise ProcessError(f"{proc.name} did not finish within {timeout:.0f}s:\n{self.log(proc.name)}") \
+                    from None
+            if proc.returncode != 0:
+                raise ProcessError(f"{proc.name} exited with {proc.returncode}:\n{self.log(proc.name)}")
+
+    def stop(self, grace: float = 10.0) -> list[int]:
+        self.track()
+        for proc in self.procs:
+            if proc.poll() is None:
+                os.kill(proc.pid, signal.SIGCONT)  # a stopped process cannot handle SIGTERM
+                proc.terminate()
+        for proc in self.procs:
+            try:
+                proc.wait(grace)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(5)
+        deadline = time.monotonic() + 8
+        while any(alive(p) for p in self.known) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        leaked = sorted(p for p in self.known if alive(p))
+        for pid in leaked:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        return leaked
