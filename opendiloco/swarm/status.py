@@ -7,8 +7,10 @@ from collections.abc import Sequence
 
 from hivemind.utils.timed_storage import get_dht_time
 
+from opendiloco.comm.base import AveragingError
+
 from . import records
-from .node import start_dht
+from .node import SwarmError, start_dht
 
 
 def fetch_workers(initial_peers: Sequence[str], run_id: str, settle: float = 1.0) -> list[records.WorkerRecord]:
@@ -16,6 +18,8 @@ def fetch_workers(initial_peers: Sequence[str], run_id: str, settle: float = 1.0
     try:
         time.sleep(settle)  # let the routing table fill before asking
         workers = records.read_workers(dht, run_id)
+    except AveragingError as e:  # the DHT did not answer in time
+        raise SwarmError(str(e)) from None
     finally:
         dht.shutdown()
     return sorted(workers.values(), key=lambda r: (-r.outer_step, r.peer_id))
