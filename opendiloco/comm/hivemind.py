@@ -415,10 +415,17 @@ class HivemindCommunicator(Communicator):
                 yield _message(meta if i == 0 else None, chunk)
 
         try:
-            stream = await self.p2p.iterate_protobuf_handler(PeerID.from_base58(peer), self._reduce_handler,
-                                                             requests(), Message)
-            first = await anext(stream, None)
-            if first is None:
+            for attempt in range(2):
+                stream = await self.p2p.iterate_protobuf_handler(PeerID.from_base58(peer), self._reduce_handler,
+                                                                 requests(), Message)
+                first = await anext(stream, None)
+                if first is not None:
+                    break
+                # The stream ended with no message at all (seen rarely on loopback: the p2p layer
+                # cancelled the owner's handler). The owner answers a resent contribution with the
+                # shard's result, so one more try is safe.
+                log.debug("peer %s closed the stream without answering (try %d)", peer[-8:], attempt + 1)
+            else:
                 raise ProtocolError(f"peer {peer[-8:]} closed the stream without answering")
             reply = msgpack.unpackb(first.metadata)
             if "error" in reply:
@@ -448,7 +455,10 @@ class HivemindCommunicator(Communicator):
             rnd = await self._wait_for_round(meta.get("group_id"))
             limit = self.codec.wire_bytes(rnd.reducer.numel)
             payload = await _read_payload(first, requests, meta.get("size"), limit)
-            await rnd.contribute(sender, meta.get("weight"), meta.get("header"), payload)
+            if sender not in rnd.reducer.missing():  # a resend (its first answer was lost): the first one counts
+                log.debug("%s resent its contribution to %s", sender[-8:], rnd.group_id)
+            else:
+                await rnd.contribute(sender, meta.get("weight"), meta.get("header"), payload)
             result = await rnd.wait(self.settings.allreduce_timeout)
         except Exception as e:
             log.warning("refused a contribution from %s: %s", context.remote_id.to_base58()[-8:], e)
