@@ -38,10 +38,6 @@ def eval_curve(records: list[dict]) -> list[tuple[int, float]]:
     return sorted(points.items())
 
 
-def train_curve(records: list[dict]) -> list[tuple[int, float]]:
-    return [(r["inner_step"], r["loss"]) for r in events(records, "train") if r.get("loss") is not None]
-
-
 def rounds(records: list[dict]) -> list[dict]:
     """The outer steps a worker completed (``ok``), in order."""
     return [r for r in events(records, "outer_step") if r.get("ok")]

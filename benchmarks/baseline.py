@@ -24,6 +24,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from opendiloco.comm.local import flatten, unflatten
 from opendiloco.outer import tensors_hash
 from opendiloco.train.config import ConfigError, load_config
 from opendiloco.train.metrics import MetricsWriter
@@ -50,26 +51,21 @@ class GradientAverager:
     def __init__(self, params: list[torch.nn.Parameter], world_size: int):
         self.params, self.world_size = params, world_size
         self.numel = sum(p.numel() for p in params)
-        self.bucket = torch.empty(self.numel + 1, dtype=torch.float32)
         self.seconds = 0.0
+        """Seconds spent in ``all_reduce`` so far."""
 
-    def __call__(self, loss: float) -> float:
-        offset = 0
-        for p in self.params:
-            n = p.numel()
-            self.bucket[offset : offset + n].copy_(p.grad.reshape(-1))
-            offset += n
-        self.bucket[-1] = loss
+    def __call__(self, loss: float) -> tuple[float, float]:
+        """Averages the gradients in place; returns (the mean loss, seconds this all-reduce took)."""
+        grads = [p.grad for p in self.params]
+        bucket = flatten([*grads, torch.tensor([loss])])
         start = time.perf_counter()
-        dist.all_reduce(self.bucket)
-        self.seconds += time.perf_counter() - start
-        self.bucket.div_(self.world_size)
-        offset = 0
-        for p in self.params:
-            n = p.numel()
-            p.grad.copy_(self.bucket[offset : offset + n].view_as(p.grad))
-            offset += n
-        return float(self.bucket[-1])
+        dist.all_reduce(bucket)
+        seconds = time.perf_counter() - start
+        self.seconds += seconds
+        bucket.div_(self.world_size)
+        for grad, averaged in zip(grads, unflatten(bucket[:-1], grads)):
+            grad.copy_(averaged)
+        return float(bucket[-1]), seconds
 
 
 def run(args: argparse.Namespace, overrides: list[str]) -> int:
@@ -101,7 +97,7 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
             metrics.write("eval", inner_step=step, eval_loss=loss, perplexity=math.exp(min(loss, 50)))
         return loss
 
-    compute_s, losses, eval_loss, start = 0.0, [], None, time.perf_counter()
+    compute_s, losses, start = 0.0, [], time.perf_counter()
     for step in range(1, tc.total_steps + 1):
         t0 = time.perf_counter()
         loss_sum = 0.0
@@ -110,21 +106,21 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
             loss = trainer.forward(input_ids=batch, labels=batch).loss / tc.grad_accum
             loss.backward()
             loss_sum += float(loss.detach())
-        comm_before = averager.seconds if averager else 0.0
+        comm = 0.0
         if averager:
-            loss_sum = averager(loss_sum)
+            loss_sum, comm = averager(loss_sum)
         if o.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(params, o.grad_clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
         scheduler.step()
-        compute_s += time.perf_counter() - t0 - ((averager.seconds if averager else 0.0) - comm_before)
+        compute_s += time.perf_counter() - t0 - comm
         losses.append(loss_sum)
         if step % cfg.run.log_every == 0 and lead:
             window = losses[-cfg.run.log_every:]
             metrics.write("train", inner_step=step, loss=sum(window) / len(window), lr=opt.param_groups[0]["lr"])
         if tc.eval_every and step % tc.eval_every == 0 and step != tc.total_steps:
-            eval_loss = evaluate(step)
+            evaluate(step)
     loop_s = time.perf_counter() - start
     eval_loss = evaluate(tc.total_steps)
     comm_s = averager.seconds if averager else 0.0

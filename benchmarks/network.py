@@ -51,7 +51,7 @@ class Namespaces:
 
     def __init__(self, hosts: int, *, link_mbit: float | None = None, subnet: str = "10.204.0"):
         self.link_mbit = link_mbit
-        self.net = Hosts(hosts, subnet=subnet, prefix=f"odlb{hosts}{int(link_mbit or 0)}").setup()
+        self.net = Hosts(hosts, subnet=subnet).setup()
         try:
             if link_mbit:
                 for i in range(1, hosts):

@@ -90,7 +90,7 @@ class Suite:
                 "--train.threads", "1", "--run.worker", worker, "--run.dir", str(run_dir), "--run.progress", "false",
                 "--checkpoint.every-outer-steps", "0"]
 
-    def _run(self, name: str, net, launch, timeout: float) -> dict:
+    def _run(self, name: str, net, launch, timeout: float, *, method: str, h: int | None = None) -> dict:
         """Starts the processes ``launch(group, net)`` returns, waits, and reads counters and metrics."""
         run_dir = self.work / name
         if run_dir.exists():
@@ -110,9 +110,10 @@ class Suite:
         after = [net.counters(i) for i in range(net.hosts)]
         tx = [a["tx_bytes"] - b["tx_bytes"] if a and b else None for b, a in zip(before, after)]
         records = [read_metrics(run_dir / f"worker-{r}" / "metrics.jsonl") for r in range(len(workers))]
-        print(f"    {time.monotonic() - start:.0f} s", flush=True)
-        return {"records": records, "wire_tx": tx[1:], "wall_s": time.monotonic() - start, "network": net.kind,
-                "link_mbit": net.link_mbit}
+        wall = time.monotonic() - start
+        print(f"    {wall:.0f} s", flush=True)
+        return {"method": method, "H": h, "records": records, "wire_tx": tx[1:], "wall_s": wall,
+                "network": net.kind, "link_mbit": net.link_mbit}
 
     def baseline(self, name: str, net, world: int, steps: int, batch: int, extra: list[str] = ()) -> dict:
         def launch(group, net, run_dir):
@@ -127,7 +128,8 @@ class Suite:
                 procs.append(group.spawn(net.cmd(r + 1, args), f"worker-{r}", env=net.env(r + 1)))
             return procs
 
-        return self._run(name, net, launch, timeout=steps * 30 + 300)
+        return self._run(name, net, launch, timeout=steps * 30 + 300,
+                         method="data-parallel" if world > 1 else "single")
 
     def diloco(self, name: str, net, h: int, steps: int, batch: int, extra: list[str] = ()) -> dict:
         n = self.plan.workers
@@ -155,7 +157,7 @@ class Suite:
                 procs.append(group.spawn(net.cmd(r + 1, args), f"worker-{r}"))
             return procs
 
-        return self._run(name, net, launch, timeout=steps * 30 + 600)
+        return self._run(name, net, launch, timeout=steps * 30 + 600, method="diloco", h=h)
 
     # -- the phases ------------------------------------------------------------------------------
     def convergence(self) -> dict:
@@ -206,8 +208,7 @@ def summarise(runs: dict, plan: Plan, params: int) -> dict:
         steps = max((r["inner_step"] for r in analysis.events(recs[0], "end")), default=0)
         rounds = [analysis.rounds(rec) for rec in recs]
         payload = [sum(r.get("bytes_sent") or 0 for r in rs) for rs in rounds]
-        h = int(name.split("-H")[1].split("-")[0]) if "-H" in name else 1
-        method = "diloco" if "-H" in name else ("single" if len(recs) == 1 else "data-parallel")
+        method, h = run["method"], run["H"]
         if method == "diloco":
             analytic = analysis.analytic_bytes_per_step(params, n, bytes_per_value=2, every=h)
         elif method == "data-parallel":
@@ -215,7 +216,7 @@ def summarise(runs: dict, plan: Plan, params: int) -> dict:
         else:
             analytic = 0.0
         entry = {
-            "method": method, "H": h if method == "diloco" else None, "workers": len(recs), "steps": steps,
+            "method": method, "H": h, "workers": len(recs), "steps": steps,
             "network": run["network"], "link_mbit": run["link_mbit"], "wall_s": run["wall_s"],
             "final_eval_loss": analysis.final_eval_loss(recs[0]),
             "final_eval_losses": [analysis.final_eval_loss(r) for r in recs],

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 from benchmarks.network import free_port
+from opendiloco.proctree import ProcessGroup
 from opendiloco.train.metrics import read_metrics
 from tests.test_train_loop import SMALL
 
@@ -18,22 +18,17 @@ pytestmark = pytest.mark.timeout(180)
 
 def _run(tmp_path: Path, name: str, world: int, steps: int = 6) -> list[dict]:
     master = f"127.0.0.1:{free_port()}"
-    procs = []
-    for rank in range(world):
-        run_dir = tmp_path / name / f"worker-{rank}"
-        args = [sys.executable, "-m", "benchmarks.baseline", "--world-size", str(world), "--rank", str(rank),
-                "--master", master, "--timeout", "60", *SMALL, "--run.worker", f"worker-{rank}",
-                "--run.dir", str(run_dir), "--train.total-steps", str(steps), "--train.eval-every", "3"]
-        procs.append(subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    group = ProcessGroup(tmp_path / name / "logs", cwd=ROOT)
     try:
-        outputs = [p.communicate(timeout=150)[0] for p in procs]
+        procs = [group.spawn([sys.executable, "-m", "benchmarks.baseline", "--world-size", str(world),
+                              "--rank", str(rank), "--master", master, "--timeout", "60", *SMALL,
+                              "--run.worker", f"worker-{rank}", "--run.dir", str(tmp_path / name / f"worker-{rank}"),
+                              "--train.total-steps", str(steps), "--train.eval-every", "3"], f"worker-{rank}")
+                 for rank in range(world)]
+        group.wait(procs, timeout=150)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    for p, out in zip(procs, outputs):
-        assert p.returncode == 0, out[-3000:]
+        leaked = group.stop()
+    assert not leaked, f"processes left behind: {leaked}"
     return [read_metrics(tmp_path / name / f"worker-{r}" / "metrics.jsonl") for r in range(world)]
 
 

@@ -240,13 +240,14 @@ class HivemindCommunicator(Communicator):
             self._raise_if_interrupted()
             members, attempt = self._matchmake(outer_step, attempt, flat.numel(), suspects)
             group_id = make_group_id(s.run_id, outer_step, attempt, members)
-            transfer_start, sent = time.perf_counter(), 0
+            transfer_s, sent = 0.0, 0
             try:
                 if len(members) == 1:
                     if weight <= 0:
                         raise AveragingError("alone in the group and contributing weight 0")
                     averaged, total, digest = self.codec.roundtrip(flat), float(weight), "solo"
                 else:
+                    transfer_start = time.perf_counter()
                     averaged, total, digest, sent = self._call(
                         self._allreduce(group_id, members, flat, float(weight)), timeout=s.allreduce_timeout + 10)
                     transfer_s = time.perf_counter() - transfer_start
@@ -263,8 +264,7 @@ class HivemindCommunicator(Communicator):
             return AverageResult(unflatten(averaged, tensors), tuple(members), total,
                                  time.perf_counter() - start,
                                  extra={"attempts": len(errors) + 1, "group_id": group_id, "digest": digest,
-                                        "transfer_s": transfer_s if len(members) > 1 else 0.0,
-                                        "bytes_sent": sent})
+                                        "transfer_s": transfer_s, "bytes_sent": sent})
         raise AveragingError(f"outer step {outer_step}: no complete round in {s.max_attempts} attempts: "
                              + "; ".join(errors))
 
@@ -310,7 +310,7 @@ class HivemindCommunicator(Communicator):
             if announced != attempt:
                 value = {"attempt": attempt, "numel": numel, "codec": self.codec.name}
                 expiry = get_dht_time() + s.matchmaking_timeout + s.allreduce_timeout
-                records.wait_dht(self.dht.store(key, value, expiry, subkey=me, return_future=True), "store")
+                records.store(self.dht, key, value, expiry, subkey=me)
                 ready[me], announced = value, attempt
             compatible = {p for p, v in ready.items() if v.get("attempt") == attempt
                           and v.get("numel") == numel and v.get("codec") == self.codec.name}
@@ -341,7 +341,7 @@ class HivemindCommunicator(Communicator):
             if leader == me:
                 members = sorted(compatible)
                 expiry = get_dht_time() + s.allreduce_timeout + s.matchmaking_timeout
-                records.wait_dht(self.dht.store(gkey, members, expiry, subkey=me, return_future=True), "store")
+                records.store(self.dht, gkey, members, expiry, subkey=me)
                 leader = None  # read it back: a concurrent leader with a smaller id would win
                 continue
             self._raise_if_interrupted()
@@ -485,8 +485,7 @@ class HivemindCommunicator(Communicator):
         """Members compare digests of the whole average through the DHT before anyone applies it."""
         s = self.settings
         key = records.done_key(s.run_id, outer_step, attempt)
-        records.wait_dht(self.dht.store(key, digest, get_dht_time() + s.allreduce_timeout, subkey=self._peer_id,
-                                       return_future=True), "store")
+        records.store(self.dht, key, digest, get_dht_time() + s.allreduce_timeout, subkey=self._peer_id)
         deadline = time.monotonic() + s.verify_timeout
         while True:
             seen = {p: v for p, v in records.subkey_values(self.dht, key).items() if p in members}

@@ -83,6 +83,11 @@ def wait_dht(future, what: str, timeout: float = DHT_CALL_TIMEOUT):
         raise AveragingError(f"the DHT did not answer a {what} within {timeout:.0f}s") from None
 
 
+def store(dht: hivemind.DHT, key: str, value, expiration_time: float, subkey: str) -> None:
+    """Stores ``value`` under ``key``/``subkey`` until ``expiration_time`` (DHT time), bounded by ``wait_dht``."""
+    wait_dht(dht.store(key, value, expiration_time, subkey=subkey, return_future=True), "store")
+
+
 def subkey_values(dht: hivemind.DHT, key: str) -> dict[str, object]:
     """All live subkey -> value pairs stored under ``key`` (empty if none)."""
     found = wait_dht(dht.get(key, latest=True, return_future=True), "get")

@@ -59,13 +59,10 @@ class Swarm(ProcessGroup):
         except ProcessError as e:
             pytest.fail(str(e))
 
-    def cleanup(self) -> list[int]:
-        return self.stop()
-
 
 @pytest.fixture
 def swarm(tmp_path):
     s = Swarm(tmp_path)
     yield s
-    leaked = s.cleanup()
+    leaked = s.stop()
     assert not leaked, f"processes left behind by the swarm test (killed now): {leaked}"
