@@ -24,7 +24,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from opendiloco.comm.local import flatten, unflatten
+from opendiloco.comm.buffers import flatten, unflatten
 from opendiloco.outer import tensors_hash
 from opendiloco.train.config import ConfigError, load_config
 from opendiloco.train.metrics import MetricsWriter

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import socket
 
-from opendiloco.netns import Hosts
+from opendiloco.testing.netns import Hosts
 
 
 def free_port() -> int:

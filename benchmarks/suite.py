@@ -34,8 +34,8 @@ from pathlib import Path
 
 import torch
 
-from opendiloco.netns import NetnsError, unavailable_reason
-from opendiloco.proctree import ProcessGroup
+from opendiloco.testing.netns import NetnsError, unavailable_reason
+from opendiloco.testing.proctree import ProcessGroup
 from opendiloco.train.metrics import read_metrics
 
 from . import analysis

@@ -10,8 +10,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .comm.base import AveragingError, BehindError, Communicator
+from .comm.base import Communicator, RoundKey
+from .comm.buffers import FlatBuffer, all_finite, unflatten
 from .comm.local import SingleWorker
+from .errors import AveragingError, BehindError, DriftError
 from .outer import OptimizerFactory, OuterState, validate_tensors
 
 log = logging.getLogger(__name__)
@@ -84,6 +86,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         self._inner_steps_total = 0
         self._samples_since_sync = 0
         self.last_sync: SyncReport | None = None
+        self._buffer: FlatBuffer | None = None
         self.communicator.attach_state_provider(self.shareable_state)
         self._global_changed()  # the swarm learns our outer step (and θ_global hash) at once
 
@@ -133,31 +136,25 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
     def sync(self) -> SyncReport:
         """Averages pseudo-gradients with the group and applies one outer step (called by ``step``)."""
         began = time.perf_counter()
-        deltas = self.outer.pseudo_gradients()
-        buffers = self.outer.buffer_values()
-        weight = float(self._samples_since_sync) if self.weight_by_samples else 1.0
-        own_finite = all(bool(torch.isfinite(t).all()) for t in deltas + buffers)
-        if not own_finite:
-            log.warning("outer step %d: own pseudo-gradient is not finite; contributing zeros with weight 0",
-                        self._outer_step)
-            deltas = [torch.zeros_like(t) for t in deltas]
-            buffers = [torch.zeros_like(t) for t in buffers]
-            weight = 0.0
+        flat, weight, own_finite = self._contribution()
         start = time.perf_counter()
         try:
-            result = self.communicator.average(deltas + buffers, weight=weight, outer_step=self._outer_step)
-            averaged = result.tensors
-            if not all(bool(torch.isfinite(t).all()) for t in averaged):
+            result = self.communicator.start(flat, weight=weight, key=RoundKey(self._outer_step)).wait()
+            averaged = result.flat
+            if averaged.numel() != flat.numel() or averaged.dtype != torch.float32:
+                raise AveragingError(f"the averaged vector has {averaged.numel()} {averaged.dtype} values, "
+                                     f"expected {flat.numel()} float32")
+            if not all_finite(averaged):
                 raise AveragingError("the averaged pseudo-gradient is not finite; refused")
-            validate_tensors(averaged, [g for g in self.outer.global_params] + buffers, "averaged")
         except BehindError as e:
             report = self._catch_up(e, time.perf_counter() - start)
         except AveragingError as e:
             report = self._round_failed(str(e), time.perf_counter() - start, own_finite)
         else:
             n = self.outer.num_params
+            views = unflatten(averaged, self._buffer.views)
             with self._state_lock:
-                self.outer.apply(averaged[:n], averaged[n:])
+                self.outer.apply(views[:n], views[n:])
                 self._outer_step += 1
             self._global_changed()
             report = SyncReport(self._outer_step, True, group_size=result.group_size, peers=result.peers,
@@ -168,6 +165,24 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         report.seconds = time.perf_counter() - began
         self.last_sync = report
         return report
+
+    def _contribution(self) -> tuple[torch.Tensor, float, bool]:
+        """This worker's flat [pseudo-gradients, buffers] in a reused fp32 buffer, its weight, and finiteness."""
+        if self._buffer is None:
+            self._buffer = FlatBuffer(self.outer.params + self.outer.buffers,
+                                      pin=any(p.is_cuda for p in self.outer.params) and torch.cuda.is_available())
+        n = self.outer.num_params
+        self.outer.pseudo_gradient_into(self._buffer.views[:n])
+        self.outer.buffer_values_into(self._buffer.views[n:])
+        flat = self._buffer.flat
+        weight = float(self._samples_since_sync) if self.weight_by_samples else 1.0
+        own_finite = all_finite(flat)
+        if not own_finite:
+            log.warning("outer step %d: own pseudo-gradient is not finite; contributing zeros with weight 0",
+                        self._outer_step)
+            flat.zero_()
+            weight = 0.0
+        return flat, weight, own_finite
 
     def _round_failed(self, reason: str, seconds: float, own_finite: bool) -> SyncReport:
         log.warning("outer step %d failed, θ_global kept: %s", self._outer_step, reason)
@@ -180,13 +195,15 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         log.warning("outer step %d: %s; loading state from a peer", self._outer_step, err)
         try:
             timeout = min(self.catch_up_timeout, err.timeout or self.catch_up_timeout)
-            state = self.communicator.download_state(timeout, min_outer_step=err.group_outer_step)
+            state = self.communicator.download_state(
+                timeout, min_outer_step=err.group_outer_step,
+                majority_hash=err.majority_hash if isinstance(err, DriftError) else None)
             if state is None:
                 raise AveragingError("no live peer to download state from")
             self.load_shareable_state(state)
         except (AveragingError, ValueError) as e:
             return self._round_failed(f"{err}; could not catch up: {e}", seconds, True)
-        drift = "drift" in str(err)
+        drift = isinstance(err, DriftError)
         return SyncReport(self._outer_step, False, allreduce_s=seconds, global_hash=self.global_hash(),
                           reason="healed drift from a peer" if drift else "caught up from a peer",
                           extra={"caught_up": True})

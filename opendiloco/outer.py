@@ -2,22 +2,18 @@
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable, Sequence
 
 import torch
+
+from .fingerprint import fingerprint
 
 OptimizerFactory = Callable[..., torch.optim.Optimizer]
 
 
 def tensors_hash(tensors: Sequence[torch.Tensor], length: int = 16) -> str:
     """A short hex digest of the exact bytes of ``tensors`` (equal iff bit-identical)."""
-    h = hashlib.sha256()
-    for t in tensors:
-        t = t.detach().to("cpu").contiguous()
-        h.update(str(tuple(t.shape)).encode())
-        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-    return h.hexdigest()[:length]
+    return fingerprint(tensors, length)
 
 
 class OuterState:
@@ -48,10 +44,38 @@ class OuterState:
         return [b.detach().to("cpu", torch.float32, copy=True) for b in self.buffers]
 
     @torch.no_grad()
+    def pseudo_gradient_into(self, views: Sequence[torch.Tensor]) -> None:
+        """Writes Δ = θ_global − θ_local into preallocated fp32 CPU ``views`` (one pass per tensor)."""
+        on_device = False
+        for view, p in zip(views, self.params, strict=True):
+            local = p.detach()
+            if local.device.type == "cpu" and local.dtype == torch.float32:
+                continue
+            view.copy_(local.reshape(view.shape), non_blocking=True)  # to (pinned) host memory
+            on_device |= local.device.type == "cuda"
+        if on_device:
+            torch.cuda.current_stream().synchronize()
+        for view, g, p in zip(views, self.global_params, self.params):
+            local = p.detach()
+            if local.device.type == "cpu" and local.dtype == torch.float32:
+                torch.sub(g.detach(), local, out=view)
+            else:
+                torch.sub(g.detach(), view, out=view)
+
+    @torch.no_grad()
+    def buffer_values_into(self, views: Sequence[torch.Tensor]) -> None:
+        for view, b in zip(views, self.buffers, strict=True):
+            view.copy_(b.detach().reshape(view.shape))
+
+    @torch.no_grad()
     def apply(self, averaged_deltas: Sequence[torch.Tensor], averaged_buffers: Sequence[torch.Tensor]) -> None:
-        """One outer optimizer step on θ_global, then θ_local := θ_global."""
+        """One outer optimizer step on θ_global, then θ_local := θ_global.
+
+        The averaged tensors are used as gradients in place (no copy); the caller must not
+        reuse them until this returns.
+        """
         for g, delta in zip(self.global_params, averaged_deltas, strict=True):
-            g.grad = delta.to(torch.float32).reshape(g.shape).clone()
+            g.grad = delta.to(torch.float32).reshape(g.shape)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         for b, avg in zip(self.buffers, averaged_buffers, strict=True):

@@ -1,35 +1,32 @@
-"""All-reduce alone: OpenDiLoCo's swarm communicator against torch.distributed gloo, same machine, same run.
+"""All-reduce: OpenDiLoCo's swarm round against torch.distributed gloo, same machine, same run.
 
 For every peer count (``--peers``) this starts, as separate processes on 127.0.0.1,
 
 * a bootstrap DHT node and N OpenDiLoCo peers, each with its own DHT node (and p2pd) joined
-  through the bootstrap, each averaging a flat fp32 vector with ``HivemindCommunicator``
-  (one communicator per wire codec, ``none`` = fp32 and ``fp16``, each its own run id);
+  through the bootstrap, each averaging a flat fp32 vector with ``SwarmCommunicator``
+  (one swarm per wire codec, ``none`` = fp32 and ``fp16``, each its own run id);
 * N ``torch.distributed`` gloo ranks that ``all_reduce`` tensors of the same sizes in fp32 and fp16.
 
 What is timed
 -------------
-* OpenDiLoCo: ``HivemindCommunicator._allreduce`` (encode, reduce-scatter over p2p streams,
-  reduce, all-gather, decode, digests), i.e. a round *after* matchmaking and *before* the DHT
-  digest verification. Each peer records wall-clock timestamps when it enters and leaves
-  ``_allreduce``; one round's time is ``max(leave) - max(enter)`` over the peers (from the moment
-  the last peer has the group until the last peer holds the average). The rest of
-  ``average()`` (matchmaking through the DHT, digest verification, flatten/unflatten) is reported
-  separately as "mm+verify" (median over peers and rounds of ``average()`` minus ``_allreduce``).
-* gloo: ``dist.all_reduce`` after a ``dist.barrier()``, same ``max(leave) - max(enter)`` rule.
+* **round**: what the optimizer waits for, ``communicator.start(flat).wait()``: matchmaking
+  through the DHT, the streamed reduce-scatter / all-gather, and the members' digest
+  confirmation. One round's time is ``max(leave) - max(enter)`` over the peers: from the moment
+  the last peer is ready until the last peer holds the verified average.
+* **transfer**: the data plane alone (``SwarmCommunicator._data_plane``: exchange and
+  confirmation, after matchmaking), same rule.
+* gloo: ``dist.all_reduce`` after a ``dist.barrier()``, same rule.
+* **extra memory**: per peer, the peak resident memory during a round minus the resident memory
+  just before it (``VmHWM`` after resetting it through ``/proc/self/clear_refs``), divided by the
+  fp32 vector's bytes.
 
 Each configuration runs one untimed warmup round and then ``--repeats`` timed rounds; the table
-shows medians. Throughput is per-peer *wire* traffic: a reduce-scatter + all-gather sends
-``2 (N-1)/N`` times the encoded vector from every peer (gloo's ring sends the same amount), divided
-by the round time (MB = 1e6 bytes). Every peer checks its average against the exact mean and all
-peers must report the same digest (OpenDiLoCo promises bit-identical averages).
-
-``--profile`` additionally times the communicator's CPU stages inside the peers (pack, decode,
-reduce, sha256 digests, chunking) and reports CPU seconds of the Python process and of its p2pd.
+shows medians. Every peer checks its average against the exact mean, and all peers must report
+the same digest (OpenDiLoCo promises bit-identical averages).
 
     .venv/bin/python scripts/bench_allreduce.py                 # 2 and 4 peers, 1M/10M/50M
     .venv/bin/python scripts/bench_allreduce.py --quick         # 1M and 10M only
-    .venv/bin/python scripts/bench_allreduce.py --peers 2 --sizes 1e6 5e7 --profile
+    .venv/bin/python scripts/bench_allreduce.py --peers 4 --sizes 5e7 --codecs fp16
 """
 
 from __future__ import annotations
@@ -46,7 +43,7 @@ import threading
 import time
 from pathlib import Path
 
-from opendiloco.proctree import ProcessGroup, descendants
+from opendiloco.testing.proctree import ProcessGroup, descendants
 
 ROOT = Path(__file__).resolve().parents[1]
 CODECS = {"none": ("float32", 4), "fp16": ("float16", 2)}  # codec -> (gloo dtype, wire bytes per element)
@@ -109,70 +106,42 @@ class Group(ProcessGroup):
 
 # -- the OpenDiLoCo peer -------------------------------------------------------------------------------
 
-class _Profile:
-    """Wall seconds spent in the communicator's CPU stages (summed over executor threads)."""
-
-    def __init__(self):
-        self.totals: dict[str, float] = {}
-        self.lock = threading.Lock()
-
-    def add(self, name: str, seconds: float) -> None:
-        with self.lock:
-            self.totals[name] = self.totals.get(name, 0.0) + seconds
-
-    def take(self) -> dict[str, float]:
-        with self.lock:
-            out, self.totals = self.totals, {}
-        return out
-
-    def wrap(self, name: str, fn):
-        def timed(*args, **kwargs):
-            t0 = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self.add(name, time.perf_counter() - t0)
-        return timed
+def _rss(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    return 0
 
 
-def _install_profile(prof: _Profile) -> None:
-    """Wraps stage functions in this process only (module attributes; no file is changed)."""
-    from opendiloco.comm import allreduce as ar
-    from opendiloco.comm import hivemind as hm
-
-    ar.digest = prof.wrap("sha256", ar.digest)
-    ar.unpack = prof.wrap("unpack(copy)", ar.unpack)
-    hm.pack = prof.wrap("encode+pack (own parts)", hm.pack)
-    ar.pack = prof.wrap("encode+pack (reduced shard)", ar.pack)
-    hm._chunks = prof.wrap("chunking", hm._chunks)
-    hm.decode_shard = prof.wrap("decode_shard (sha256+unpack+decode+isfinite)", hm.decode_shard)
-    ar.ShardReducer.add = prof.wrap("reducer.add (unpack+decode+isfinite)", ar.ShardReducer.add)
-    ar.ShardReducer.reduce = prof.wrap("reducer.reduce (fp64 sum+encode+pack+sha256)", ar.ShardReducer.reduce)
+def _reset_peak_rss() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
 
 
 def run_peer(args) -> int:
-    import resource
-
     import torch
 
-    from opendiloco.comm.hivemind import HivemindCommunicator, SwarmSettings
+    from opendiloco.comm.base import RoundKey
+    from opendiloco.swarm.communicator import SwarmCommunicator, SwarmSettings
     from opendiloco.swarm.node import start_dht
 
     torch.set_num_threads(args.threads)
-    prof = _Profile()
-    if args.profile:
-        _install_profile(prof)
 
-    class TimedCommunicator(HivemindCommunicator):
-        """Records when this peer enters and leaves the all-reduce proper (after matchmaking)."""
+    class TimedCommunicator(SwarmCommunicator):
+        """Records when this peer enters and leaves the data plane (after matchmaking)."""
 
         marks: list[tuple[float, float, float, float]] = []
 
-        async def _allreduce(self, *a, **kw):
+        async def _data_plane(self, *a, **kw):
             my_cpu, p2pd_cpu = cpu_seconds(os.getpid()), sum(map(cpu_seconds, p2pd_pids))
             t0 = time.time()
             try:
-                return await super()._allreduce(*a, **kw)
+                return await super()._data_plane(*a, **kw)
             finally:
                 t1 = time.time()
                 self.marks.append((t0, t1, cpu_seconds(os.getpid()) - my_cpu,
@@ -194,13 +163,18 @@ def run_peer(args) -> int:
             gen = torch.Generator().manual_seed(size)
             vec = torch.randn(size, generator=gen).mul_(factor)  # peer r sends (r+1) * base
             for rnd in range(args.warmup + args.repeats):
-                prof.take()
+                import gc
+
+                gc.collect()
+                before = _rss("VmRSS")
+                peak_ok = _reset_peak_rss()
                 t0 = time.time()
-                result = comm.average([vec], outer_step=step)
+                result = comm.start(vec, weight=1.0, key=RoundKey(step)).wait()
                 t1 = time.time()
+                peak = _rss("VmHWM") if peak_ok else 0
                 step += 1
                 enter, leave, py_cpu, p2pd_cpu = comm.marks[-1]
-                got, digest, group = result.tensors[0], result.extra.get("digest"), len(result.peers)
+                got, digest, group = result.flat, result.extra.get("digest"), len(result.peers)
                 if rnd == 0:  # correctness, outside the timed window
                     expected = vec * ((args.world + 1) / 2 / factor)
                     tol = dict(rtol=1e-5, atol=1e-6) if codec == "none" else dict(rtol=3e-3, atol=2e-3)
@@ -214,8 +188,8 @@ def run_peer(args) -> int:
                     "rank": args.rank, "size": size, "codec": codec, "round": rnd, "warmup": rnd < args.warmup,
                     "enter": enter, "leave": leave, "average_start": t0, "average_end": t1,
                     "py_cpu": py_cpu, "p2pd_cpu": p2pd_cpu, "ok": ok, "max_err": err,
-                    "digest": digest, "group": group, "profile": prof.take(),
-                    "maxrss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}) + "\n")
+                    "digest": digest, "group": group,
+                    "extra_mem": (peak - before) / (4 * size) if peak_ok else None}) + "\n")
                 out.flush()
             del vec
     finally:
@@ -289,7 +263,7 @@ def _child_args(args, role: str, rank: int, world: int, out: Path, extra: list[s
     cmd = [sys.executable, str(Path(__file__).resolve()), "--role", role, "--rank", str(rank), "--world", str(world),
            "--out", str(out), "--warmup", str(args.warmup), "--repeats", str(args.repeats),
            "--threads", str(args.threads), "--sizes", *map(str, args.sizes), "--codecs", *args.codecs]
-    return cmd + (["--profile"] if args.profile else []) + extra
+    return cmd + extra
 
 
 def _read(paths: list[Path]) -> list[dict]:
@@ -309,7 +283,7 @@ def measure_gloo(args, world: int, sizes: list[int], tmp: Path) -> list[dict]:
     outs = [tmp / f"gloo{world}-{r}.jsonl" for r in range(world)]
     port = _free_port()
     try:
-        a = argparse.Namespace(**{**vars(args), "sizes": sizes})
+        a = argparse.Namespace(**{**vars(args), "sizes": sizes, "codecs": list(CODECS)})  # both dtypes, always
         procs = [group.spawn(_child_args(a, "gloo", r, world, outs[r], ["--port", str(port)]), f"gloo{world}-{r}")
                  for r in range(world)]
         group.wait(procs, _timeout(args, world, sizes))
@@ -351,32 +325,28 @@ def summarize(rows: list[dict], world: int, size: int, codec: str) -> dict | Non
     if not mine:
         return None
     rounds = sorted({r["round"] for r in mine if not r["warmup"]})
-    spans, own, mm, py_cpu, p2pd_cpu = [], [], [], [], []
+    spans, whole, py_cpu, p2pd_cpu, extra_mem = [], [], [], [], []
     for rnd in rounds:
         rs = [r for r in mine if r["round"] == rnd]
         if len(rs) != world:
             raise RuntimeError(f"round {rnd} of {size}/{codec}: {len(rs)} of {world} peers reported")
         spans.append(max(r["leave"] for r in rs) - max(r["enter"] for r in rs))
-        own += [r["leave"] - r["enter"] for r in rs]
         if "average_start" in rs[0]:
-            mm += [(r["average_end"] - r["average_start"]) - (r["leave"] - r["enter"]) for r in rs]
+            whole.append(max(r["average_end"] for r in rs) - max(r["average_start"] for r in rs))
             py_cpu += [r["py_cpu"] for r in rs]
             p2pd_cpu += [r["p2pd_cpu"] for r in rs]
+            extra_mem += [r["extra_mem"] for r in rs if r.get("extra_mem") is not None]
     checks = [r["ok"] for r in mine if r["ok"] is not None]
     for rnd in {r["round"] for r in mine if "digest" in r}:
         rs = [r for r in mine if r["round"] == rnd]
         if len({r["digest"] for r in rs}) != 1 or any(r["group"] != world for r in rs):
             checks.append(False)  # peers must hold bit-identical averages from a full group
-    out = {"seconds": statistics.median(spans), "all": spans, "own_median": statistics.median(own),
-           "ok": all(checks) and len(checks) == world}
-    if mm:
-        out.update(mm=statistics.median(mm), py_cpu=statistics.median(py_cpu), p2pd_cpu=statistics.median(p2pd_cpu),
+    out = {"seconds": statistics.median(spans), "all": spans, "ok": all(checks) and len(checks) == world}
+    if whole:
+        out.update(round=statistics.median(whole), py_cpu=statistics.median(py_cpu),
+                   p2pd_cpu=statistics.median(p2pd_cpu),
                    max_err=max(r["max_err"] for r in mine if r["max_err"] is not None),
-                   maxrss=max(r["maxrss"] for r in mine))
-        profiles = [r["profile"] for r in mine if not r["warmup"] and r["profile"]]
-        if profiles:
-            keys = sorted({k for p in profiles for k in p})
-            out["profile"] = {k: statistics.median(p.get(k, 0.0) for p in profiles) for k in keys}
+                   extra_mem=max(extra_mem) if extra_mem else None)
     return out
 
 
@@ -400,7 +370,6 @@ def main() -> int:
     p.add_argument("--warmup", type=int, default=1, help="untimed rounds per configuration")
     p.add_argument("--repeats", type=int, default=3, help="timed rounds per configuration (median reported)")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads per process (2 cores here)")
-    p.add_argument("--profile", action="store_true", help="time the communicator's CPU stages inside the peers")
     p.add_argument("--json", default=None, help="also write all results to this JSON file")
     args = p.parse_args()
     if args.sizes is None:
@@ -452,34 +421,30 @@ def main() -> int:
                 for codec in args.codecs:
                     s, g = summarize(swarm, world, size, codec), summarize(gloo, world, size, codec)
                     wire = 2 * (world - 1) / world * size * CODECS[codec][1]
+                    g32 = summarize(gloo, world, size, "none")
                     results.append({"peers": world, "params": size, "codec": codec, "opendiloco": s, "gloo": g,
-                                    "wire_bytes_per_peer": wire, "peak_rss_group": peaks[codec]})
+                                    "gloo_fp32": g32, "wire_bytes_per_peer": wire, "peak_rss_group": peaks[codec]})
 
-    header = ("| peers | params | codec | opendiloco s | gloo s | ratio | opendiloco MB/s/peer | gloo MB/s/peer "
-              "| mm+verify s | py CPU s | p2pd CPU s | peak RSS/peer | ok |")
+    header = ("| peers | params | codec | round s (start..wait) | transfer s | gloo s | round / gloo "
+              "| transfer / gloo | round / gloo fp32 | MB/s/peer (round) | py CPU s | p2pd CPU s "
+              "| extra memory / vector | ok |")
     print()
     print(header)
     print("|" + "---|" * (header.count("|") - 1))
     for r in results:
         s, g, wire = r["opendiloco"], r["gloo"], r["wire_bytes_per_peer"]
-        print(f"| {r['peers']} | {human(r['params'])} | {r['codec']} | {s['seconds']:.3f} | {g['seconds']:.3f} "
-              f"| {s['seconds'] / g['seconds']:.1f}x | {wire / s['seconds'] / 1e6:.0f} "
-              f"| {wire / g['seconds'] / 1e6:.0f} "
-              f"| {s['mm']:.2f} | {s['py_cpu']:.2f} | {s['p2pd_cpu']:.2f} | {s['maxrss'] / 2**30:.2f} GiB "
-              f"| {'yes' if s['ok'] and g['ok'] else 'NO'} |")
-    print("\nopendiloco s / gloo s: median of the timed rounds of max(leave) - max(enter) over peers "
-          "(all-reduce only; matchmaking and verification excluded, shown as mm+verify).")
-    print("MB/s/peer: 2(N-1)/N x encoded vector bytes sent by each peer, / seconds. py/p2pd CPU: per peer per round. "
-          "peak RSS/peer: the python process (ru_maxrss, cumulative over sizes).")
-    if args.profile:
-        for r in results:
-            prof = r["opendiloco"].get("profile")
-            if prof:
-                print(f"\nprofile, {r['peers']} peers, {human(r['params'])}, {r['codec']} "
-                      f"(median per peer per round; wall seconds summed over threads; round "
-                      f"{r['opendiloco']['seconds']:.2f}s):")
-                for k, v in sorted(prof.items(), key=lambda kv: -kv[1]):
-                    print(f"  {v:7.3f}s  {k}")
+        g32 = r.get("gloo_fp32")
+        mem = f"{s['extra_mem']:.2f}x" if s.get("extra_mem") is not None else "n/a"
+        print(f"| {r['peers']} | {human(r['params'])} | {r['codec']} | {s['round']:.3f} | {s['seconds']:.3f} "
+              f"| {g['seconds']:.3f} | {s['round'] / g['seconds']:.2f}x | {s['seconds'] / g['seconds']:.2f}x "
+              f"| {s['round'] / g32['seconds']:.2f}x | {wire / s['round'] / 1e6:.0f} "
+              f"| {s['py_cpu']:.2f} | {s['p2pd_cpu']:.2f} | {mem} | {'yes' if s['ok'] and g['ok'] else 'NO'} |")
+    print("\nround: median over timed rounds of max(leave) - max(enter) over peers of start(...).wait() "
+          "(matchmaking + transfer + digest confirmation); transfer: the data plane alone (exchange + "
+          "confirmation, after matchmaking); gloo: all_reduce of the same vector in the codec's dtype "
+          "(\"gloo fp32\": in fp32).")
+    print("MB/s/peer: 2(N-1)/N x encoded vector bytes sent by each peer / round seconds. py/p2pd CPU: per peer per "
+          "data plane. extra memory: peak RSS during a round minus RSS before it, / fp32 vector bytes (worst peer).")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     bad = [r for r in results if not (r["opendiloco"]["ok"] and r["gloo"]["ok"])]

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.network import free_port
-from opendiloco.proctree import ProcessGroup
+from opendiloco.testing.proctree import ProcessGroup
 from opendiloco.train.metrics import read_metrics
 from tests.test_train_loop import SMALL
 

@@ -65,10 +65,10 @@ def test_compressed_average_is_what_the_wire_would_give(run_replicas):
 
 
 def test_mismatched_outer_steps_fail_for_everyone(run_replicas):
-    group = InProcessGroup(2)
+    group = InProcessGroup(2, timeout=0.5)
     results = _average_all(run_replicas, group, [[torch.ones(3)]] * 2, [1.0, 1.0], steps=[4, 5])
-    for res in results:
-        assert isinstance(res, AveragingError) and "different outer steps" in str(res)
+    for res in results:  # rounds are matched by key: members at different outer steps never average
+        assert isinstance(res, AveragingError) and "timed out" in str(res)
     # the group is usable again for the next round
     results = _average_all(run_replicas, group, [[torch.ones(3)], [torch.zeros(3)]], [1.0, 1.0], steps=[5, 5])
     assert all(torch.equal(r.tensors[0], torch.full((3,), 0.5)) for r in results)

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from opendiloco import AverageResult, Communicator, DiLoCoOptimizer, InProcessGroup, SingleWorker
+from opendiloco.comm.base import CompletedWork
 from opendiloco.outer import tensors_hash
 
 SGD1 = functools.partial(torch.optim.SGD, lr=1.0)  # outer SGD, lr 1, no momentum: θ_global := mean(θ_local)
@@ -314,9 +315,9 @@ class RecordingWorker(SingleWorker):
         super().__init__(*args, **kwargs)
         self.sent: list[list[torch.Tensor]] = []
 
-    def average(self, tensors, *, weight=1.0, outer_step=0):
-        self.sent.append([t.clone() for t in tensors])
-        return super().average(tensors, weight=weight, outer_step=outer_step)
+    def start(self, flat, *, weight, key):
+        self.sent.append(flat.clone())
+        return super().start(flat, weight=weight, key=key)
 
 
 def test_inner_state_is_local_and_survives_outer_step():
@@ -340,7 +341,7 @@ def test_inner_state_is_local_and_survives_outer_step():
             assert torch.equal(before[k], after[k]), k
     # only the pseudo-gradients travelled: one tensor per parameter, nothing else
     assert len(comm.sent) == 1
-    assert [t.shape for t in comm.sent[0]] == [p.shape for p in model.parameters()]
+    assert comm.sent[0].shape == (sum(p.numel() for p in model.parameters()),)
     # and the next inner step keeps using that state (step counter keeps growing)
     train_step(model, opt, *batch(0, 3))
     assert all(opt.inner.state[p]["step"].item() == 4 for p in model.parameters())
@@ -544,8 +545,8 @@ class NaNGroup(Communicator):
 
     peer_id = "nan"
 
-    def average(self, tensors, *, weight=1.0, outer_step=0):
-        return AverageResult([torch.full_like(t, float("nan")) for t in tensors], ("nan",), 1.0)
+    def start(self, flat, *, weight, key):
+        return CompletedWork(AverageResult(torch.full_like(flat, float("nan")), ("nan",), 1.0))
 
 
 def test_non_finite_average_is_refused():

@@ -167,9 +167,9 @@ def test_make_communicator_seam(tmp_path, monkeypatch):
     assert isinstance(comm, SingleWorker) and comm.codec.name == "int8"
 
     calls = []
-    fake = types.ModuleType("opendiloco.comm.hivemind")
-    fake.HivemindCommunicator = types.SimpleNamespace(from_config=lambda swarm, run_dir: calls.append((swarm, run_dir)))
-    monkeypatch.setitem(sys.modules, "opendiloco.comm.hivemind", fake)
+    fake = types.ModuleType("opendiloco.swarm.communicator")
+    fake.SwarmCommunicator = types.SimpleNamespace(from_config=lambda swarm, run_dir: calls.append((swarm, run_dir)))
+    monkeypatch.setitem(sys.modules, "opendiloco.swarm.communicator", fake)
     cfg = load_config(None, ["--swarm.enabled"])
     make_communicator(cfg, tmp_path)
     assert calls == [(cfg.swarm, tmp_path)]

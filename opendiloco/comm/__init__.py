@@ -1,6 +1,10 @@
-"""How a pseudo-gradient is averaged across workers. Only ``hivemind.py`` here imports hivemind."""
+"""How a pseudo-gradient is averaged across workers: the interface, codecs, buffers, the round runner.
 
-from .base import AverageResult, AveragingError, BehindError, Communicator
+Nothing here imports hivemind: the swarm transport lives in ``opendiloco.swarm``.
+"""
+
+from ..errors import AveragingError, BehindError
+from .base import AverageResult, Communicator, RoundKey, Work
 from .compression import CODECS, get_codec
 from .local import InProcessGroup, SingleWorker
 
@@ -11,6 +15,8 @@ __all__ = [
     "BehindError",
     "Communicator",
     "InProcessGroup",
+    "RoundKey",
     "SingleWorker",
+    "Work",
     "get_codec",
 ]

@@ -1,41 +1,110 @@
-"""The small interface between the optimizer and whatever averages pseudo-gradients."""
+"""The small, asynchronous interface between the optimizer and whatever averages pseudo-gradients.
+
+A round is *started* with a flat fp32 vector and *waited for* separately, so a caller can keep
+training while it runs::
+
+    work = communicator.start(flat, weight=1.0, key=RoundKey(outer_step=7))
+    ...                                 # inner steps go on
+    result = work.wait()                # AverageResult; raises AveragingError
+
+``average(tensors, ...)`` is ``start(flatten(tensors)).wait()`` for callers that hold a list.
+Nothing here imports hivemind or asyncio.
+"""
 
 from __future__ import annotations
 
+import concurrent.futures
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
+from ..errors import AveragingError, BehindError
+from .buffers import flatten, unflatten
 
-class AveragingError(RuntimeError):
-    """A round could not produce a complete, verified average. Nothing was applied."""
+__all__ = ["AverageResult", "AveragingError", "BehindError", "Communicator", "RoundKey", "Work"]
 
 
-class BehindError(AveragingError):
-    """The group has already moved past this worker's outer step: load state from a peer instead."""
+@dataclass(frozen=True, order=True)
+class RoundKey:
+    """What a round averages: the outer step, and (with streaming) which fragment of the model."""
 
-    def __init__(self, message: str, *, group_outer_step: int, timeout: float | None = None):
-        super().__init__(message)
-        self.group_outer_step = group_outer_step
-        self.timeout = timeout
-        """How long catching up may wait for a peer to reach ``group_outer_step`` (None: the caller's bound)."""
+    outer_step: int
+    fragment: int = 0
+
+    def __post_init__(self):
+        for name in ("outer_step", "fragment"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"RoundKey.{name} must be a non-negative int, got {value!r}")
+
+    def __str__(self) -> str:
+        return f"{self.outer_step}.{self.fragment}"
 
 
 @dataclass
 class AverageResult:
-    tensors: list[torch.Tensor]
-    """The weighted average, fp32 on CPU, same shapes as the input, identical on every member."""
+    flat: torch.Tensor
+    """The weighted average, flat fp32 on CPU, identical on every member."""
     peers: tuple[str, ...]
     """Ids of the workers whose contributions are in the average (this one included)."""
     total_weight: float
     seconds: float = 0.0
     extra: dict = field(default_factory=dict)
+    tensors: list[torch.Tensor] = field(default_factory=list)
+    """Set by ``average()``: views of ``flat`` shaped like its input tensors."""
 
     @property
     def group_size(self) -> int:
         return len(self.peers)
+
+
+class Work(ABC):
+    """A round in flight. ``wait`` returns its result or raises ``AveragingError``; it may be called again."""
+
+    @abstractmethod
+    def wait(self, timeout: float | None = None) -> AverageResult: ...
+
+    @abstractmethod
+    def done(self) -> bool: ...
+
+
+class CompletedWork(Work):
+    """A round that finished (or failed) inside ``start``."""
+
+    def __init__(self, result: AverageResult | None = None, error: AveragingError | None = None):
+        self._result, self._error = result, error
+
+    def wait(self, timeout=None):
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+    def done(self):
+        return True
+
+
+class FutureWork(Work):
+    """A round running elsewhere (a thread), as a ``concurrent.futures.Future`` of an ``AverageResult``."""
+
+    def __init__(self, future: concurrent.futures.Future):
+        self._future = future
+
+    def wait(self, timeout=None):
+        try:
+            return self._future.result(timeout)
+        except concurrent.futures.TimeoutError:
+            # Before Python 3.11 this is not the builtin TimeoutError: name it explicitly.
+            raise AveragingError(f"round still running after {timeout:.1f}s") from None
+        except AveragingError:
+            raise
+        except Exception as e:  # a bug or a transport error must not escape as something else
+            raise AveragingError(f"{type(e).__name__}: {e}") from e
+
+    def done(self):
+        return self._future.done()
 
 
 StateProvider = Callable[[], dict]
@@ -43,26 +112,37 @@ StateProvider = Callable[[], dict]
 
 
 class Communicator(ABC):
-    """Averages a list of tensors across the workers of a group, once per outer step."""
+    """Averages a flat vector across the workers of a group, once per round key."""
 
     @property
     @abstractmethod
     def peer_id(self) -> str: ...
 
     @abstractmethod
-    def average(self, tensors: Sequence[torch.Tensor], *, weight: float, outer_step: int) -> AverageResult:
-        """Weighted average of ``tensors`` (fp32, CPU) over the group for ``outer_step``.
+    def start(self, flat: torch.Tensor, *, weight: float, key: RoundKey) -> Work:
+        """Starts the weighted average of ``flat`` (1-D fp32 on CPU) over the group for ``key``.
 
-        Either returns an average that is complete and identical on every member, or raises
-        ``AveragingError`` without having applied anything. A zero ``weight`` means "take part
-        but contribute nothing" (e.g. a worker whose own pseudo-gradient is not finite).
+        The caller must not modify ``flat`` until the work is done. The result is either complete
+        and identical on every member, or ``wait`` raises ``AveragingError`` and nothing was
+        applied. A zero ``weight`` means "take part but contribute nothing" (e.g. a worker whose
+        own pseudo-gradient is not finite).
         """
+
+    def average(self, tensors: Sequence[torch.Tensor], *, weight: float = 1.0, outer_step: int = 0) -> AverageResult:
+        """Blocking convenience: averages a list of tensors; ``result.tensors`` are shaped like them."""
+        began = time.perf_counter()
+        result = self.start(flatten(tensors), weight=weight, key=RoundKey(outer_step)).wait()
+        result.tensors = unflatten(result.flat, tensors)
+        result.seconds = result.seconds or time.perf_counter() - began
+        return result
 
     def attach_state_provider(self, provider: StateProvider) -> None:
         """Lets the communicator serve this worker's state to late joiners (no-op by default)."""
 
-    def download_state(self, timeout: float, min_outer_step: int | None = None) -> dict | None:
-        """State from a live peer (at ``min_outer_step`` or later), or None where there is nobody to ask."""
+    def download_state(self, timeout: float, min_outer_step: int | None = None,
+                       max_bytes: int | None = None, majority_hash: str | None = None) -> dict | None:
+        """State from a live peer (at ``min_outer_step`` or later, holding ``majority_hash`` if given),
+        or None where there is nobody to ask."""
         return None
 
     def report_progress(self, **fields) -> None:

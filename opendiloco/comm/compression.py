@@ -13,9 +13,13 @@ element count because block-wise codecs pad.
 from __future__ import annotations
 
 import math
+import warnings
 from abc import ABC, abstractmethod
 
 import torch
+
+from ..errors import ProtocolError
+from ..fingerprint import tensor_bytes
 
 FP16_MAX = float(torch.finfo(torch.float16).max)
 
@@ -44,6 +48,31 @@ class Codec(ABC):
     def wire_bytes(self, numel: int) -> int:
         return sum(torch.empty(0, dtype=dt).element_size() * n for dt, n in self.expected_fields(numel).values())
 
+    def to_bytes(self, flat: torch.Tensor) -> memoryview | bytes:
+        """``encode`` as one payload: the fields' bytes in name order (no copy for one-field codecs)."""
+        fields = self.encode(flat)
+        names = sorted(fields)
+        if len(names) == 1:
+            return tensor_bytes(fields[names[0]])
+        return b"".join(tensor_bytes(fields[n]) for n in names)
+
+    def from_bytes(self, payload: bytes, numel: int) -> torch.Tensor:
+        """Decodes a payload made by ``to_bytes``; refuses one whose size does not fit ``numel``."""
+        expected = self.expected_fields(numel)
+        sizes = {n: torch.empty(0, dtype=dt).element_size() * c for n, (dt, c) in expected.items()}
+        if len(payload) != sum(sizes.values()):
+            raise ProtocolError(f"payload of {len(payload)} bytes; {sum(sizes.values())} expected for {numel} values")
+        if numel == 0:
+            return torch.zeros(0)
+        fields, offset = {}, 0
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # read-only bytes: decoding never writes to them
+            for name in sorted(expected):
+                dtype, count = expected[name]
+                fields[name] = torch.frombuffer(payload, dtype=dtype, count=count, offset=offset)
+                offset += sizes[name]
+        return self.decode(fields, numel)
+
 
 class NoCompression(Codec):
     name = "none"
@@ -64,7 +93,9 @@ class Float16Compression(Codec):
     name = "fp16"
 
     def encode(self, flat):
-        return {"values": flat.detach().float().clamp(-FP16_MAX, FP16_MAX).to(torch.float16)}
+        # Convert, then saturate the half tensor: no fp32 temporary. Values that round past the
+        # fp16 range become ±inf and are clamped back to ±FP16_MAX (what clamping first gives).
+        return {"values": flat.detach().to(torch.float16).clamp_(-FP16_MAX, FP16_MAX)}
 
     def decode(self, encoded, numel):
         return encoded["values"].to(torch.float32)

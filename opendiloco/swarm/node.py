@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import os
 import signal
@@ -14,13 +15,23 @@ import hivemind
 from hivemind.p2p import P2P
 from hivemind.utils.multiaddr import Multiaddr
 
-from opendiloco.proctree import children
+from opendiloco.errors import SwarmError
 
 log = logging.getLogger(__name__)
 
 
-class SwarmError(RuntimeError):
-    """A clear, user-facing problem with joining or running the swarm."""
+def _children(pid: int) -> list[int]:
+    """PIDs whose parent is ``pid`` (read from /proc)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        found.append(int(entry))
+            except (OSError, ValueError, IndexError):
+                pass  # exited while we looked
+    return found
 
 
 def parse_maddrs(addrs: Sequence[str], *, what: str, require_peer_id: bool = False) -> list[str]:
@@ -87,7 +98,7 @@ class WorkerBoundDHT(hivemind.DHT):
             while True:
                 time.sleep(0.5)
                 if os.getppid() != parent:
-                    for child in children(os.getpid()):  # p2pd
+                    for child in _children(os.getpid()):  # p2pd
                         try:
                             os.kill(child, signal.SIGKILL)
                         except ProcessLookupError:
@@ -127,7 +138,7 @@ def start_dht(
     dht = WorkerBoundDHT(initial_peers=initial_peers or None, start=True, await_ready=False, **kwargs)
     try:
         dht.wait_until_ready(timeout=startup_timeout)
-    except TimeoutError:
+    except (TimeoutError, concurrent.futures.TimeoutError):  # distinct types before Python 3.11
         dht.shutdown()
         raise SwarmError(f"could not start the DHT node within {startup_timeout:.0f}s "
                          f"(initial peers: {', '.join(initial_peers) or 'none'})") from None

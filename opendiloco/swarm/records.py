@@ -3,19 +3,21 @@
 - ``{run}.workers``: one subkey per live worker, its progress (refreshed by a heartbeat, so a
   frozen or dead worker's record expires);
 - ``{run}.round.{k}``: workers ready to average outer step ``k``;
-- ``{run}.group.{k}.{attempt}``: the group the round's leader closed;
-- ``{run}.done.{k}.{attempt}``: each member's digest of the average it is about to apply.
+- ``{run}.group.{k}.{attempt}``: the group the round's leader closed.
+
+(``k`` is a round key: the outer step, and the fragment where the model is streamed in parts.)
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 from dataclasses import asdict, dataclass, fields
 
 import hivemind
 from hivemind.utils.timed_storage import get_dht_time
 
-from opendiloco.comm.base import AveragingError
+from opendiloco.errors import AveragingError
 
 log = logging.getLogger(__name__)
 
@@ -24,16 +26,12 @@ def workers_key(run_id: str) -> str:
     return f"{run_id}.workers"
 
 
-def round_key(run_id: str, outer_step: int) -> str:
-    return f"{run_id}.round.{outer_step}"
+def round_key(run_id: str, key) -> str:
+    return f"{run_id}.round.{key}"
 
 
-def group_key(run_id: str, outer_step: int, attempt: int) -> str:
-    return f"{run_id}.group.{outer_step}.{attempt}"
-
-
-def done_key(run_id: str, outer_step: int, attempt: int) -> str:
-    return f"{run_id}.done.{outer_step}.{attempt}"
+def group_key(run_id: str, key, attempt: int) -> str:
+    return f"{run_id}.group.{key}.{attempt}"
 
 
 @dataclass
@@ -78,7 +76,7 @@ def wait_dht(future, what: str, timeout: float = DHT_CALL_TIMEOUT):
     (or lost the request) would otherwise block the worker for ever."""
     try:
         return future.result(timeout)
-    except TimeoutError:
+    except (TimeoutError, concurrent.futures.TimeoutError):  # distinct types before Python 3.11
         future.cancel()
         raise AveragingError(f"the DHT did not answer a {what} within {timeout:.0f}s") from None
 

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 from hivemind.utils.timed_storage import get_dht_time
 
-from opendiloco.comm.base import AveragingError
+from opendiloco.errors import AveragingError
 
 from . import records
 from .node import SwarmError, start_dht

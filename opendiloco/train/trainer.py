@@ -39,9 +39,9 @@ def make_communicator(cfg: Config, run_dir: Path) -> Communicator:
     """The one place that decides how this worker averages with others."""
     if not cfg.swarm.enabled:
         return SingleWorker(compression=cfg.swarm.compression)
-    from opendiloco.comm.hivemind import HivemindCommunicator
+    from opendiloco.swarm.communicator import SwarmCommunicator
 
-    return HivemindCommunicator.from_config(cfg.swarm, run_dir=run_dir)
+    return SwarmCommunicator.from_config(cfg.swarm, run_dir=run_dir)
 
 
 def lr_lambda(step: int, *, warmup: int, total: int, min_ratio: float) -> float:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from opendiloco.proctree import ProcessError, ProcessGroup
+from opendiloco.testing.proctree import ProcessError, ProcessGroup
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("worker.py")

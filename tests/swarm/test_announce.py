@@ -16,8 +16,8 @@ import time
 import pytest
 from hivemind.utils.timed_storage import get_dht_time
 
-from opendiloco.proctree import alive, descendants
 from opendiloco.swarm.node import SwarmError, start_dht, visible_maddrs
+from opendiloco.testing.proctree import alive, descendants
 
 from .conftest import ROOT
 

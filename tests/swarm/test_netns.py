@@ -19,7 +19,7 @@ import time
 
 import pytest
 
-from opendiloco.netns import Hosts, NetnsError, unavailable_reason
+from opendiloco.testing.netns import Hosts, NetnsError, unavailable_reason
 
 from .conftest import WORKER
 

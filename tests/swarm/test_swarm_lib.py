@@ -64,7 +64,7 @@ def test_worker_killed_leaves_no_daemons(swarm):
     import os
     import signal
 
-    from opendiloco.proctree import alive, descendants
+    from opendiloco.testing.proctree import alive, descendants
 
     swarm.bootstrap()
     proc = swarm.worker("lone", outer_steps=1000, local_steps=50)

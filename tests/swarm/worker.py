@@ -17,31 +17,31 @@ import time
 import torch
 
 from opendiloco import DiLoCoOptimizer
-from opendiloco.comm.hivemind import HivemindCommunicator, SwarmSettings
+from opendiloco.swarm.communicator import SwarmCommunicator, SwarmSettings
 from opendiloco.swarm.node import start_dht
 
 
-class RecordingCommunicator(HivemindCommunicator):
+class RecordingCommunicator(SwarmCommunicator):
     """Adds test instrumentation: dumps of each round, and a fault injected inside one all-reduce."""
 
     dump_dir = None
     stall_at: tuple[int, float] | None = None
     marker = None
 
-    def average(self, tensors, *, weight=1.0, outer_step=0):
-        self.current_step = outer_step
-        result = super().average(tensors, weight=weight, outer_step=outer_step)
+    def _round(self, flat, weight, key):
+        sent = flat.clone()
+        result = super()._round(flat, weight, key)
         if self.dump_dir:
-            torch.save({"sent": [t.clone() for t in tensors], "got": result.tensors, "peers": result.peers},
-                       os.path.join(self.dump_dir, f"{self.peer_id}-{outer_step}.pt"))
+            torch.save({"sent": [sent], "got": [result.flat.clone()], "peers": result.peers},
+                       os.path.join(self.dump_dir, f"{self.peer_id}-{key.outer_step}.pt"))
         return result
 
-    async def _allreduce(self, group_id, members, flat, weight):
-        if self.stall_at and self.stall_at[0] == self.current_step:
+    async def _data_plane(self, group, flat, weight):
+        if self.stall_at and self.stall_at[0] == group.key.outer_step:
             with open(self.marker, "a") as f:  # tells the test we are inside the all-reduce
-                f.write(f"{self.current_step} {time.time()}\n")
+                f.write(f"{group.key.outer_step} {time.time()}\n")
             await asyncio.sleep(self.stall_at[1])
-        return await super()._allreduce(group_id, members, flat, weight)
+        return await super()._data_plane(group, flat, weight)
 
 
 def main():

@@ -1,0 +1,496 @@
+"""One round of a streamed, verified reduce-scatter / all-gather, over any stream of frames.
+
+A group of G members splits the flat vector into G contiguous shards; member j owns shard j.
+Every shard is cut into parts of ``part_numel`` values. Each member streams its *encoded*
+parts of shard j to member j; member j decodes each part as it arrives, and as soon as all G
+contributions to part i are in, averages them in member order (fp32), encodes the average
+once and streams those bytes back to every member, itself included, while later parts are
+still arriving. Every member decodes identical bytes, so every member ends with a
+bit-identical average. Before anyone applies it, every member sends every other member the
+SHA-256 of all the averaged bytes it received (``CONFIRM``); a different digest refuses the round.
+
+Every byte from a peer is checked before it is used: the sender is the transport's
+authenticated peer id, the group id names a round this worker is in, every size is known in
+advance, parts come in order and once, values are finite, the owner's digest matches.
+
+The transport is an argument: ``connect(peer) -> ByteStream`` for outgoing streams, and
+``Rounds.serve(stream)`` for incoming ones.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import hashlib
+import logging
+import math
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from ..errors import AveragingError, PeerFailure, ProtocolError
+from .base import RoundKey
+from .buffers import all_finite
+from .compression import Codec
+from .wire import ByteStream, Code, Refused, StreamClosed
+from .wire import field as meta_field
+
+log = logging.getLogger(__name__)
+
+DEFAULT_PART_NUMEL = 1 << 18  # 256 Ki values: 512 KiB in fp16, a multiple of every codec's block
+MAX_WEIGHT = 1e12
+
+Connect = Callable[[str], Awaitable[ByteStream]]
+
+
+def shard_bounds(numel: int, parts: int) -> list[tuple[int, int]]:
+    """Contiguous, nearly equal [start, end) ranges covering ``numel`` elements."""
+    base, extra = divmod(numel, parts)
+    bounds, start = [], 0
+    for i in range(parts):
+        end = start + base + (1 if i < extra else 0)
+        bounds.append((start, end))
+        start = end
+    return bounds
+
+
+def part_bounds(numel: int, part_numel: int) -> list[tuple[int, int]]:
+    """[start, end) ranges of at most ``part_numel`` values; one empty part for an empty shard."""
+    if numel == 0:
+        return [(0, 0)]
+    return [(a, min(a + part_numel, numel)) for a in range(0, numel, part_numel)]
+
+
+def make_group_id(run_id: str, key: RoundKey, attempt: int, members: Sequence[str]) -> str:
+    h = hashlib.sha256(f"{run_id}|{key}|{attempt}|{','.join(members)}".encode())
+    return h.hexdigest()[:24]
+
+
+@dataclass(frozen=True)
+class Group:
+    """The members of one round, in shard order, and the id that names the round on the wire."""
+
+    group_id: str
+    members: tuple[str, ...]
+    key: RoundKey
+
+
+@dataclass
+class RoundOutcome:
+    flat: torch.Tensor
+    total_weight: float
+    digest: str
+    bytes_sent: int
+    seconds: float
+    confirmed_by: tuple[str, ...] = ()
+    missing_confirmations: tuple[str, ...] = ()
+
+
+class ShardReducer:
+    """The owner's side of one shard: contributions come in part by part, averages go out part by part.
+
+    Pure computation (no I/O, no asyncio): ``add_part`` returns the indices of the parts it
+    completed; ``results[i]`` then holds the encoded average of part i.
+    """
+
+    def __init__(self, codec: Codec, numel: int, members: Sequence[str], part_numel: int):
+        self.codec, self.numel, self.members = codec, numel, tuple(members)
+        self.parts = part_bounds(numel, part_numel)
+        self.weights: dict[str, float] = {}
+        self._next_part: dict[str, int] = {}
+        self._pending: list[dict[str, torch.Tensor]] = [{} for _ in self.parts]
+        self.results: list[bytes | memoryview | None] = [None] * len(self.parts)
+        self._hasher = hashlib.sha256()
+        self.digest: str | None = None
+        self.total_weight: float | None = None
+
+    def part_bytes(self, i: int) -> int:
+        a, b = self.parts[i]
+        return self.codec.wire_bytes(b - a)
+
+    def begin(self, member: str, weight) -> None:
+        if member not in self.members:
+            raise ProtocolError(f"{member[-8:]} is not a member of this group")
+        if member in self.weights:
+            raise ProtocolError(f"{member[-8:]} contributed twice")
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight) \
+                or not 0 <= weight <= MAX_WEIGHT:
+            raise ProtocolError(f"{member[-8:]} sent an invalid weight {weight!r}")
+        self.weights[member] = float(weight)
+        self._next_part[member] = 0
+        if len(self.weights) == len(self.members):
+            self.total_weight = sum(self.weights[m] for m in self.members)
+            if self.total_weight <= 0:
+                raise AveragingError("every member of the group contributed weight 0")
+
+    def add_part(self, member: str, index, payload) -> list[int]:
+        if member not in self.weights:
+            raise ProtocolError(f"{member[-8:]} sent a part before opening its contribution")
+        if isinstance(index, bool) or index != self._next_part[member]:
+            raise ProtocolError(f"{member[-8:]} sent part {index!r}, expected part {self._next_part[member]}")
+        if index >= len(self.parts):
+            raise ProtocolError(f"{member[-8:]} sent more parts than the shard has")
+        a, b = self.parts[index]
+        values = self.codec.from_bytes(payload, b - a)
+        if not all_finite(values):
+            raise ProtocolError(f"{member[-8:]} sent non-finite values")
+        self._next_part[member] = index + 1
+        self._pending[index][member] = values
+        done = []
+        # Parts complete in order: every member sends part i before part i + 1.
+        while len(done) + index < len(self.parts) and self._complete(index + len(done)):
+            done.append(self._reduce(index + len(done)))
+        return done
+
+    def _complete(self, i: int) -> bool:
+        return self.results[i] is None and len(self._pending[i]) == len(self.members) \
+            and self.total_weight is not None
+
+    def _reduce(self, i: int) -> int:
+        contributions = self._pending[i]
+        a, b = self.parts[i]
+        acc = torch.zeros(b - a, dtype=torch.float32)
+        # A fixed summation order in fp32, and only the owner computes it: bit-identical replicas.
+        for member in self.members:
+            w = self.weights[member]
+            if w:
+                acc.add_(contributions[member], alpha=w / self.total_weight)
+        self._pending[i] = {}
+        encoded = self.codec.to_bytes(acc)
+        self.results[i] = encoded
+        self._hasher.update(encoded)
+        if i == len(self.parts) - 1:
+            self.digest = self._hasher.hexdigest()
+        return i
+
+    @property
+    def done(self) -> bool:
+        return self.digest is not None
+
+
+class RoundRunner:
+    """This worker's side of one round: its contribution to every shard, and the shard it owns."""
+
+    def __init__(self, group: Group, me: str, flat: torch.Tensor, weight: float, codec: Codec, *,
+                 out: torch.Tensor | None = None, part_numel: int = DEFAULT_PART_NUMEL,
+                 timeout: float = 60.0, confirm_timeout: float = 5.0):
+        if me not in group.members:
+            raise ValueError("this worker is not a member of the group")
+        self.group, self.me, self.codec = group, me, codec
+        self.members = group.members
+        self.my_index = self.members.index(me)
+        self.flat = flat
+        self.out = out if out is not None else torch.empty_like(flat)
+        self.weight = float(weight)
+        self.part_numel = part_numel
+        self.timeout, self.confirm_timeout = timeout, confirm_timeout
+        self.bounds = shard_bounds(flat.numel(), len(self.members))
+        a, b = self.bounds[self.my_index]
+        self.reducer = ShardReducer(codec, b - a, self.members, part_numel)
+        self.bytes_sent = 0
+        self.error: Exception | None = None
+        self._changed = asyncio.Condition()
+        self._shard_digests: dict[int, str] = {}
+        self._shard_totals: dict[int, float] = {}
+        self._confirm_streams: dict[int, ByteStream] = {}
+        self._failed = asyncio.Event()
+        self._confirms: dict[str, str] = {}
+        self._serving: set[str] = set()
+        self.finished = False
+
+    # -- the round, as the member that started it sees it -------------------------------------------
+    async def run(self, connect: Connect) -> RoundOutcome:
+        began = time.perf_counter()
+        others = [j for j in range(len(self.members)) if j != self.my_index]
+        tasks = [asyncio.create_task(self._exchange(j, connect)) for j in others]
+        tasks.append(asyncio.create_task(self._own_shard()))
+        try:
+            done, pending = await asyncio.wait(tasks, timeout=self.timeout, return_when=asyncio.FIRST_EXCEPTION)
+            for task in done:
+                if task.exception() is not None:
+                    raise task.exception()
+            if pending:
+                silent = {self.members[j] for j, t in zip(others, tasks) if t in pending}
+                silent |= {m for m in self.members if m not in self.reducer.weights} - {self.me}
+                raise PeerFailure(f"no answer within {self.timeout:.0f}s from {sorted(p[-8:] for p in silent)}",
+                                  silent or set(self.members) - {self.me})
+            totals = {round(t, 9) for t in self._shard_totals.values()}
+            if len(totals) != 1:
+                raise ProtocolError(f"shards report different total weights {sorted(totals)}")
+            digest = hashlib.sha256("".join(self._shard_digests[j] for j in range(len(self.members)))
+                                    .encode()).hexdigest()[:32]
+            confirmed, missing = await self._verify(digest)
+        except BaseException as e:
+            await self._fail(e if isinstance(e, Exception) else AveragingError("round cancelled"))
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            if isinstance(e, AveragingError):
+                raise
+            if isinstance(e, asyncio.CancelledError):
+                raise
+            raise AveragingError(f"{type(e).__name__}: {e}") from e
+        self.finished = True
+        return RoundOutcome(self.out, self._shard_totals[self.my_index], digest, self.bytes_sent,
+                            time.perf_counter() - began, confirmed, missing)
+
+    async def _exchange(self, j: int, connect: Connect) -> None:
+        """Streams our parts of shard j to its owner; receives and checks the owner's averaged parts."""
+        peer = self.members[j]
+        a, b = self.bounds[j]
+        parts = part_bounds(b - a, self.part_numel)
+        stream = None
+        try:
+            stream = await connect(peer)
+            await stream.send(Code.CONTRIBUTE, {"group_id": self.group.group_id, "sender": self.me,
+                                                "weight": self.weight, "numel": b - a, "parts": len(parts),
+                                                "codec": self.codec.name})
+
+            async def send_parts():
+                for i, (pa, pb) in enumerate(parts):
+                    payload = self.codec.to_bytes(self.flat[a + pa : a + pb])
+                    await stream.send(Code.PART, {"i": i}, payload)
+                    self.bytes_sent += len(payload) if not isinstance(payload, memoryview) else payload.nbytes
+
+            sender = asyncio.create_task(send_parts())
+            try:
+                first = await stream.recv(max_payload=0, expect=Code.RESULT)
+                total = meta_field(first.meta, "total_weight", (int, float))
+                if not (math.isfinite(total) and 0 < total <= MAX_WEIGHT * len(self.members)):
+                    raise ProtocolError(f"invalid total weight {total!r}")
+                hasher = hashlib.sha256()
+                for i, (pa, pb) in enumerate(parts):
+                    frame = await stream.recv(max_payload=self.codec.wire_bytes(pb - pa), expect=Code.RESULT_PART)
+                    if meta_field(frame.meta, "i", int) != i:
+                        raise ProtocolError(f"result part {frame.meta.get('i')!r} where part {i} was due")
+                    values = self.codec.from_bytes(frame.payload, pb - pa)
+                    if not all_finite(values):
+                        raise ProtocolError("averaged part is not finite")
+                    hasher.update(frame.payload)
+                    self.out[a + pa : a + pb].copy_(values)
+                end = await stream.recv(max_payload=0, expect=Code.RESULT_END)
+                if meta_field(end.meta, "digest", str) != hasher.hexdigest():
+                    raise ProtocolError("averaged shard does not match its digest")
+                await sender
+            finally:
+                sender.cancel()
+            self._shard_digests[j], self._shard_totals[j] = hasher.hexdigest(), float(total)
+            self._confirm_streams[j], stream = stream, None  # kept open for our CONFIRM
+        except (ProtocolError, OSError, ConnectionError) as e:
+            raise PeerFailure(f"exchange with {peer[-8:]}: {e}", {peer}) from None
+        except (AveragingError, asyncio.CancelledError):
+            raise
+        except Exception as e:  # the transport's own errors (unreachable peer, closed daemon...)
+            raise PeerFailure(f"exchange with {peer[-8:]} failed: {type(e).__name__}: {e}", {peer}) from None
+        finally:
+            if stream is not None:
+                stream.close()
+
+    async def _own_shard(self) -> None:
+        """Our contribution to our own shard (same encode/decode as on the wire), then its average."""
+        await self._begin(self.me, self.weight)
+        a, b = self.bounds[self.my_index]
+        for i, (pa, pb) in enumerate(self.reducer.parts):
+            payload = self.codec.to_bytes(self.flat[a + pa : a + pb])
+            await self._add_part(self.me, i, payload)
+            await asyncio.sleep(0)  # let the streams move while we encode
+        for i, (pa, pb) in enumerate(self.reducer.parts):
+            encoded = await self._result(i)
+            self.out[a + pa : a + pb].copy_(self.codec.from_bytes(encoded, pb - pa))
+        async with self._changed:
+            self._shard_digests[self.my_index] = self.reducer.digest
+            self._shard_totals[self.my_index] = self.reducer.total_weight
+            self._changed.notify_all()
+
+    async def _verify(self, digest: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """Tells every member our digest and waits for theirs; a different one refuses the round."""
+        for stream in self._confirm_streams.values():
+            try:
+                await stream.send(Code.CONFIRM, {"digest": digest})
+            except Exception as e:  # a member that died after the transfer: it just won't confirm
+                log.debug("could not confirm to %s: %s", stream.remote[-8:], e)
+            stream.close()
+        self._confirm_streams.clear()
+        others = set(self.members) - {self.me}
+        async with self._changed:
+            self._changed.notify_all()
+            try:
+                await asyncio.wait_for(self._changed.wait_for(lambda: others <= self._confirms.keys()
+                                                              or self.error is not None), self.confirm_timeout)
+            except asyncio.TimeoutError:
+                pass
+            self._raise_if_failed()
+            wrong = {p for p, d in self._confirms.items() if d != digest}
+            if wrong:
+                raise PeerFailure(f"members {sorted(p[-8:] for p in wrong)} hold a different average; refused", wrong)
+            confirmed = tuple(sorted(self._confirms))
+        missing = tuple(sorted(others - set(confirmed)))
+        if missing:
+            log.warning("round %s: %d of %d members confirmed the average (the others may have died); applying it",
+                        self.group.group_id, len(confirmed) + 1, len(self.members))
+        return confirmed, missing
+
+    # -- the shard we own, as the other members see it ----------------------------------------------
+    async def serve(self, stream: ByteStream, opening: dict) -> None:
+        """An incoming contribution to our shard: reads its parts, streams the averaged parts back."""
+        sender = stream.remote
+        writer = None
+        try:
+            if sender in self._serving:
+                raise ProtocolError(f"{sender[-8:]} opened a second contribution")
+            self._serving.add(sender)
+            a, b = self.bounds[self.my_index]
+            numel, parts = meta_field(opening, "numel", int), meta_field(opening, "parts", int)
+            if numel != b - a or parts != len(self.reducer.parts):
+                raise ProtocolError(f"contribution of {opening.get('numel')!r} values in {opening.get('parts')!r} "
+                                    f"parts; this shard has {b - a} in {len(self.reducer.parts)}")
+            if meta_field(opening, "codec", str) != self.codec.name:
+                raise ProtocolError(f"codec {opening.get('codec')!r}, the group uses {self.codec.name!r}")
+            await self._begin(sender, meta_field(opening, "weight", (int, float)))
+            writer = asyncio.create_task(self._send_results(stream))
+            for i in range(len(self.reducer.parts)):
+                frame = await self._unless_failed(stream.recv(max_payload=self.reducer.part_bytes(i), expect=Code.PART))
+                await self._add_part(sender, meta_field(frame.meta, "i", int), frame.payload)
+            await writer
+            confirm = await self._unless_failed(stream.recv(max_payload=0, expect=Code.CONFIRM))
+            async with self._changed:
+                self._confirms[sender] = meta_field(confirm.meta, "digest", str)
+                self._changed.notify_all()
+        except Exception as e:
+            if writer is not None:
+                writer.cancel()
+            failure = e if isinstance(e, AveragingError) else ProtocolError(f"{type(e).__name__}: {e}")
+            if isinstance(e, (ProtocolError, StreamClosed)) and not isinstance(e, Refused):
+                failure = PeerFailure(f"{sender[-8:]}: {e}", {sender})
+            if not self.finished:
+                await self._fail(failure)
+            await stream.refuse(str(e))
+            log.debug("contribution from %s ended: %s", sender[-8:], e)
+        finally:
+            stream.close()
+
+    async def _send_results(self, stream: ByteStream) -> None:
+        async with self._changed:
+            await self._changed.wait_for(lambda: self.reducer.total_weight is not None or self.error is not None)
+            self._raise_if_failed()
+        await stream.send(Code.RESULT, {"total_weight": self.reducer.total_weight})
+        for i in range(len(self.reducer.parts)):
+            payload = await self._result(i)
+            await stream.send(Code.RESULT_PART, {"i": i}, payload)
+            self.bytes_sent += payload.nbytes if isinstance(payload, memoryview) else len(payload)
+        await stream.send(Code.RESULT_END, {"digest": self.reducer.digest})
+
+    # -- shared state ----------------------------------------------------------------------------------
+    async def _begin(self, member: str, weight) -> None:
+        self._raise_if_failed()
+        self.reducer.begin(member, weight)
+        if self.reducer.total_weight is not None:
+            async with self._changed:
+                self._changed.notify_all()
+
+    async def _add_part(self, member: str, index: int, payload) -> None:
+        self._raise_if_failed()
+        if self.reducer.add_part(member, index, payload):
+            async with self._changed:
+                self._changed.notify_all()
+
+    async def _result(self, i: int):
+        async with self._changed:
+            await self._changed.wait_for(lambda: self.reducer.results[i] is not None or self.error is not None)
+            self._raise_if_failed()
+            return self.reducer.results[i]
+
+    async def _unless_failed(self, awaitable):
+        """Awaits ``awaitable``, or raises as soon as the round fails (a handler never outlives its round)."""
+        task = asyncio.ensure_future(awaitable)
+        failed = asyncio.ensure_future(self._failed.wait())
+        try:
+            await asyncio.wait({task, failed}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            failed.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            self._raise_if_failed()
+        return task.result()
+
+    def _raise_if_failed(self) -> None:
+        error = self.error
+        if error is not None:  # a fresh exception each time: re-raising one object grows its traceback
+            if isinstance(error, PeerFailure):
+                raise PeerFailure(str(error), error.peers) from None  # still names its culprits
+            raise AveragingError(str(error) if isinstance(error, AveragingError) else f"round failed: {error}") \
+                from None
+
+    async def _fail(self, error: Exception) -> None:
+        async with self._changed:
+            if self.error is None:
+                self.error = error
+            self._failed.set()
+            self._changed.notify_all()
+        for stream in self._confirm_streams.values():
+            stream.close()
+        self._confirm_streams.clear()
+
+
+@dataclass
+class Rounds:
+    """The rounds this worker is in, by group id, so that incoming streams find theirs.
+
+    A contribution may arrive before this worker has learnt its group: it waits up to
+    ``wait_for_group`` seconds. Finished group ids are remembered, so a replayed message of an
+    earlier round is refused at once.
+    """
+
+    wait_for_group: float = 10.0
+    remember: int = 1024
+    _active: dict[str, RoundRunner] = field(default_factory=dict)
+    _finished: collections.OrderedDict = field(default_factory=collections.OrderedDict)
+    _registered: asyncio.Condition | None = None
+
+    def _condition(self) -> asyncio.Condition:
+        if self._registered is None:
+            self._registered = asyncio.Condition()
+        return self._registered
+
+    async def register(self, runner: RoundRunner) -> None:
+        async with self._condition():
+            self._active[runner.group.group_id] = runner
+            self._condition().notify_all()
+
+    def finish(self, group_id: str) -> None:
+        self._active.pop(group_id, None)
+        self._finished[group_id] = True
+        while len(self._finished) > self.remember:
+            self._finished.popitem(last=False)
+
+    async def serve(self, stream: ByteStream) -> None:
+        """Entry point for an incoming stream: the opening frame names the round; its runner serves it."""
+        try:
+            opening = await asyncio.wait_for(stream.recv(max_payload=0, expect=Code.CONTRIBUTE), self.wait_for_group)
+            group_id = meta_field(opening.meta, "group_id", str)
+            if meta_field(opening.meta, "sender", str) != stream.remote:
+                raise ProtocolError("sender field does not match the authenticated peer id")
+            runner = await self._find(group_id)
+        except Exception as e:
+            log.warning("refused a stream from %s: %s", stream.remote[-8:], e)
+            await stream.refuse(str(e) if isinstance(e, AveragingError) else f"{type(e).__name__}")
+            stream.close()
+            return
+        await runner.serve(stream, opening.meta)
+
+    async def _find(self, group_id: str) -> RoundRunner:
+        if group_id in self._finished:
+            raise ProtocolError(f"round {group_id} is already finished")
+        cond = self._condition()
+        async with cond:
+            try:
+                await asyncio.wait_for(cond.wait_for(lambda: group_id in self._active or group_id in self._finished),
+                                       self.wait_for_group)
+            except asyncio.TimeoutError:
+                raise ProtocolError(f"unknown group {group_id}") from None
+        if group_id not in self._active:
+            raise ProtocolError(f"round {group_id} is already finished")
+        return self._active[group_id]

@@ -1,0 +1,41 @@
+"""Typed errors of the library: callers branch on the type, never on the message."""
+
+from __future__ import annotations
+
+
+class AveragingError(RuntimeError):
+    """A round could not produce a complete, verified average. Nothing was applied."""
+
+
+class BehindError(AveragingError):
+    """The group has already moved past this worker's outer step: load state from a peer instead."""
+
+    def __init__(self, message: str, *, group_outer_step: int, timeout: float | None = None):
+        super().__init__(message)
+        self.group_outer_step = group_outer_step
+        self.timeout = timeout
+        """How long catching up may wait for a peer to reach ``group_outer_step`` (None: the caller's bound)."""
+
+
+class DriftError(BehindError):
+    """This worker's θ_global differs from the one most of the run holds at the same outer step."""
+
+    def __init__(self, message: str, *, group_outer_step: int, majority_hash: str):
+        super().__init__(message, group_outer_step=group_outer_step)
+        self.majority_hash = majority_hash
+
+
+class ProtocolError(AveragingError):
+    """A peer sent something that does not fit the round (wrong group, size, code, non-finite, digest...)."""
+
+
+class PeerFailure(AveragingError):
+    """A round failed because of these peers (unreachable, refused, or silent until the timeout)."""
+
+    def __init__(self, message: str, peers):
+        super().__init__(message)
+        self.peers = frozenset(peers)
+
+
+class SwarmError(RuntimeError):
+    """A clear, user-facing problem with joining or running the swarm."""

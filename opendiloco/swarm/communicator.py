@@ -1,0 +1,277 @@
+"""The swarm communicator: presence, matchmaking, the round runner and state transfer, composed.
+
+hivemind's own DecentralizedAverager is not used for the averaging: it sends each peer back a
+*difference* to add to its own values (peers never end bit-identical), and a failure mid round
+can leave a partially averaged result reported as success. A round here goes through explicit
+states, one job per module:
+
+    ANNOUNCE  presence.py      our progress record; drift check against the run's majority
+    GROUP     matchmaking.py   the run's live workers ready for this key form a group
+    EXCHANGE  comm/runner.py   streamed reduce-scatter / all-gather over p2p streams (streams.py)
+    VERIFY    comm/runner.py   every member confirms the digest of the whole average
+    DONE / FAILED
+
+A failed attempt changes nothing and is retried with whoever is still there; a worker that finds
+the group ahead of it raises ``BehindError`` so that its optimizer downloads state
+(state_transfer.py) instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import enum
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass
+
+import hivemind
+import torch
+import uvloop
+from hivemind.utils.timed_storage import get_dht_time
+
+from ..comm.base import AverageResult, Communicator, FutureWork, RoundKey, StateProvider, Work
+from ..comm.compression import get_codec
+from ..comm.runner import DEFAULT_PART_NUMEL, Group, RoundOutcome, RoundRunner, Rounds
+from ..errors import AveragingError, PeerFailure
+from .matchmaking import Matchmaker, MatchmakingSettings
+from .node import start_dht, visible_maddrs
+from .presence import Presence
+from .state_transfer import StateServer, fetch_state
+from .streams import P2PStreams
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class SwarmSettings:
+    run_id: str = "opendiloco"
+    compression: str = "fp16"
+    min_group_size: int = 1
+    matchmaking_timeout: float = 30.0
+    allreduce_timeout: float = 60.0
+    straggler_wait: float = 10.0
+    max_attempts: int = 3
+    heartbeat_interval: float = 2.0
+    record_ttl: float = 8.0
+    verify_timeout: float = 5.0
+    poll_interval: float = 0.05
+    part_numel: int = DEFAULT_PART_NUMEL
+
+
+class RoundState(enum.Enum):
+    ANNOUNCE = "announce"
+    GROUP = "group"
+    EXCHANGE = "exchange"
+    VERIFY = "verify"
+    DONE = "done"
+    FAILED = "failed"
+
+
+class SwarmCommunicator(Communicator):
+    def __init__(self, dht: hivemind.DHT, settings: SwarmSettings | None = None, *, own_dht: bool = True):
+        self.dht = dht
+        self.settings = s = settings or SwarmSettings()
+        if s.min_group_size < 1:
+            raise ValueError("min_group_size must be >= 1")
+        self.codec = get_codec(s.compression)
+        self._own_dht = own_dht
+        self._peer_id = dht.peer_id.to_base58()
+        self._closed = False
+        self._interrupted = threading.Event()
+        self.state = RoundState.DONE
+        """The state of the latest round (for status and tests)."""
+
+        self._loop = uvloop.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="opendiloco-comm", daemon=True)
+        self._thread.start()
+        self._rounds_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="opendiloco-round")
+        self._call(self._setup(), timeout=30)
+        self.presence = Presence(dht, s.run_id, self._peer_id, self._loop,
+                                 heartbeat_interval=s.heartbeat_interval, record_ttl=s.record_ttl)
+        self.matchmaker = Matchmaker(dht, self.presence, MatchmakingSettings(
+            run_id=s.run_id, min_group_size=s.min_group_size, matchmaking_timeout=s.matchmaking_timeout,
+            straggler_wait=s.straggler_wait, record_ttl=s.matchmaking_timeout + s.allreduce_timeout,
+            poll_interval=s.poll_interval), self.codec.name, self._interrupted)
+
+    @classmethod
+    def from_config(cls, cfg, run_dir: str | None = None) -> SwarmCommunicator:
+        """Starts a DHT node from a ``SwarmConfig`` and wraps it."""
+        dht = start_dht(initial_peers=cfg.initial_peers, host_maddrs=cfg.host_maddrs,
+                        announce_maddrs=cfg.announce_maddrs, identity_path=cfg.identity_path,
+                        client_mode=cfg.client_mode)
+        settings = SwarmSettings(**{k: getattr(cfg, k) for k in SwarmSettings.__dataclass_fields__
+                                    if hasattr(cfg, k)})
+        comm = cls(dht, settings)
+        addrs = visible_maddrs(dht)
+        log.info("worker %s joined run %r; peers can join through: %s", comm.peer_id, settings.run_id,
+                 " ".join(addrs))
+        if run_dir:
+            os.makedirs(run_dir, exist_ok=True)
+            with open(os.path.join(run_dir, "peer_addrs.txt"), "w") as f:
+                f.write("\n".join(addrs) + "\n")
+        return comm
+
+    # -- plumbing ----------------------------------------------------------------------------
+    @property
+    def peer_id(self) -> str:
+        return self._peer_id
+
+    def _call(self, coro, timeout: float):
+        future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        try:
+            return future.result(timeout)
+        except (TimeoutError, concurrent.futures.TimeoutError):  # distinct types before Python 3.11
+            future.cancel()
+            raise AveragingError(f"timed out after {timeout:.1f}s") from None
+
+    async def _setup(self) -> None:
+        s = self.settings
+        self.p2p = await self.dht.replicate_p2p()
+        self.rounds = Rounds(wait_for_group=s.straggler_wait + s.verify_timeout)
+        self.reduce_streams = P2PStreams(self.p2p, f"opendiloco.{s.run_id}.reduce")
+        self.state_streams = P2PStreams(self.p2p, f"opendiloco.{s.run_id}.state")
+        await self.reduce_streams.listen(self.rounds.serve)
+        self.state_server = StateServer(self.state_streams)
+        await self.state_server.listen()
+
+    # -- progress records --------------------------------------------------------------------
+    def report_progress(self, **fields) -> None:
+        self.presence.report(**fields)
+
+    def live_workers(self):
+        return self.presence.live_workers()
+
+    # -- a round -------------------------------------------------------------------------------
+    def start(self, flat, *, weight, key) -> Work:
+        if self._closed:
+            raise AveragingError("the communicator is closed")
+        flat = flat.detach()
+        if flat.dtype != torch.float32 or flat.dim() != 1 or flat.device.type != "cpu":
+            raise ValueError("start() takes a flat fp32 CPU tensor")
+        return FutureWork(self._rounds_thread.submit(self._round, flat, float(weight), key))
+
+    def _round(self, flat: torch.Tensor, weight: float, key: RoundKey) -> AverageResult:
+        """One round, from announcement to a verified average (runs on the round thread)."""
+        s = self.settings
+        began = time.perf_counter()
+        self.state = RoundState.ANNOUNCE
+        self.report_progress(outer_step=key.outer_step)
+        try:
+            self.presence.raise_if_drifted(key.outer_step)
+        except AveragingError:
+            self.state = RoundState.FAILED
+            raise
+        attempt, errors, suspects = 0, [], set()
+        while len(errors) < s.max_attempts:
+            self._raise_if_interrupted()
+            self.state = RoundState.GROUP
+            try:
+                group, attempt = self.matchmaker.form_group(key, attempt, flat.numel(), suspects)
+            except AveragingError:
+                self.state = RoundState.FAILED
+                raise
+            mm_s = time.perf_counter() - began
+            try:
+                outcome = self._exchange(group, flat, weight)
+            except AveragingError as e:
+                if isinstance(e, PeerFailure):
+                    suspects |= e.peers - {self._peer_id}
+                errors.append(f"attempt {attempt}: {e}")
+                log.warning("round %s, attempt %d with %d peers failed: %s", key, attempt, len(group.members), e)
+                attempt += 1
+                continue
+            self.state = RoundState.DONE
+            self.report_progress(last_sync_time=get_dht_time())
+            return AverageResult(outcome.flat, group.members, outcome.total_weight, time.perf_counter() - began,
+                                 extra={"attempts": len(errors) + 1, "group_id": group.group_id,
+                                        "digest": outcome.digest, "transfer_s": outcome.seconds,
+                                        "matchmaking_s": mm_s, "bytes_sent": outcome.bytes_sent})
+        self.state = RoundState.FAILED
+        raise AveragingError(f"round {key}: no complete round in {s.max_attempts} attempts: " + "; ".join(errors))
+
+    def _exchange(self, group: Group, flat: torch.Tensor, weight: float) -> RoundOutcome:
+        s = self.settings
+        self.state = RoundState.EXCHANGE
+        if len(group.members) == 1:
+            if weight <= 0:
+                raise AveragingError("alone in the group and contributing weight 0")
+            t0 = time.perf_counter()
+            return RoundOutcome(self.codec.roundtrip(flat), weight, "solo", 0, time.perf_counter() - t0)
+        return self._call(self._data_plane(group, flat, weight), timeout=s.allreduce_timeout + s.verify_timeout + 10)
+
+    async def _data_plane(self, group: Group, flat: torch.Tensor, weight: float) -> RoundOutcome:
+        """The exchange and verification of one attempt, on the event loop."""
+        s = self.settings
+        runner = RoundRunner(group, self._peer_id, flat, weight, self.codec, part_numel=s.part_numel,
+                             timeout=s.allreduce_timeout, confirm_timeout=s.verify_timeout)
+        await self.rounds.register(runner)
+        try:
+            return await runner.run(self.reduce_streams.connect)
+        finally:
+            self.rounds.finish(group.group_id)
+
+    # -- state for joiners -------------------------------------------------------------------
+    def attach_state_provider(self, provider: StateProvider) -> None:
+        self.state_server.provider = provider
+
+    def download_state(self, timeout: float, min_outer_step: int | None = None,
+                       max_bytes: int | None = None, majority_hash: str | None = None) -> dict | None:
+        """State from the most advanced live peer; None if the run has no other live worker."""
+        max_bytes = max_bytes if max_bytes is not None else 64 << 30
+        deadline = time.monotonic() + timeout
+        errors: dict[str, str] = {}
+        while True:
+            others = [r for p, r in self.live_workers().items() if p != self._peer_id and r.outer_step >= 0]
+            if not others and min_outer_step is None:
+                return None
+            candidates = sorted((r for r in others if (min_outer_step is None or r.outer_step >= min_outer_step)
+                                 and (majority_hash is None or r.global_hash == majority_hash)),
+                                key=lambda r: -r.outer_step)
+            for rec in candidates:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                t0 = time.perf_counter()
+                try:
+                    state = self._call(fetch_state(self.state_streams, rec.peer_id, min_outer_step, max_bytes),
+                                       remaining)
+                except Exception as e:
+                    errors[rec.peer_id[-8:]] = str(e)
+                    continue
+                log.info("downloaded state of outer step %s from %s in %.2fs", state.get("outer_step"),
+                         rec.peer_id[-8:], time.perf_counter() - t0)
+                return state
+            if time.monotonic() >= deadline:
+                raise AveragingError(f"no peer served state within {timeout:.0f}s"
+                                     + (f": {errors}" if errors else ""))
+            time.sleep(0.5)
+
+    # -- shutdown ----------------------------------------------------------------------------
+    def interrupt(self) -> None:
+        self._interrupted.set()
+
+    def _raise_if_interrupted(self) -> None:
+        if self._interrupted.is_set():
+            raise AveragingError("the worker is stopping: round abandoned")
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._interrupted.set()
+        self._rounds_thread.shutdown(wait=False, cancel_futures=True)
+        try:
+            self._call(self.presence.leave(), timeout=5)
+        except Exception as e:
+            log.debug("could not announce leaving: %s", e)
+        try:
+            self._call(self.p2p.shutdown(), timeout=5)
+        except Exception as e:
+            log.debug("p2p replica shutdown: %s", e)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=5)
+        if self._own_dht:
+            self.dht.shutdown()

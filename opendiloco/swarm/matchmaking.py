@@ -1,0 +1,102 @@
+"""Matchmaking: who averages together for a round key, decided through the DHT.
+
+Each worker announces it is ready for round ``k`` (attempt ``a``). When every live worker of the
+run at that outer step is ready (or ``straggler_wait`` has passed with at least
+``min_group_size``), the ready peer with the smallest id closes the group and publishes its
+members; everyone adopts the group published under the smallest id, so no two views split the run.
+Blocking by design: it runs on the communicator's round thread, never on the event loop.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+
+import hivemind
+from hivemind.utils.timed_storage import get_dht_time
+
+from ..comm.base import RoundKey
+from ..comm.runner import Group, make_group_id
+from ..errors import AveragingError, BehindError
+from . import records
+from .presence import Presence
+
+
+@dataclass
+class MatchmakingSettings:
+    run_id: str
+    min_group_size: int = 1
+    matchmaking_timeout: float = 30.0
+    straggler_wait: float = 10.0
+    record_ttl: float = 60.0
+    """How long announcements and published groups stay in the DHT."""
+    poll_interval: float = 0.05
+
+
+class Matchmaker:
+    def __init__(self, dht: hivemind.DHT, presence: Presence, settings: MatchmakingSettings, codec_name: str,
+                 interrupted: threading.Event):
+        self.dht, self.presence, self.settings = dht, presence, settings
+        self.codec_name, self.interrupted = codec_name, interrupted
+        self.me = presence.peer_id
+
+    def form_group(self, key: RoundKey, attempt: int, numel: int, suspects=frozenset()) -> tuple[Group, int]:
+        """Waits for the run's live workers to be ready for ``key``; returns (group, attempt).
+
+        ``suspects`` (peers that broke an earlier attempt) are not waited for, but may still join.
+        Raises ``BehindError`` when the run has moved past this worker.
+        """
+        s, me = self.settings, self.me
+        announce_key = records.round_key(s.run_id, key)
+        t0, announced = time.monotonic(), None
+        while True:
+            workers = self.presence.live_workers()
+            self.presence.raise_if_behind(workers, key.outer_step)
+            ready = {p: v for p, v in records.subkey_values(self.dht, announce_key).items()
+                     if isinstance(v, dict) and type(v.get("attempt")) is int}
+            attempt = max([attempt] + [v["attempt"] for v in ready.values()])
+            if announced != attempt:
+                value = {"attempt": attempt, "numel": numel, "codec": self.codec_name}
+                records.store(self.dht, announce_key, value, get_dht_time() + s.record_ttl, subkey=me)
+                ready[me], announced = value, attempt
+            compatible = {p for p, v in ready.items() if v.get("attempt") == attempt
+                          and v.get("numel") == numel and v.get("codec") == self.codec_name}
+            expected = ({p for p, r in workers.items() if r.outer_step == key.outer_step} - set(suspects)) | {me}
+            waited = time.monotonic() - t0
+            if len(compatible) >= s.min_group_size and (expected <= compatible or waited >= s.straggler_wait):
+                break
+            self._raise_if_interrupted()
+            if waited >= s.matchmaking_timeout:
+                raise AveragingError(f"matchmaking for round {key}: {len(compatible)} peer(s) ready "
+                                     f"after {waited:.0f}s, need {s.min_group_size}")
+            time.sleep(s.poll_interval)
+        return self._adopt_group(key, attempt, min(compatible), compatible), attempt
+
+    def _adopt_group(self, key: RoundKey, attempt: int, leader: str | None, compatible: set[str]) -> Group:
+        s, me = self.settings, self.me
+        gkey = records.group_key(s.run_id, key, attempt)
+        deadline = time.monotonic() + s.straggler_wait + s.matchmaking_timeout
+        while True:
+            # A group already closed for this round wins over our own view of who is ready.
+            live = set(self.presence.live_workers()) | {me}
+            published = {p: m for p, m in records.subkey_values(self.dht, gkey).items()
+                         if isinstance(m, list) and all(isinstance(x, str) for x in m) and live & set(m)}
+            if published:
+                members = tuple(sorted(published[min(published)]))
+                if me in members:
+                    return Group(make_group_id(s.run_id, key, attempt, members), members, key)
+                raise BehindError(f"left out of the group for round {key}", group_outer_step=key.outer_step + 1)
+            if leader == me:
+                records.store(self.dht, gkey, sorted(compatible), get_dht_time() + s.record_ttl, subkey=me)
+                leader = None  # read it back: a concurrent leader with a smaller id would win
+                continue
+            self._raise_if_interrupted()
+            if time.monotonic() > deadline:
+                raise AveragingError(f"no group was published for round {key}")
+            self.presence.raise_if_behind(self.presence.live_workers(), key.outer_step)
+            time.sleep(s.poll_interval)
+
+    def _raise_if_interrupted(self) -> None:
+        if self.interrupted.is_set():
+            raise AveragingError("the worker is stopping: round abandoned")

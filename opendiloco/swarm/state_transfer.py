@@ -1,0 +1,84 @@
+"""State transfer: serving this worker's θ_global and outer state to joiners, and downloading a peer's.
+
+The state travels as one ``torch.save`` payload in bounded frames, with its SHA-256. A donor
+serves at most ``MAX_CONCURRENT_SERVES`` requests at a time; a receiver refuses an
+announcement larger than ``max_bytes`` before reading any of it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import io
+import logging
+
+import torch
+
+from ..comm.base import StateProvider
+from ..comm.wire import ByteStream, Code
+from ..comm.wire import field as meta_field
+from ..errors import ProtocolError
+from .streams import P2PStreams
+
+log = logging.getLogger(__name__)
+
+CHUNK_BYTES = 1 << 20
+MAX_CONCURRENT_SERVES = 2
+
+
+class StateServer:
+    def __init__(self, streams: P2PStreams):
+        self.streams = streams
+        self.provider: StateProvider | None = None
+        self._slots: asyncio.Semaphore | None = None
+
+    async def listen(self) -> None:
+        self._slots = asyncio.Semaphore(MAX_CONCURRENT_SERVES)
+        await self.streams.listen(self._serve)
+
+    async def _serve(self, stream: ByteStream) -> None:
+        try:
+            request = await asyncio.wait_for(stream.recv(max_payload=0, expect=Code.STATE_REQUEST), 10)
+            min_step = request.meta.get("min_outer_step")
+            if self.provider is None:
+                raise ProtocolError("this worker has no state to share yet")
+            async with self._slots:
+                state = await asyncio.get_running_loop().run_in_executor(None, self.provider)
+                if isinstance(min_step, int) and state["outer_step"] < min_step:
+                    raise ProtocolError(f"at outer step {state['outer_step']}, not yet {min_step}")
+                buf = io.BytesIO()
+                torch.save(state, buf)
+                payload = buf.getbuffer()
+                await stream.send(Code.STATE, {"size": payload.nbytes, "outer_step": state["outer_step"],
+                                               "digest": hashlib.sha256(payload).hexdigest()})
+                for i in range(0, payload.nbytes, CHUNK_BYTES):
+                    await stream.send(Code.STATE_PART, None, payload[i : i + CHUNK_BYTES])
+        except Exception as e:
+            await stream.refuse(str(e) if isinstance(e, ProtocolError) else type(e).__name__)
+        finally:
+            stream.close()
+
+
+async def fetch_state(streams: P2PStreams, peer: str, min_outer_step: int | None, max_bytes: int) -> dict:
+    """Downloads, checks (size, digest, type) and loads a peer's state."""
+    stream = await streams.connect(peer)
+    try:
+        await stream.send(Code.STATE_REQUEST, {"min_outer_step": min_outer_step})
+        head = await stream.recv(max_payload=0, expect=Code.STATE)
+        size = meta_field(head.meta, "size", int)
+        if not 0 < size <= max_bytes:
+            raise ProtocolError(f"state of {size} bytes announced; at most {max_bytes} accepted")
+        payload = bytearray()
+        while len(payload) < size:
+            frame = await stream.recv(max_payload=min(CHUNK_BYTES, size - len(payload)), expect=Code.STATE_PART)
+            if not frame.payload:
+                raise ProtocolError("empty state part")
+            payload += frame.payload
+        if hashlib.sha256(payload).hexdigest() != head.meta.get("digest"):
+            raise ProtocolError("state does not match its digest")
+    finally:
+        stream.close()
+    state = torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
+    if not isinstance(state, dict):
+        raise ProtocolError("state is not a dict")
+    return state

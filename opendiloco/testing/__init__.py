@@ -1,0 +1,1 @@
+"""Tools for tests and benchmarks (process trees, network-namespace hosts); the library never imports them."""

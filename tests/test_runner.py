@@ -1,0 +1,413 @@
+"""The round runner's protocol over in-memory streams: no DHT, no daemon, every refusal exercised.
+
+Honest peers are ``RoundRunner``s; each attack is a small attacker script that speaks the wire
+format by hand (``ByteStream.send`` or raw bytes) as member ``b`` of a two-member group.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import struct
+
+import msgpack
+import pytest
+import torch
+
+from opendiloco.comm.base import RoundKey
+from opendiloco.comm.compression import get_codec
+from opendiloco.comm.runner import Group, RoundRunner, ShardReducer, part_bounds, shard_bounds
+from opendiloco.comm.wire import PREFIX, ByteStream, Code, Refused, memory_pipe
+from opendiloco.errors import AveragingError, PeerFailure, ProtocolError
+from opendiloco.testing.memory import MemoryNetwork
+
+pytestmark = pytest.mark.timeout(60)
+
+PART = 1000  # values per part: small, so that every test vector has several parts
+
+
+def run(coro, timeout: float = 30.0):
+    async def bounded():
+        return await asyncio.wait_for(coro, timeout)
+
+    return asyncio.run(bounded())
+
+
+def reference(flats, weights, codec_name):
+    """The owner's computation, shard by shard and part by part: what every member must end with."""
+    codec = get_codec(codec_name)
+    n, total = flats[0].numel(), sum(weights)
+    out = torch.empty(n)
+    for a, b in shard_bounds(n, len(flats)):
+        for pa, pb in part_bounds(b - a, PART):
+            acc = torch.zeros(pb - pa)
+            for f, w in zip(flats, weights):
+                if w:
+                    acc.add_(codec.roundtrip(f[a + pa : a + pb]), alpha=w / total)
+            out[a + pa : a + pb] = codec.roundtrip(acc)
+    return out
+
+
+async def honest_round(members, flats, weights, codec="fp16", net=None, group_id="g1", **kw):
+    net = net or MemoryNetwork()
+    for m in members:
+        if m not in net.rounds:
+            net.add(m)
+    group = Group(group_id, tuple(members), RoundKey(3))
+    runners = [RoundRunner(group, m, f, w, get_codec(codec), part_numel=PART, **kw)
+               for m, f, w in zip(members, flats, weights)]
+    for m, r in zip(members, runners):
+        await net.rounds[m].register(r)
+    try:
+        return await asyncio.gather(*[r.run(net.connector(m)) for m, r in zip(members, runners)],
+                                    return_exceptions=True)
+    finally:
+        for m in members:
+            net.rounds[m].finish(group_id)
+
+
+@pytest.mark.parametrize("codec", ["none", "fp16", "scaled-fp16", "int8"])
+@pytest.mark.parametrize("size", [3, 4])
+def test_members_end_bit_identical_with_the_owners_average(codec, size):
+    n = 10_007
+    g = torch.Generator().manual_seed(size)
+    flats = [torch.randn(n, generator=g) * (i + 1) for i in range(size)]
+    weights = [1.0, 3.0, 0.0, 2.0][:size]
+    members = [f"peer-{i}" for i in range(size)]
+    outcomes = run(honest_round(members, flats, weights, codec))
+    want = reference(flats, weights, codec)
+    for o in outcomes:
+        assert not isinstance(o, Exception), o
+        assert torch.equal(o.flat, want)
+        assert o.digest == outcomes[0].digest and o.total_weight == sum(weights)
+        assert len(o.confirmed_by) == size - 1 and not o.missing_confirmations
+    # a weighted average really happened (not just one member's values)
+    assert not torch.equal(want, get_codec(codec).roundtrip(flats[1]))
+
+
+def test_bytes_sent_are_bandwidth_optimal():
+    n, size = 12_000, 4  # shards of 3000 values
+    flats = [torch.randn(n) for _ in range(size)]
+    outcomes = run(honest_round([f"p{i}" for i in range(size)], flats, [1.0] * size, "fp16"))
+    for o in outcomes:
+        assert o.bytes_sent == 2 * (size - 1) / size * n * 2  # reduce-scatter + all-gather, fp16
+
+
+def test_owner_streams_averaged_parts_before_the_last_contribution_arrives():
+    """Pipelining: the owner answers part 0 while the contributor still holds back part 1."""
+    n = 4 * PART  # 2 shards of 2 parts
+    flat_a, flat_b = torch.randn(n), torch.randn(n)
+    codec = get_codec("fp16")
+    seen = []
+
+    async def scenario():
+        net = MemoryNetwork()
+        net.add("a")
+        net.add("b", handler=lambda s: asyncio.sleep(0))  # b never serves: only a's shard matters here
+        group = Group("g", ("a", "b"), RoundKey(0))
+        runner = RoundRunner(group, "a", flat_a, 1.0, codec, part_numel=PART, timeout=5)
+        await net.rounds["a"].register(runner)
+        task = asyncio.create_task(runner.run(net.connector("a")))
+        stream = await net.connector("b")("a")
+        await stream.send(Code.CONTRIBUTE, {"group_id": "g", "sender": "b", "weight": 1.0, "numel": 2 * PART,
+                                            "parts": 2, "codec": "fp16"})
+        await stream.send(Code.PART, {"i": 0}, codec.to_bytes(flat_b[:PART]))
+        seen.append(await stream.recv(max_payload=0, expect=Code.RESULT))
+        seen.append(await stream.recv(max_payload=2 * PART, expect=Code.RESULT_PART))  # before part 1 was sent
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+    run(scenario())
+    assert seen[0].meta["total_weight"] == 2.0 and seen[1].meta["i"] == 0
+    want = codec.roundtrip(codec.roundtrip(flat_a[:PART]) * 0.5 + codec.roundtrip(flat_b[:PART]) * 0.5)
+    assert torch.equal(codec.from_bytes(seen[1].payload, PART), want)
+
+
+# -- attacks: member b is an attacker script; a is honest -----------------------------------------
+
+N = 4 * PART
+OPENING = {"group_id": "g", "sender": "b", "weight": 1.0, "numel": 2 * PART, "parts": 2, "codec": "fp16"}
+
+
+def attack(script, *, group_id="g", timeout=1.0, b_serves=None):
+    """Runs honest a against ``script(stream_to_a)``; returns (a's exception or outcome, script's result)."""
+    codec = get_codec("fp16")
+
+    async def scenario():
+        net = MemoryNetwork(wait_for_group=0.5)
+        net.add("a")
+
+        async def b_handler(stream):  # a's contribution to b's shard: b just reads it, then sits
+            if b_serves is not None:
+                await b_serves(stream)
+                return
+            try:
+                while True:
+                    await stream.recv(max_payload=1 << 20)
+            except ProtocolError:
+                pass
+
+        net.add("b", handler=b_handler)
+        group = Group(group_id, ("a", "b"), RoundKey(0))
+        runner = RoundRunner(group, "a", torch.randn(N), 1.0, codec, part_numel=PART, timeout=timeout,
+                             confirm_timeout=2.0)
+        await net.rounds["a"].register(runner)
+        task = asyncio.create_task(runner.run(net.connector("a")))
+        stream = await net.connector("b")("a")
+        try:
+            got = await script(stream)
+        except ProtocolError as e:
+            got = e
+        outcome = (await asyncio.gather(task, return_exceptions=True))[0]
+        await net.drain()
+        return outcome, got
+
+    return run(scenario())
+
+
+async def read_refusal(stream: ByteStream) -> Refused | None:
+    try:
+        while True:
+            await stream.recv(max_payload=1 << 20)
+    except Refused as e:
+        return e
+    except ProtocolError:
+        return None
+
+
+def test_spoofed_sender_is_refused():
+    async def script(stream):
+        await stream.send(Code.CONTRIBUTE, {**OPENING, "sender": "a"})  # claims to be the owner itself
+        return await read_refusal(stream)
+
+    outcome, refusal = attack(script)
+    assert isinstance(refusal, Refused) and "authenticated peer id" in str(refusal)
+    assert isinstance(outcome, PeerFailure) and "b" in outcome.peers  # a's round fails, naming b
+
+
+def test_foreign_group_id_is_refused():
+    async def script(stream):
+        await stream.send(Code.CONTRIBUTE, {**OPENING, "group_id": "not-a-round-of-a"})
+        return await read_refusal(stream)
+
+    outcome, refusal = attack(script)
+    assert isinstance(refusal, Refused) and "unknown group" in str(refusal)
+    assert isinstance(outcome, PeerFailure)
+
+
+@pytest.mark.parametrize("raw", [
+    PREFIX.pack(99, 0, 0),  # unknown message code
+    PREFIX.pack(int(Code.CONTRIBUTE), 5, 0) + b"\xc1\xc1\xc1\xc1\xc1",  # meta that is not msgpack
+    PREFIX.pack(int(Code.CONTRIBUTE), 3, 0) + msgpack.packb([1, 2]),  # meta that is not a map
+    PREFIX.pack(int(Code.CONTRIBUTE), 1 << 30, 0),  # a gigabyte of meta announced
+    PREFIX.pack(int(Code.PART), 0, 0),  # a part before any opening
+], ids=["unknown-code", "garbage-meta", "meta-not-a-map", "huge-meta", "part-first"])
+def test_wrong_header_is_refused(raw):
+    async def script(stream):
+        stream.writer.write(raw)
+        await stream.writer.drain()
+        return await read_refusal(stream)
+
+    outcome, refusal = attack(script)
+    assert isinstance(refusal, Refused)
+    assert isinstance(outcome, PeerFailure)
+
+
+@pytest.mark.parametrize("change,expected", [
+    ({"numel": 2 * PART + 1}, "this shard has"),
+    ({"parts": 3}, "this shard has"),
+    ({"codec": "int8"}, "codec"),
+    ({"weight": float("nan")}, "invalid weight"),
+    ({"weight": -1.0}, "invalid weight"),
+    ({"weight": 1e300}, "invalid weight"),
+    ({"weight": "1"}, "wrong type"),
+], ids=["numel", "parts", "codec", "nan-weight", "negative-weight", "huge-weight", "string-weight"])
+def test_opening_that_does_not_fit_the_round_is_refused(change, expected):
+    async def script(stream):
+        await stream.send(Code.CONTRIBUTE, {**OPENING, **change})
+        return await read_refusal(stream)
+
+    outcome, refusal = attack(script)
+    assert isinstance(refusal, Refused) and expected in str(refusal)
+    assert isinstance(outcome, PeerFailure) and outcome.peers == {"b"}
+
+
+def test_short_payload_is_refused():
+    async def script(stream):
+        await stream.send(Code.CONTRIBUTE, OPENING)
+        await stream.send(Code.PART, {"i": 0}, b"\x00" * (2 * PART - 2))  # one fp16 value short
+        return await read_refusal(stream)
+
+    outcome, refusal = attack(script)
+    assert isinstance(refusal, Refused) and "payload of" in str(refusal)
+    assert isinstance(outcome, PeerFailure) and outcome.peers == {"b"}
+
+
+def test_stream_closed_mid_frame_fails_the_round_naming_the_sender():
+    async def script(stream):
+        await stream.send(Code.CONTRIBUTE, OPENING)
+        stream.writer.write(PREFIX.pack(int(Code.PART), 0, 2 * PART) + b"\x00" * 10)  # then hangs up
+        stream.close()
+
+    outcome, _ = attack(script)
+    assert isinstance(outcome, PeerFailure) and outcome.peers == {"b"}
+
+
+def test_oversized_payload_is_refused_before_it_is_read():
+    async def script(stream):
+        await stream.send(Code.CONTRIBUTE, OPENING)
+        stream.writer.write(PREFIX.pack(int(Code.PART), len(msgpack.packb({"i": 0})), 1 << 31)
+                            + msgpack.packb({"i": 0}))  # announces 2 GiB, sends none of it
+        await stream.writer.drain()
+        return await read_refusal(stream)
+
+    outcome, refusal = attack(script)
+    assert isinstance(refusal, Refused) and "at most" in str(refusal)
+    assert isinstance(outcome, PeerFailure) and outcome.peers == {"b"}
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_values_are_refused(bad):
+    async def script(stream):
+        values = torch.zeros(PART)
+        values[17] = bad
+        await stream.send(Code.CONTRIBUTE, OPENING)
+        await stream.send(Code.PART, {"i": 0}, values.half().numpy().tobytes())
+        return await read_refusal(stream)
+
+    outcome, refusal = attack(script)
+    assert isinstance(refusal, Refused) and "non-finite" in str(refusal)
+    assert isinstance(outcome, PeerFailure) and outcome.peers == {"b"}
+
+
+def test_duplicate_or_out_of_order_part_is_refused():
+    async def script(stream):
+        await stream.send(Code.CONTRIBUTE, OPENING)
+        await stream.send(Code.PART, {"i": 0}, torch.zeros(PART).half().numpy().tobytes())
+        await stream.send(Code.PART, {"i": 0}, torch.zeros(PART).half().numpy().tobytes())  # replayed
+        return await read_refusal(stream)
+
+    outcome, refusal = attack(script)
+    assert isinstance(refusal, Refused) and "expected part 1" in str(refusal)
+    assert isinstance(outcome, PeerFailure)
+
+
+def _owner_answer(digest_of=None, total=2.0, values=None):
+    """b as the owner of shard 1: reads a's contribution, answers with chosen results."""
+
+    async def serve(stream):
+        opening = await stream.recv(max_payload=0, expect=Code.CONTRIBUTE)
+        n = opening.meta["numel"]
+        for _ in range(opening.meta["parts"]):
+            await stream.recv(max_payload=1 << 20, expect=Code.PART)
+        await stream.send(Code.RESULT, {"total_weight": total})
+        h = hashlib.sha256()
+        for i, (a, b) in enumerate(part_bounds(n, PART)):
+            payload = (values if values is not None else torch.zeros(b - a)).half().numpy().tobytes()
+            h.update(payload)
+            await stream.send(Code.RESULT_PART, {"i": i}, payload)
+        await stream.send(Code.RESULT_END, {"digest": digest_of or h.hexdigest()})
+        try:
+            await stream.recv(max_payload=0)
+        except ProtocolError:
+            pass
+
+    return serve
+
+
+async def _contribute_honestly(stream):
+    codec = get_codec("fp16")
+    await stream.send(Code.CONTRIBUTE, OPENING)
+    for i in range(2):
+        await stream.send(Code.PART, {"i": i}, codec.to_bytes(torch.zeros(PART)))
+    return await read_refusal(stream)
+
+
+def test_digest_mismatch_from_an_owner_fails_the_round():
+    outcome, _ = attack(_contribute_honestly, b_serves=_owner_answer(digest_of="0" * 64))
+    assert isinstance(outcome, PeerFailure) and outcome.peers == {"b"} and "digest" in str(outcome)
+
+
+def test_non_finite_average_from_an_owner_is_refused():
+    values = torch.zeros(PART)
+    values[3] = float("inf")
+    outcome, _ = attack(_contribute_honestly, b_serves=_owner_answer(values=values))
+    assert isinstance(outcome, PeerFailure) and outcome.peers == {"b"} and "not finite" in str(outcome)
+
+
+def test_owner_reporting_another_total_weight_fails_the_round():
+    outcome, _ = attack(_contribute_honestly, b_serves=_owner_answer(total=5.0))
+    assert isinstance(outcome, AveragingError) and "total weight" in str(outcome)
+
+
+def test_a_member_confirming_another_average_makes_the_round_refused():
+    async def script(stream):
+        codec = get_codec("fp16")
+        await stream.send(Code.CONTRIBUTE, OPENING)
+        for i in range(2):
+            await stream.send(Code.PART, {"i": i}, codec.to_bytes(torch.zeros(PART)))
+        await stream.recv(max_payload=0, expect=Code.RESULT)
+        for _ in range(2):
+            await stream.recv(max_payload=2 * PART, expect=Code.RESULT_PART)
+        await stream.recv(max_payload=0, expect=Code.RESULT_END)
+        await stream.send(Code.CONFIRM, {"digest": "something else"})
+
+    outcome, _ = attack(script, b_serves=_owner_answer())
+    assert isinstance(outcome, PeerFailure) and outcome.peers == {"b"} and "different average" in str(outcome)
+
+
+def test_replayed_message_of_an_earlier_round_is_refused():
+    """b records its opening of a finished round and replays it: refused at once."""
+
+    async def scenario():
+        net = MemoryNetwork(wait_for_group=5.0)
+        flats = [torch.randn(N), torch.randn(N)]
+        first = await honest_round(["a", "b"], flats, [1.0, 1.0], net=net, group_id="round-1")
+        assert all(not isinstance(o, Exception) for o in first)
+        stream = await net.connector("b")("a")
+        await stream.send(Code.CONTRIBUTE, {**OPENING, "group_id": "round-1"})
+        return await read_refusal(stream)
+
+    refusal = run(scenario())
+    assert isinstance(refusal, Refused) and "already finished" in str(refusal)
+
+
+def test_silent_member_costs_one_timeout_and_is_named():
+    async def script(stream):
+        await stream.send(Code.CONTRIBUTE, OPENING)
+        await asyncio.sleep(2)  # never sends its parts
+
+    outcome, _ = attack(script, timeout=0.5)
+    assert isinstance(outcome, PeerFailure) and "b" in outcome.peers and "no answer" in str(outcome)
+
+
+# -- the pieces on their own -------------------------------------------------------------------------
+
+def test_frames_refuse_payloads_over_the_receivers_limit():
+    async def scenario():
+        a, b = memory_pipe("a", "b")
+        await a.send(Code.PART, {"i": 0}, b"x" * 100)
+        with pytest.raises(ProtocolError, match="at most 99"):
+            await b.recv(max_payload=99)
+
+    run(scenario())
+
+
+def test_reducer_refuses_non_members_and_double_contributions():
+    r = ShardReducer(get_codec("fp16"), 10, ["a", "b"], PART)
+    r.begin("a", 1.0)
+    with pytest.raises(ProtocolError, match="not a member"):
+        r.begin("mallory", 1.0)
+    with pytest.raises(ProtocolError, match="twice"):
+        r.begin("a", 1.0)
+    with pytest.raises(ProtocolError, match="before opening"):
+        r.add_part("b", 0, b"\x00" * 20)
+
+
+def test_all_zero_weights_fail_instead_of_dividing_by_zero():
+    outcomes = run(honest_round(["a", "b"], [torch.ones(N), torch.ones(N)], [0.0, 0.0]))
+    assert all(isinstance(o, AveragingError) for o in outcomes)
+
+
+def test_prefix_layout_is_fixed():
+    assert PREFIX.size == 9 and PREFIX.format == struct.Struct("!BII").format
