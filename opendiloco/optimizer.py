@@ -87,6 +87,9 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         self._samples_since_sync = 0
         self.last_sync: SyncReport | None = None
         self._buffer: FlatBuffer | None = None
+        """This worker's contribution: [pseudo-gradients, buffers], flat fp32 (pinned for CUDA models)."""
+        self._result: FlatBuffer | None = None
+        """The group's average lands here."""
         self.communicator.attach_state_provider(self.shareable_state)
         self._global_changed()  # the swarm learns our outer step (and θ_global hash) at once
 
@@ -139,7 +142,8 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         flat, weight, own_finite = self._contribution()
         start = time.perf_counter()
         try:
-            result = self.communicator.start(flat, weight=weight, key=RoundKey(self._outer_step)).wait()
+            result = self.communicator.start(flat, weight=weight, key=RoundKey(self._outer_step),
+                                             out=self._result.flat).wait()
             averaged = result.flat
             if averaged.numel() != flat.numel() or averaged.dtype != torch.float32:
                 raise AveragingError(f"the averaged vector has {averaged.numel()} {averaged.dtype} values, "
@@ -168,9 +172,10 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
 
     def _contribution(self) -> tuple[torch.Tensor, float, bool]:
         """This worker's flat [pseudo-gradients, buffers] in a reused fp32 buffer, its weight, and finiteness."""
-        if self._buffer is None:
-            self._buffer = FlatBuffer(self.outer.params + self.outer.buffers,
-                                      pin=any(p.is_cuda for p in self.outer.params) and torch.cuda.is_available())
+        if self._buffer is None:  # allocated once: later rounds write into pages already in memory
+            like = self.outer.params + self.outer.buffers
+            self._buffer = FlatBuffer(like, pin=any(p.is_cuda for p in self.outer.params) and torch.cuda.is_available())
+            self._result = FlatBuffer(like, pin=False)
         n = self.outer.num_params
         self.outer.pseudo_gradient_into(self._buffer.views[:n])
         self.outer.buffer_values_into(self._buffer.views[n:])
@@ -196,7 +201,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         try:
             timeout = min(self.catch_up_timeout, err.timeout or self.catch_up_timeout)
             state = self.communicator.download_state(
-                timeout, min_outer_step=err.group_outer_step,
+                timeout, min_outer_step=err.group_outer_step, max_bytes=self.shareable_state_bound(),
                 majority_hash=err.majority_hash if isinstance(err, DriftError) else None)
             if state is None:
                 raise AveragingError("no live peer to download state from")
@@ -222,6 +227,13 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
                 "inner_steps_total": self._inner_steps_total - self._local_step,
                 "buffers": self.outer.buffer_values(),
             }
+
+    def shareable_state_bound(self) -> int:
+        """The most bytes a peer's ``shareable_state`` may take: θ_global, up to three outer-optimizer
+        tensors per parameter, the buffers, and 16 MiB of framing. A larger download is refused."""
+        values = sum(g.numel() for g in self.outer.global_params)
+        buffers = sum(b.numel() for b in self.outer.buffers)
+        return 4 * (4 * values + buffers) + (16 << 20)
 
     @torch.no_grad()
     def load_shareable_state(self, state: dict) -> None:

@@ -43,7 +43,7 @@ import threading
 import time
 from pathlib import Path
 
-from opendiloco.testing.proctree import ProcessGroup, descendants
+from opendiloco.testing.proctree import ProcessGroup, descendants, spawn_bootstrap
 
 ROOT = Path(__file__).resolve().parents[1]
 CODECS = {"none": ("float32", 4), "fp16": ("float16", 2)}  # codec -> (gloo dtype, wire bytes per element)
@@ -162,6 +162,7 @@ def run_peer(args) -> int:
         for size in args.sizes:
             gen = torch.Generator().manual_seed(size)
             vec = torch.randn(size, generator=gen).mul_(factor)  # peer r sends (r+1) * base
+            averaged = torch.zeros(size)  # reused, as the optimizer reuses its result buffer
             for rnd in range(args.warmup + args.repeats):
                 import gc
 
@@ -169,7 +170,7 @@ def run_peer(args) -> int:
                 before = _rss("VmRSS")
                 peak_ok = _reset_peak_rss()
                 t0 = time.time()
-                result = comm.start(vec, weight=1.0, key=RoundKey(step)).wait()
+                result = comm.start(vec, weight=1.0, key=RoundKey(step), out=averaged).wait()
                 t1 = time.time()
                 peak = _rss("VmHWM") if peak_ok else 0
                 step += 1
@@ -191,7 +192,7 @@ def run_peer(args) -> int:
                     "digest": digest, "group": group,
                     "extra_mem": (peak - before) / (4 * size) if peak_ok else None}) + "\n")
                 out.flush()
-            del vec
+            del vec, averaged
     finally:
         if comm is not None:
             comm.close()
@@ -295,20 +296,13 @@ def measure_gloo(args, world: int, sizes: list[int], tmp: Path) -> list[dict]:
 
 
 def measure_swarm(args, world: int, sizes: list[int], codec: str, tmp: Path) -> tuple[list[dict], int]:
-    """A fresh swarm per codec: two HivemindCommunicators on one DHT node would share its single
+    """A fresh swarm per codec: two SwarmCommunicators on one DHT node would share its single
     p2p replica, which is bound to the first communicator's event loop (the second one stalled)."""
     group = Group(tmp)
     peers_file = tmp / f"peers{world}-{codec}.txt"
     outs = [tmp / f"swarm{world}-{codec}-{r}.jsonl" for r in range(world)]
     try:
-        code = ("import sys; from opendiloco.swarm.bootstrap import run_bootstrap; "
-                f"sys.exit(run_bootstrap(host_maddrs=['/ip4/127.0.0.1/tcp/0'], addrs_file={str(peers_file)!r}))")
-        boot = group.spawn([sys.executable, "-c", code], f"bootstrap{world}-{codec}")
-        deadline = time.monotonic() + 60
-        while not peers_file.exists():
-            if boot.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"bootstrap did not start:\n{group.log(boot.name)}")
-            time.sleep(0.1)
+        spawn_bootstrap(group, peers_file, f"bootstrap{world}-{codec}")
         a = argparse.Namespace(**{**vars(args), "sizes": sizes, "codecs": [codec]})
         procs = [group.spawn(_child_args(a, "peer", r, world, outs[r], ["--peers-file", str(peers_file)]),
                              f"swarm{world}-{codec}-{r}") for r in range(world)]

@@ -8,6 +8,8 @@ Two measurements, each against a baseline taken in the same run:
   after the first), and memory per worker: the PSS of the worker process at 20M parameters minus
   that at 1M, divided by 80 MiB (the 20M model's fp32 weights). The floor is 6x: weights,
   gradients, two Adam moments, θ_global and the outer momentum.
+  Measured twice: with glibc's default allocator behaviour, and with the setting the trainer
+  applies (``opendiloco.train.allocator``: freed large tensors go back to the OS).
 * **single worker, 150M parameters, CPU**: one outer step with no peers (``SingleWorker("fp16")``)
   against its floor: an fp16 encode + decode of the vector plus one pass over θ_global.
 
@@ -55,8 +57,11 @@ def run_worker(args) -> int:
     from opendiloco import DiLoCoOptimizer
     from opendiloco.swarm.communicator import SwarmCommunicator, SwarmSettings
     from opendiloco.swarm.node import start_dht
+    from opendiloco.train.allocator import release_freed_tensors
 
     torch.set_num_threads(1)
+    if args.release_freed:
+        release_freed_tensors()
     dht = start_dht(initial_peers=Path(args.peers_file).read_text().split(), host_maddrs=["/ip4/127.0.0.1/tcp/0"])
     comm = SwarmCommunicator(dht, SwarmSettings(run_id=f"outer-{args.params:g}", compression="fp16",
                                                 min_group_size=args.world, straggler_wait=120,
@@ -87,25 +92,21 @@ def run_worker(args) -> int:
     return 0
 
 
-def swarm(params: float, world: int, outer_steps: int, local_steps: int, tmp: Path) -> list[dict]:
-    from opendiloco.testing.proctree import ProcessGroup
+def swarm(params: float, world: int, outer_steps: int, local_steps: int, tmp: Path,
+          release_freed: bool = False) -> list[dict]:
+    from opendiloco.testing.proctree import ProcessGroup, spawn_bootstrap
 
     group = ProcessGroup(tmp, cwd=ROOT)
-    peers_file = tmp / f"peers-{params:g}.txt"
+    tag = f"{params:g}{'-released' if release_freed else ''}"
+    peers_file = tmp / f"peers-{tag}.txt"
     try:
-        code = ("import sys; from opendiloco.swarm.bootstrap import run_bootstrap; "
-                f"sys.exit(run_bootstrap(host_maddrs=['/ip4/127.0.0.1/tcp/0'], addrs_file={str(peers_file)!r}))")
-        boot = group.spawn([sys.executable, "-c", code], f"bootstrap-{params:g}")
-        deadline = time.monotonic() + 60
-        while not peers_file.exists():
-            if boot.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"bootstrap did not start:\n{group.log(boot.name)}")
-            time.sleep(0.1)
-        outs = [tmp / f"w{params:g}-{r}.json" for r in range(world)]
+        spawn_bootstrap(group, peers_file, f"bootstrap-{tag}")
+        outs = [tmp / f"w{tag}-{r}.json" for r in range(world)]
         procs = [group.spawn([sys.executable, __file__, "--role", "worker", "--rank", str(r), "--world", str(world),
                               "--params", str(params), "--outer-steps", str(outer_steps),
                               "--local-steps", str(local_steps), "--peers-file", str(peers_file),
-                              "--out", str(outs[r])], f"w{params:g}-{r}") for r in range(world)]
+                              "--out", str(outs[r])] + (["--release-freed"] if release_freed else []),
+                             f"w{tag}-{r}") for r in range(world)]
         group.wait(procs, 900)
     finally:
         leaked = group.stop()
@@ -136,10 +137,11 @@ def single_worker(params: float) -> dict:
                 p.add_(1e-4)
     n = sum(p.numel() for p in model.parameters())
     codec, vec = get_codec("fp16"), torch.randn(n)
+    out = torch.zeros(n)
     floor = []
     for _ in range(3):
         t0 = time.perf_counter()
-        codec.roundtrip(vec)
+        codec.roundtrip_into(vec, out)
         for g in opt.outer.global_params:  # one pass over θ_global
             g.detach().mul_(1.0)
         floor.append(time.perf_counter() - t0)
@@ -164,6 +166,7 @@ def main() -> int:
     p.add_argument("--out", default=None, help=argparse.SUPPRESS)
     p.add_argument("--single-params", type=float, default=150e6)
     p.add_argument("--skip-single", action="store_true")
+    p.add_argument("--release-freed", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--json", default=None, help="also write the results to this file")
     args = p.parse_args()
     if args.role == "worker":
@@ -176,6 +179,9 @@ def main() -> int:
         tmp = Path(tmp_dir)
         big = swarm(20e6, args.world, args.outer_steps, args.local_steps, tmp)
         small = swarm(1e6, args.world, 2, args.local_steps, tmp)
+        # The same, with the trainer's allocator setting (freed large tensors go back to the OS).
+        big_r = swarm(20e6, args.world, 2, args.local_steps, tmp, release_freed=True)
+        small_r = swarm(1e6, args.world, 2, args.local_steps, tmp, release_freed=True)
     steady = [s for w in big for s in w["syncs"][1:]]
     if not all(s["ok"] and s["group"] == args.world for s in steady):
         print("WARNING: not every outer step had the whole group", file=sys.stderr)
@@ -186,16 +192,19 @@ def main() -> int:
     transfer = statistics.median(s["extra"].get("transfer_s", 0.0) for s in steady)
     mm = statistics.median(s["extra"].get("matchmaking_s", 0.0) for s in steady)
     pss = (statistics.median(w["pss"] for w in big) - statistics.median(w["pss"] for w in small))
+    pss_r = (statistics.median(w["pss"] for w in big_r) - statistics.median(w["pss"] for w in small_r))
     weights = big[0]["params"] * 4
     results["swarm"] = {"workers": args.world, "params": big[0]["params"], "outer_step_s": outer,
                         "transfer_s": transfer, "matchmaking_s": mm, "pss_per_fp32_weights": pss / weights,
                         "pss_20m": statistics.median(w["pss"] for w in big),
-                        "pss_1m": statistics.median(w["pss"] for w in small)}
+                        "pss_1m": statistics.median(w["pss"] for w in small),
+                        "pss_per_fp32_weights_released": pss_r / weights}
     print(f"# torch {torch.__version__}; {args.world} workers on 127.0.0.1, MLP of {big[0]['params'] / 1e6:.1f}M "
           f"parameters, H={args.local_steps}, fp16")
     print(f"outer step inside opt.step(): {outer:.3f} s (median of {len(steady)}; matchmaking {mm:.3f} s, "
           f"transfer + confirmation {transfer:.3f} s)")
-    print(f"memory per worker: (PSS at 20M - PSS at 1M) / fp32 weights = {pss / weights:.2f}x (floor 6x)")
+    print(f"memory per worker: (PSS at 20M - PSS at 1M) / fp32 weights = {pss / weights:.2f}x with glibc's "
+          f"defaults, {pss_r / weights:.2f}x with the trainer's allocator setting (floor 6x)")
     if not args.skip_single:
         single = single_worker(args.single_params)
         results["single"] = single

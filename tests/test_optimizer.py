@@ -315,9 +315,9 @@ class RecordingWorker(SingleWorker):
         super().__init__(*args, **kwargs)
         self.sent: list[list[torch.Tensor]] = []
 
-    def start(self, flat, *, weight, key):
+    def start(self, flat, *, weight, key, out=None):
         self.sent.append(flat.clone())
-        return super().start(flat, weight=weight, key=key)
+        return super().start(flat, weight=weight, key=key, out=out)
 
 
 def test_inner_state_is_local_and_survives_outer_step():
@@ -545,7 +545,7 @@ class NaNGroup(Communicator):
 
     peer_id = "nan"
 
-    def start(self, flat, *, weight, key):
+    def start(self, flat, *, weight, key, out=None):
         return CompletedWork(AverageResult(torch.full_like(flat, float("nan")), ("nan",), 1.0))
 
 

@@ -7,7 +7,6 @@ format by hand (``ByteStream.send`` or raw bytes) as member ``b`` of a two-membe
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import struct
 
 import msgpack
@@ -19,6 +18,7 @@ from opendiloco.comm.compression import get_codec
 from opendiloco.comm.runner import Group, RoundRunner, ShardReducer, part_bounds, shard_bounds
 from opendiloco.comm.wire import PREFIX, ByteStream, Code, Refused, memory_pipe
 from opendiloco.errors import AveragingError, PeerFailure, ProtocolError
+from opendiloco.fingerprint import new_hasher
 from opendiloco.testing.memory import MemoryNetwork
 
 pytestmark = pytest.mark.timeout(60)
@@ -301,7 +301,7 @@ def _owner_answer(digest_of=None, total=2.0, values=None):
         for _ in range(opening.meta["parts"]):
             await stream.recv(max_payload=1 << 20, expect=Code.PART)
         await stream.send(Code.RESULT, {"total_weight": total})
-        h = hashlib.sha256()
+        h = new_hasher()
         for i, (a, b) in enumerate(part_bounds(n, PART)):
             payload = (values if values is not None else torch.zeros(b - a)).half().numpy().tobytes()
             h.update(payload)

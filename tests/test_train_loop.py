@@ -136,7 +136,7 @@ class _ServesState(SingleWorker):
         self.state = state
         self.progress = []
 
-    def download_state(self, timeout):
+    def download_state(self, timeout, **bounds):
         return self.state
 
     def report_progress(self, **fields):

@@ -119,10 +119,12 @@ class Communicator(ABC):
     def peer_id(self) -> str: ...
 
     @abstractmethod
-    def start(self, flat: torch.Tensor, *, weight: float, key: RoundKey) -> Work:
+    def start(self, flat: torch.Tensor, *, weight: float, key: RoundKey, out: torch.Tensor | None = None) -> Work:
         """Starts the weighted average of ``flat`` (1-D fp32 on CPU) over the group for ``key``.
 
-        The caller must not modify ``flat`` until the work is done. The result is either complete
+        The average is written into ``out`` when given (a reused buffer saves allocating and
+        faulting in a fresh vector every round), else into a new tensor. The caller must not
+        touch ``flat`` or ``out`` until the work is done. The result is either complete
         and identical on every member, or ``wait`` raises ``AveragingError`` and nothing was
         applied. A zero ``weight`` means "take part but contribute nothing" (e.g. a worker whose
         own pseudo-gradient is not finite).

@@ -45,6 +45,16 @@ class Codec(ABC):
     def roundtrip(self, flat: torch.Tensor) -> torch.Tensor:
         return self.decode(self.encode(flat), flat.numel())
 
+    def roundtrip_into(self, flat: torch.Tensor, out: torch.Tensor, chunk: int = 1 << 20) -> torch.Tensor:
+        """``out[:] = roundtrip(flat)``, a cache-sized chunk at a time (no full-size wire copy).
+
+        Chunks are multiples of every codec's block, so the values equal those of encoding
+        ``flat`` in parts of the same size, as the round runner does.
+        """
+        for a in range(0, flat.numel(), chunk):
+            self.decode_into(self.to_bytes(flat[a : a + chunk]), out[a : a + chunk])
+        return out
+
     def wire_bytes(self, numel: int) -> int:
         return sum(torch.empty(0, dtype=dt).element_size() * n for dt, n in self.expected_fields(numel).values())
 
@@ -58,20 +68,32 @@ class Codec(ABC):
 
     def from_bytes(self, payload: bytes, numel: int) -> torch.Tensor:
         """Decodes a payload made by ``to_bytes``; refuses one whose size does not fit ``numel``."""
+        fields = self._fields(payload, numel)
+        return self.decode(fields, numel) if numel else torch.zeros(0)
+
+    def view_bytes(self, payload: bytes, numel: int) -> torch.Tensor:
+        """The payload's values in a form ``torch.add`` accepts: no copy where the wire dtype is a float
+        (fp16, fp32), decoded to fp32 otherwise. Same values as ``from_bytes``."""
+        return self.from_bytes(payload, numel)
+
+    def decode_into(self, payload: bytes, out: torch.Tensor) -> None:
+        """Decodes a payload straight into the fp32 tensor ``out`` (one pass where the codec allows)."""
+        out.copy_(self.view_bytes(payload, out.numel()))
+
+    def _fields(self, payload: bytes, numel: int) -> dict[str, torch.Tensor]:
         expected = self.expected_fields(numel)
         sizes = {n: torch.empty(0, dtype=dt).element_size() * c for n, (dt, c) in expected.items()}
         if len(payload) != sum(sizes.values()):
             raise ProtocolError(f"payload of {len(payload)} bytes; {sum(sizes.values())} expected for {numel} values")
-        if numel == 0:
-            return torch.zeros(0)
         fields, offset = {}, 0
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # read-only bytes: decoding never writes to them
             for name in sorted(expected):
                 dtype, count = expected[name]
-                fields[name] = torch.frombuffer(payload, dtype=dtype, count=count, offset=offset)
+                fields[name] = torch.frombuffer(payload, dtype=dtype, count=count, offset=offset) if count \
+                    else torch.empty(0, dtype=dtype)
                 offset += sizes[name]
-        return self.decode(fields, numel)
+        return fields
 
 
 class NoCompression(Codec):
@@ -86,6 +108,9 @@ class NoCompression(Codec):
     def expected_fields(self, numel):
         return {"values": (torch.float32, numel)}
 
+    def view_bytes(self, payload, numel):
+        return self._fields(payload, numel)["values"]
+
 
 class Float16Compression(Codec):
     """Round to fp16, saturating at the fp16 range instead of producing inf."""
@@ -93,15 +118,25 @@ class Float16Compression(Codec):
     name = "fp16"
 
     def encode(self, flat):
-        # Convert, then saturate the half tensor: no fp32 temporary. Values that round past the
-        # fp16 range become ±inf and are clamped back to ±FP16_MAX (what clamping first gives).
-        return {"values": flat.detach().to(torch.float16).clamp_(-FP16_MAX, FP16_MAX)}
+        # Saturate only when a value is out of range (one fast min/max pass decides), and then on the
+        # half tensor: values that round past the fp16 range become ±inf and are clamped back to
+        # ±FP16_MAX, which is what clamping the fp32 values first gives.
+        flat = flat.detach()
+        half = flat.to(torch.float16)
+        if flat.numel() and flat.is_floating_point():
+            lo, hi = torch.aminmax(flat)
+            if not (-FP16_MAX <= float(lo) and float(hi) <= FP16_MAX):
+                half.clamp_(-FP16_MAX, FP16_MAX)
+        return {"values": half}
 
     def decode(self, encoded, numel):
         return encoded["values"].to(torch.float32)
 
     def expected_fields(self, numel):
         return {"values": (torch.float16, numel)}
+
+    def view_bytes(self, payload, numel):
+        return self._fields(payload, numel)["values"]
 
 
 class _Blockwise(Codec):

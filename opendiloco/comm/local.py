@@ -24,12 +24,13 @@ class SingleWorker(Communicator):
     def peer_id(self) -> str:
         return self._peer_id
 
-    def start(self, flat, *, weight, key):
+    def start(self, flat, *, weight, key, out=None):
         began = time.perf_counter()
         if weight <= 0:
             return CompletedWork(error=AveragingError("alone in the group and contributing weight 0"))
-        averaged = self.codec.roundtrip(flat)
-        return CompletedWork(AverageResult(averaged, (self._peer_id,), float(weight), time.perf_counter() - began))
+        out = out if out is not None else torch.empty_like(flat)
+        self.codec.roundtrip_into(flat, out)
+        return CompletedWork(AverageResult(out, (self._peer_id,), float(weight), time.perf_counter() - began))
 
 
 class InProcessGroup:
@@ -92,12 +93,14 @@ class _GroupMember(Communicator):
     def peer_id(self) -> str:
         return f"replica-{self.rank}"
 
-    def start(self, flat, *, weight, key) -> Work:
+    def start(self, flat, *, weight, key, out=None) -> Work:
         flat = flat.detach().to(torch.float32)
 
         def run():
             began = time.perf_counter()
             averaged, total = self.group._average(self.rank, flat, weight, key)
+            if out is not None:
+                averaged = out.copy_(averaged)
             peers = tuple(f"replica-{r}" for r in range(self.group.size))
             return AverageResult(averaged, peers, total, time.perf_counter() - began)
 

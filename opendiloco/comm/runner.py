@@ -7,7 +7,7 @@ contributions to part i are in, averages them in member order (fp32), encodes th
 once and streams those bytes back to every member, itself included, while later parts are
 still arriving. Every member decodes identical bytes, so every member ends with a
 bit-identical average. Before anyone applies it, every member sends every other member the
-SHA-256 of all the averaged bytes it received (``CONFIRM``); a different digest refuses the round.
+BLAKE3 digest of all the averaged bytes it received (``CONFIRM``); a different digest refuses the round.
 
 Every byte from a peer is checked before it is used: the sender is the transport's
 authenticated peer id, the group id names a round this worker is in, every size is known in
@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import hashlib
 import logging
 import math
 import time
@@ -31,6 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import AveragingError, PeerFailure, ProtocolError
+from ..fingerprint import new_hasher
 from .base import RoundKey
 from .buffers import all_finite
 from .compression import Codec
@@ -64,7 +64,8 @@ def part_bounds(numel: int, part_numel: int) -> list[tuple[int, int]]:
 
 
 def make_group_id(run_id: str, key: RoundKey, attempt: int, members: Sequence[str]) -> str:
-    h = hashlib.sha256(f"{run_id}|{key}|{attempt}|{','.join(members)}".encode())
+    h = new_hasher()
+    h.update(f"{run_id}|{key}|{attempt}|{','.join(members)}".encode())
     return h.hexdigest()[:24]
 
 
@@ -102,9 +103,10 @@ class ShardReducer:
         self._next_part: dict[str, int] = {}
         self._pending: list[dict[str, torch.Tensor]] = [{} for _ in self.parts]
         self.results: list[bytes | memoryview | None] = [None] * len(self.parts)
-        self._hasher = hashlib.sha256()
+        self._hasher = new_hasher()
         self.digest: str | None = None
         self.total_weight: float | None = None
+        self._acc = torch.empty(max(b - a for a, b in self.parts), dtype=torch.float32)
 
     def part_bytes(self, i: int) -> int:
         a, b = self.parts[i]
@@ -133,9 +135,7 @@ class ShardReducer:
         if index >= len(self.parts):
             raise ProtocolError(f"{member[-8:]} sent more parts than the shard has")
         a, b = self.parts[index]
-        values = self.codec.from_bytes(payload, b - a)
-        if not all_finite(values):
-            raise ProtocolError(f"{member[-8:]} sent non-finite values")
+        values = self.codec.view_bytes(payload, b - a)  # size-checked; checked for finiteness when reduced
         self._next_part[member] = index + 1
         self._pending[index][member] = values
         done = []
@@ -151,12 +151,17 @@ class ShardReducer:
     def _reduce(self, i: int) -> int:
         contributions = self._pending[i]
         a, b = self.parts[i]
-        acc = torch.zeros(b - a, dtype=torch.float32)
+        acc = self._acc[: b - a].zero_()
         # A fixed summation order in fp32, and only the owner computes it: bit-identical replicas.
         for member in self.members:
             w = self.weights[member]
             if w:
                 acc.add_(contributions[member], alpha=w / self.total_weight)
+        # Weights sum to 1, so the sum of finite values is finite: one pass over the sum checks every
+        # contribution; only when it fails are the contributions checked one by one, to name the sender.
+        if not all_finite(acc):
+            bad = [m for m in self.members if not all_finite(contributions[m])] or list(self.members)
+            raise PeerFailure(f"{', '.join(m[-8:] for m in bad)} sent non-finite values", bad)
         self._pending[i] = {}
         encoded = self.codec.to_bytes(acc)
         self.results[i] = encoded
@@ -219,8 +224,9 @@ class RoundRunner:
             totals = {round(t, 9) for t in self._shard_totals.values()}
             if len(totals) != 1:
                 raise ProtocolError(f"shards report different total weights {sorted(totals)}")
-            digest = hashlib.sha256("".join(self._shard_digests[j] for j in range(len(self.members)))
-                                    .encode()).hexdigest()[:32]
+            whole = new_hasher()
+            whole.update("".join(self._shard_digests[j] for j in range(len(self.members))).encode())
+            digest = whole.hexdigest()[:32]
             confirmed, missing = await self._verify(digest)
         except BaseException as e:
             await self._fail(e if isinstance(e, Exception) else AveragingError("round cancelled"))
@@ -260,16 +266,16 @@ class RoundRunner:
                 total = meta_field(first.meta, "total_weight", (int, float))
                 if not (math.isfinite(total) and 0 < total <= MAX_WEIGHT * len(self.members)):
                     raise ProtocolError(f"invalid total weight {total!r}")
-                hasher = hashlib.sha256()
+                hasher = new_hasher()
                 for i, (pa, pb) in enumerate(parts):
                     frame = await stream.recv(max_payload=self.codec.wire_bytes(pb - pa), expect=Code.RESULT_PART)
                     if meta_field(frame.meta, "i", int) != i:
                         raise ProtocolError(f"result part {frame.meta.get('i')!r} where part {i} was due")
-                    values = self.codec.from_bytes(frame.payload, pb - pa)
-                    if not all_finite(values):
+                    target = self.out[a + pa : a + pb]
+                    self.codec.decode_into(frame.payload, target)
+                    if not all_finite(target):
                         raise ProtocolError("averaged part is not finite")
                     hasher.update(frame.payload)
-                    self.out[a + pa : a + pb].copy_(values)
                 end = await stream.recv(max_payload=0, expect=Code.RESULT_END)
                 if meta_field(end.meta, "digest", str) != hasher.hexdigest():
                     raise ProtocolError("averaged shard does not match its digest")
@@ -297,8 +303,7 @@ class RoundRunner:
             await self._add_part(self.me, i, payload)
             await asyncio.sleep(0)  # let the streams move while we encode
         for i, (pa, pb) in enumerate(self.reducer.parts):
-            encoded = await self._result(i)
-            self.out[a + pa : a + pb].copy_(self.codec.from_bytes(encoded, pb - pa))
+            self.codec.decode_into(await self._result(i), self.out[a + pa : a + pb])
         async with self._changed:
             self._shard_digests[self.my_index] = self.reducer.digest
             self._shard_totals[self.my_index] = self.reducer.total_weight

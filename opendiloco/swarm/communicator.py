@@ -57,7 +57,7 @@ class SwarmSettings:
     heartbeat_interval: float = 2.0
     record_ttl: float = 8.0
     verify_timeout: float = 5.0
-    poll_interval: float = 0.05
+    poll_interval: float = 0.02
     part_numel: int = DEFAULT_PART_NUMEL
 
 
@@ -145,22 +145,27 @@ class SwarmCommunicator(Communicator):
         return self.presence.live_workers()
 
     # -- a round -------------------------------------------------------------------------------
-    def start(self, flat, *, weight, key) -> Work:
+    def start(self, flat, *, weight, key, out=None) -> Work:
         if self._closed:
             raise AveragingError("the communicator is closed")
         flat = flat.detach()
         if flat.dtype != torch.float32 or flat.dim() != 1 or flat.device.type != "cpu":
             raise ValueError("start() takes a flat fp32 CPU tensor")
-        return FutureWork(self._rounds_thread.submit(self._round, flat, float(weight), key))
+        if out is None:
+            out = torch.empty_like(flat)
+        elif out.shape != flat.shape or out.dtype != torch.float32 or out.device.type != "cpu":
+            raise ValueError("out must be a flat fp32 CPU tensor of the same size as flat")
+        return FutureWork(self._rounds_thread.submit(self._round, flat, float(weight), key, out))
 
-    def _round(self, flat: torch.Tensor, weight: float, key: RoundKey) -> AverageResult:
+    def _round(self, flat: torch.Tensor, weight: float, key: RoundKey, out: torch.Tensor) -> AverageResult:
         """One round, from announcement to a verified average (runs on the round thread)."""
         s = self.settings
         began = time.perf_counter()
         self.state = RoundState.ANNOUNCE
         self.report_progress(outer_step=key.outer_step)
         try:
-            self.presence.raise_if_drifted(key.outer_step)
+            workers = self.presence.live_workers()
+            self.presence.raise_if_drifted(key.outer_step, workers)
         except AveragingError:
             self.state = RoundState.FAILED
             raise
@@ -169,13 +174,14 @@ class SwarmCommunicator(Communicator):
             self._raise_if_interrupted()
             self.state = RoundState.GROUP
             try:
-                group, attempt = self.matchmaker.form_group(key, attempt, flat.numel(), suspects)
+                group, attempt = self.matchmaker.form_group(key, attempt, flat.numel(), suspects, workers)
+                workers = None  # a retry reads them afresh
             except AveragingError:
                 self.state = RoundState.FAILED
                 raise
             mm_s = time.perf_counter() - began
             try:
-                outcome = self._exchange(group, flat, weight)
+                outcome = self._exchange(group, flat, weight, out)
             except AveragingError as e:
                 if isinstance(e, PeerFailure):
                     suspects |= e.peers - {self._peer_id}
@@ -192,20 +198,22 @@ class SwarmCommunicator(Communicator):
         self.state = RoundState.FAILED
         raise AveragingError(f"round {key}: no complete round in {s.max_attempts} attempts: " + "; ".join(errors))
 
-    def _exchange(self, group: Group, flat: torch.Tensor, weight: float) -> RoundOutcome:
+    def _exchange(self, group: Group, flat: torch.Tensor, weight: float, out: torch.Tensor) -> RoundOutcome:
         s = self.settings
         self.state = RoundState.EXCHANGE
         if len(group.members) == 1:
             if weight <= 0:
                 raise AveragingError("alone in the group and contributing weight 0")
             t0 = time.perf_counter()
-            return RoundOutcome(self.codec.roundtrip(flat), weight, "solo", 0, time.perf_counter() - t0)
-        return self._call(self._data_plane(group, flat, weight), timeout=s.allreduce_timeout + s.verify_timeout + 10)
+            self.codec.roundtrip_into(flat, out, chunk=s.part_numel)
+            return RoundOutcome(out, weight, "solo", 0, time.perf_counter() - t0)
+        return self._call(self._data_plane(group, flat, weight, out),
+                          timeout=s.allreduce_timeout + s.verify_timeout + 10)
 
-    async def _data_plane(self, group: Group, flat: torch.Tensor, weight: float) -> RoundOutcome:
+    async def _data_plane(self, group: Group, flat: torch.Tensor, weight: float, out: torch.Tensor) -> RoundOutcome:
         """The exchange and verification of one attempt, on the event loop."""
         s = self.settings
-        runner = RoundRunner(group, self._peer_id, flat, weight, self.codec, part_numel=s.part_numel,
+        runner = RoundRunner(group, self._peer_id, flat, weight, self.codec, out=out, part_numel=s.part_numel,
                              timeout=s.allreduce_timeout, confirm_timeout=s.verify_timeout)
         await self.rounds.register(runner)
         try:

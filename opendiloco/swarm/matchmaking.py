@@ -31,7 +31,7 @@ class MatchmakingSettings:
     straggler_wait: float = 10.0
     record_ttl: float = 60.0
     """How long announcements and published groups stay in the DHT."""
-    poll_interval: float = 0.05
+    poll_interval: float = 0.02
 
 
 class Matchmaker:
@@ -41,17 +41,19 @@ class Matchmaker:
         self.codec_name, self.interrupted = codec_name, interrupted
         self.me = presence.peer_id
 
-    def form_group(self, key: RoundKey, attempt: int, numel: int, suspects=frozenset()) -> tuple[Group, int]:
+    def form_group(self, key: RoundKey, attempt: int, numel: int, suspects=frozenset(),
+                   workers: dict | None = None) -> tuple[Group, int]:
         """Waits for the run's live workers to be ready for ``key``; returns (group, attempt).
 
         ``suspects`` (peers that broke an earlier attempt) are not waited for, but may still join.
+        ``workers``: the live workers if the caller has just read them (saves a DHT read).
         Raises ``BehindError`` when the run has moved past this worker.
         """
         s, me = self.settings, self.me
         announce_key = records.round_key(s.run_id, key)
         t0, announced = time.monotonic(), None
         while True:
-            workers = self.presence.live_workers()
+            workers = workers if workers is not None else self.presence.live_workers()
             self.presence.raise_if_behind(workers, key.outer_step)
             ready = {p: v for p, v in records.subkey_values(self.dht, announce_key).items()
                      if isinstance(v, dict) and type(v.get("attempt")) is int}
@@ -71,15 +73,17 @@ class Matchmaker:
                 raise AveragingError(f"matchmaking for round {key}: {len(compatible)} peer(s) ready "
                                      f"after {waited:.0f}s, need {s.min_group_size}")
             time.sleep(s.poll_interval)
-        return self._adopt_group(key, attempt, min(compatible), compatible), attempt
+            workers = None
+        return self._adopt_group(key, attempt, min(compatible), compatible, set(workers) | {me}), attempt
 
-    def _adopt_group(self, key: RoundKey, attempt: int, leader: str | None, compatible: set[str]) -> Group:
+    def _adopt_group(self, key: RoundKey, attempt: int, leader: str | None, compatible: set[str],
+                     live: set[str]) -> Group:
         s, me = self.settings, self.me
         gkey = records.group_key(s.run_id, key, attempt)
         deadline = time.monotonic() + s.straggler_wait + s.matchmaking_timeout
+        polls = 0
         while True:
             # A group already closed for this round wins over our own view of who is ready.
-            live = set(self.presence.live_workers()) | {me}
             published = {p: m for p, m in records.subkey_values(self.dht, gkey).items()
                          if isinstance(m, list) and all(isinstance(x, str) for x in m) and live & set(m)}
             if published:
@@ -94,7 +98,11 @@ class Matchmaker:
             self._raise_if_interrupted()
             if time.monotonic() > deadline:
                 raise AveragingError(f"no group was published for round {key}")
-            self.presence.raise_if_behind(self.presence.live_workers(), key.outer_step)
+            polls += 1
+            if polls % 10 == 0:  # now and then: has the run moved on, who is still alive?
+                workers = self.presence.live_workers()
+                self.presence.raise_if_behind(workers, key.outer_step)
+                live = set(workers) | {me}
             time.sleep(s.poll_interval)
 
     def _raise_if_interrupted(self) -> None:

@@ -70,13 +70,13 @@ class Presence:
             raise BehindError(f"peers are at outer step {max(ahead)}, this worker at {outer_step}",
                               group_outer_step=max(ahead))
 
-    def raise_if_drifted(self, outer_step: int) -> None:
+    def raise_if_drifted(self, outer_step: int, workers: dict[str, records.WorkerRecord]) -> None:
         """Compares our θ_global hash with the other workers at the same outer step (majority wins)."""
         mine = self.get("global_hash")
         if not mine:
             return
         counts: dict[str, int] = {mine: 1}
-        for peer, rec in self.live_workers().items():
+        for peer, rec in workers.items():
             if peer != self.peer_id and rec.outer_step == outer_step and rec.global_hash:
                 counts[rec.global_hash] = counts.get(rec.global_hash, 0) + 1
         majority, votes = max(counts.items(), key=lambda kv: kv[1])

@@ -1,6 +1,6 @@
 """State transfer: serving this worker's θ_global and outer state to joiners, and downloading a peer's.
 
-The state travels as one ``torch.save`` payload in bounded frames, with its SHA-256. A donor
+The state travels as one ``torch.save`` payload in bounded frames, with its digest. A donor
 serves at most ``MAX_CONCURRENT_SERVES`` requests at a time; a receiver refuses an
 announcement larger than ``max_bytes`` before reading any of it.
 """
@@ -8,7 +8,6 @@ announcement larger than ``max_bytes`` before reading any of it.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import io
 import logging
 
@@ -18,12 +17,19 @@ from ..comm.base import StateProvider
 from ..comm.wire import ByteStream, Code
 from ..comm.wire import field as meta_field
 from ..errors import ProtocolError
+from ..fingerprint import new_hasher
 from .streams import P2PStreams
 
 log = logging.getLogger(__name__)
 
 CHUNK_BYTES = 1 << 20
 MAX_CONCURRENT_SERVES = 2
+
+
+def _digest(payload) -> str:
+    h = new_hasher(parallel=True)
+    h.update(payload)
+    return h.hexdigest()
 
 
 class StateServer:
@@ -50,7 +56,7 @@ class StateServer:
                 torch.save(state, buf)
                 payload = buf.getbuffer()
                 await stream.send(Code.STATE, {"size": payload.nbytes, "outer_step": state["outer_step"],
-                                               "digest": hashlib.sha256(payload).hexdigest()})
+                                               "digest": _digest(payload)})
                 for i in range(0, payload.nbytes, CHUNK_BYTES):
                     await stream.send(Code.STATE_PART, None, payload[i : i + CHUNK_BYTES])
         except Exception as e:
@@ -74,7 +80,7 @@ async def fetch_state(streams: P2PStreams, peer: str, min_outer_step: int | None
             if not frame.payload:
                 raise ProtocolError("empty state part")
             payload += frame.payload
-        if hashlib.sha256(payload).hexdigest() != head.meta.get("digest"):
+        if _digest(payload) != head.meta.get("digest"):
             raise ProtocolError("state does not match its digest")
     finally:
         stream.close()

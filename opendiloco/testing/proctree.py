@@ -129,3 +129,20 @@ class ProcessGroup:
             except ProcessLookupError:
                 pass
         return leaked
+
+
+def spawn_bootstrap(group: ProcessGroup, addrs_file: Path, name: str = "bootstrap",
+                    timeout: float = 60.0) -> list[str]:
+    """Starts an ``opendiloco`` bootstrap DHT node on 127.0.0.1 in ``group``; returns its addresses."""
+    import sys
+
+    Path(addrs_file).unlink(missing_ok=True)  # a stale file would name a bootstrap that is gone
+    code = ("import sys; from opendiloco.swarm.bootstrap import run_bootstrap; "
+            f"sys.exit(run_bootstrap(host_maddrs=['/ip4/127.0.0.1/tcp/0'], addrs_file={str(addrs_file)!r}))")
+    proc = group.spawn([sys.executable, "-c", code], name)
+    deadline = time.monotonic() + timeout
+    while not Path(addrs_file).exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise ProcessError(f"bootstrap did not start:\n{group.log(name)}")
+        time.sleep(0.1)
+    return Path(addrs_file).read_text().split()

@@ -21,6 +21,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 from opendiloco import Communicator, DiLoCoOptimizer
 from opendiloco.comm import SingleWorker
 
+from .allocator import release_freed_tensors
 from .checkpoint import CheckpointManager
 from .config import Config, to_toml
 from .data import PackedStream, eval_batches, make_corpus
@@ -173,6 +174,7 @@ class Trainer:
         self.run_dir = cfg.run_dir
         threads = cfg.train.threads or len(os.sched_getaffinity(0))
         torch.set_num_threads(threads)
+        release_freed_tensors()
         self.device = resolve_device(cfg.train.device)
         self.precision = resolve_precision(cfg.train.precision, self.device)
         self.autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.precision)
@@ -233,7 +235,7 @@ class Trainer:
         """Adopts θ_global and the step counters of a live peer, if there is one (DESIGN.md invariant 9)."""
         swarm = self.cfg.swarm
         try:
-            state = self.comm.download_state(timeout=swarm.join_timeout)
+            state = self.comm.download_state(timeout=swarm.join_timeout, max_bytes=self.opt.shareable_state_bound())
         except Exception as e:  # the transport's own errors: policy decides
             if swarm.on_join_failure == "exit":
                 raise TrainError(f"could not download state from the swarm: {e}") from e

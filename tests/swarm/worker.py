@@ -28,20 +28,20 @@ class RecordingCommunicator(SwarmCommunicator):
     stall_at: tuple[int, float] | None = None
     marker = None
 
-    def _round(self, flat, weight, key):
+    def _round(self, flat, weight, key, out):
         sent = flat.clone()
-        result = super()._round(flat, weight, key)
+        result = super()._round(flat, weight, key, out)
         if self.dump_dir:
             torch.save({"sent": [sent], "got": [result.flat.clone()], "peers": result.peers},
                        os.path.join(self.dump_dir, f"{self.peer_id}-{key.outer_step}.pt"))
         return result
 
-    async def _data_plane(self, group, flat, weight):
+    async def _data_plane(self, group, flat, weight, out):
         if self.stall_at and self.stall_at[0] == group.key.outer_step:
             with open(self.marker, "a") as f:  # tells the test we are inside the all-reduce
                 f.write(f"{group.key.outer_step} {time.time()}\n")
             await asyncio.sleep(self.stall_at[1])
-        return await super()._data_plane(group, flat, weight)
+        return await super()._data_plane(group, flat, weight, out)
 
 
 def main():
