@@ -144,6 +144,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         try:
             result = self.communicator.start(flat, weight=weight, key=RoundKey(self._outer_step),
                                              out=self._result.flat).wait()
+            communicator_s = time.perf_counter() - start
             averaged = result.flat
             if averaged.numel() != flat.numel() or averaged.dtype != torch.float32:
                 raise AveragingError(f"the averaged vector has {averaged.numel()} {averaged.dtype} values, "
@@ -162,7 +163,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
                 self._outer_step += 1
             self._global_changed()
             report = SyncReport(self._outer_step, True, group_size=result.group_size, peers=result.peers,
-                                allreduce_s=time.perf_counter() - start, global_hash=self.global_hash(),
+                                allreduce_s=communicator_s, global_hash=self.global_hash(),
                                 extra=result.extra)
         self._local_step = 0
         self._samples_since_sync = 0

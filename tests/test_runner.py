@@ -411,3 +411,20 @@ def test_all_zero_weights_fail_instead_of_dividing_by_zero():
 
 def test_prefix_layout_is_fixed():
     assert PREFIX.size == 9 and PREFIX.format == struct.Struct("!BII").format
+
+
+@pytest.mark.parametrize("codec", ["none", "fp16", "scaled-fp16", "int8"])
+def test_an_averaged_part_keeps_its_bytes_while_later_parts_are_reduced(codec):
+    """The transport may read a payload after later parts were reduced: results must never share memory."""
+    c = get_codec(codec)
+    r = ShardReducer(c, 5 * PART, ["a", "b"], PART)
+    r.begin("a", 1.0)
+    r.begin("b", 1.0)
+    first_seen = {}
+    for i in range(5):
+        for member in ("a", "b"):
+            payload = bytes(c.to_bytes(torch.randn(PART)))
+            for done in r.add_part(member, i, payload):
+                first_seen[done] = bytes(r.results[done])
+    assert sorted(first_seen) == list(range(5))
+    assert all(bytes(r.results[i]) == first_seen[i] for i in range(5))

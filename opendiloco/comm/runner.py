@@ -106,7 +106,6 @@ class ShardReducer:
         self._hasher = new_hasher()
         self.digest: str | None = None
         self.total_weight: float | None = None
-        self._acc = torch.empty(max(b - a for a, b in self.parts), dtype=torch.float32)
 
     def part_bytes(self, i: int) -> int:
         a, b = self.parts[i]
@@ -151,7 +150,7 @@ class ShardReducer:
     def _reduce(self, i: int) -> int:
         contributions = self._pending[i]
         a, b = self.parts[i]
-        acc = self._acc[: b - a].zero_()
+        acc = torch.zeros(b - a, dtype=torch.float32)  # fresh: its bytes may be the payload ("none" codec)
         # A fixed summation order in fp32, and only the owner computes it: bit-identical replicas.
         for member in self.members:
             w = self.weights[member]
@@ -311,13 +310,14 @@ class RoundRunner:
 
     async def _verify(self, digest: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
         """Tells every member our digest and waits for theirs; a different one refuses the round."""
-        for stream in self._confirm_streams.values():
+        streams = list(self._confirm_streams.values())
+        self._confirm_streams.clear()
+        for stream in streams:
             try:
                 await stream.send(Code.CONFIRM, {"digest": digest})
             except Exception as e:  # a member that died after the transfer: it just won't confirm
                 log.debug("could not confirm to %s: %s", stream.remote[-8:], e)
             stream.close()
-        self._confirm_streams.clear()
         others = set(self.members) - {self.me}
         async with self._changed:
             self._changed.notify_all()
@@ -435,9 +435,10 @@ class RoundRunner:
                 self.error = error
             self._failed.set()
             self._changed.notify_all()
-        for stream in self._confirm_streams.values():
-            stream.close()
+        streams = list(self._confirm_streams.values())
         self._confirm_streams.clear()
+        for stream in streams:
+            stream.close()
 
 
 @dataclass

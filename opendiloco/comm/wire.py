@@ -39,6 +39,9 @@ class Code(enum.IntEnum):
     """A member's digest of the whole average, sent to every other member before anyone applies it."""
     REFUSE = 7
     """The sender refuses the round or the message (meta: a short reason)."""
+    # matchmaking (swarm/matchmaking.py)
+    GROUP = 8
+    """A round's leader has published its group (meta: round key, attempt): read it from the DHT now."""
     # state transfer to joiners (swarm/state_transfer.py)
     STATE_REQUEST = 16
     STATE = 17
@@ -152,14 +155,25 @@ def field(meta: dict, name: str, kind: type | tuple[type, ...]):
 # -- an in-memory pipe: the protocol tests' transport ----------------------------------------------
 
 class _MemoryWriter:
+    """Like a socket transport, it may read a written buffer *later* (on the next loop iteration),
+    so a sender that reuses a buffer before it went out sends the wrong bytes here too."""
+
     def __init__(self, peer_reader: asyncio.StreamReader):
         self._peer = peer_reader
+        self._pending: list = []
         self._closed = False
 
     def write(self, data) -> None:
         if self._closed:
             raise ConnectionResetError("in-memory stream closed")
-        self._peer.feed_data(bytes(data))
+        if not self._pending:
+            asyncio.get_running_loop().call_soon(self._flush)
+        self._pending.append(data)
+
+    def _flush(self) -> None:
+        pending, self._pending = self._pending, []
+        for data in pending:
+            self._peer.feed_data(bytes(data))
 
     async def drain(self) -> None:
         await asyncio.sleep(0)
@@ -167,6 +181,7 @@ class _MemoryWriter:
     def close(self) -> None:
         if not self._closed:
             self._closed = True
+            self._flush()
             self._peer.feed_eof()
 
 

@@ -35,8 +35,10 @@ from hivemind.utils.timed_storage import get_dht_time
 from ..comm.base import AverageResult, Communicator, FutureWork, RoundKey, StateProvider, Work
 from ..comm.compression import get_codec
 from ..comm.runner import DEFAULT_PART_NUMEL, Group, RoundOutcome, RoundRunner, Rounds
+from ..comm.wire import ByteStream, Code
+from ..comm.wire import field as meta_field
 from ..errors import AveragingError, PeerFailure
-from .matchmaking import Matchmaker, MatchmakingSettings
+from .matchmaking import Doorbell, Matchmaker, MatchmakingSettings
 from .node import start_dht, visible_maddrs
 from .presence import Presence
 from .state_transfer import StateServer, fetch_state
@@ -94,7 +96,8 @@ class SwarmCommunicator(Communicator):
         self.matchmaker = Matchmaker(dht, self.presence, MatchmakingSettings(
             run_id=s.run_id, min_group_size=s.min_group_size, matchmaking_timeout=s.matchmaking_timeout,
             straggler_wait=s.straggler_wait, record_ttl=s.matchmaking_timeout + s.allreduce_timeout,
-            poll_interval=s.poll_interval), self.codec.name, self._interrupted)
+            poll_interval=s.poll_interval), self.codec.name, self._interrupted, doorbell=self.doorbell,
+            ring_members=self._ring_members)
 
     @classmethod
     def from_config(cls, cfg, run_dir: str | None = None) -> SwarmCommunicator:
@@ -136,6 +139,41 @@ class SwarmCommunicator(Communicator):
         await self.reduce_streams.listen(self.rounds.serve)
         self.state_server = StateServer(self.state_streams)
         await self.state_server.listen()
+        self.doorbell = Doorbell()
+        self.match_streams = P2PStreams(self.p2p, f"opendiloco.{s.run_id}.match")
+        await self.match_streams.listen(self._on_ring)
+        self._background: set[asyncio.Task] = set()
+
+    # -- matchmaking wake-ups ------------------------------------------------------------------
+    async def _on_ring(self, stream: ByteStream) -> None:
+        try:
+            frame = await asyncio.wait_for(stream.recv(max_payload=0, expect=Code.GROUP), 5.0)
+            self.doorbell.ring(meta_field(frame.meta, "key", str)[:64], meta_field(frame.meta, "attempt", int))
+        except Exception as e:  # a ring is only a hint: a bad one is dropped
+            log.debug("dropped a matchmaking ring from %s: %s", stream.remote[-8:], e)
+        finally:
+            stream.close()
+
+    def _ring_members(self, members, key: str, attempt: int) -> None:
+        """Called from the round thread: rings every member's doorbell in the background."""
+
+        async def ring(peer: str) -> None:
+            try:
+                stream = await asyncio.wait_for(self.match_streams.connect(peer), 5.0)
+                try:
+                    await stream.send(Code.GROUP, {"key": key, "attempt": attempt})
+                finally:
+                    stream.close()
+            except Exception as e:  # the member still finds the group by polling
+                log.debug("could not ring %s: %s", peer[-8:], e)
+
+        def schedule() -> None:
+            for peer in members:
+                task = self._loop.create_task(ring(peer))
+                self._background.add(task)
+                task.add_done_callback(self._background.discard)
+
+        self._loop.call_soon_threadsafe(schedule)
 
     # -- progress records --------------------------------------------------------------------
     def report_progress(self, **fields) -> None:
@@ -160,7 +198,7 @@ class SwarmCommunicator(Communicator):
     def _round(self, flat: torch.Tensor, weight: float, key: RoundKey, out: torch.Tensor) -> AverageResult:
         """One round, from announcement to a verified average (runs on the round thread)."""
         s = self.settings
-        began = time.perf_counter()
+        began, entered_at = time.perf_counter(), time.time()
         self.state = RoundState.ANNOUNCE
         self.report_progress(outer_step=key.outer_step)
         try:
@@ -194,7 +232,8 @@ class SwarmCommunicator(Communicator):
             return AverageResult(outcome.flat, group.members, outcome.total_weight, time.perf_counter() - began,
                                  extra={"attempts": len(errors) + 1, "group_id": group.group_id,
                                         "digest": outcome.digest, "transfer_s": outcome.seconds,
-                                        "matchmaking_s": mm_s, "bytes_sent": outcome.bytes_sent})
+                                        "matchmaking_s": mm_s, "bytes_sent": outcome.bytes_sent,
+                                        "entered_at": entered_at})
         self.state = RoundState.FAILED
         raise AveragingError(f"round {key}: no complete round in {s.max_attempts} attempts: " + "; ".join(errors))
 

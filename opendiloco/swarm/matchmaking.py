@@ -9,8 +9,10 @@ Blocking by design: it runs on the communicator's round thread, never on the eve
 
 from __future__ import annotations
 
+import collections
 import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import hivemind
@@ -34,12 +36,40 @@ class MatchmakingSettings:
     poll_interval: float = 0.02
 
 
+class Doorbell:
+    """Wake-ups from leaders that have just published a group, so members read it at once.
+
+    A ring carries no authority: it only makes a member read the DHT now instead of at its next
+    poll, so a forged ring costs one DHT read. Thread-safe; remembers a bounded number of rings.
+    """
+
+    def __init__(self, remember: int = 256):
+        self._cond = threading.Condition()
+        self._rung: collections.OrderedDict = collections.OrderedDict()
+        self._remember = remember
+
+    def ring(self, key: str, attempt: int) -> None:
+        with self._cond:
+            self._rung[(key, attempt)] = True
+            while len(self._rung) > self._remember:
+                self._rung.popitem(last=False)
+            self._cond.notify_all()
+
+    def wait(self, key: str, attempt: int, timeout: float) -> bool:
+        with self._cond:
+            return self._cond.wait_for(lambda: (key, attempt) in self._rung, timeout)
+
+
 class Matchmaker:
     def __init__(self, dht: hivemind.DHT, presence: Presence, settings: MatchmakingSettings, codec_name: str,
-                 interrupted: threading.Event):
+                 interrupted: threading.Event, *, doorbell: Doorbell | None = None,
+                 ring_members: Callable[[Sequence[str], str, int], None] | None = None):
         self.dht, self.presence, self.settings = dht, presence, settings
         self.codec_name, self.interrupted = codec_name, interrupted
         self.me = presence.peer_id
+        self.doorbell = doorbell or Doorbell()
+        self.ring_members = ring_members
+        """Tells the other members (without waiting) that this worker published their group."""
 
     def form_group(self, key: RoundKey, attempt: int, numel: int, suspects=frozenset(),
                    workers: dict | None = None) -> tuple[Group, int]:
@@ -92,7 +122,10 @@ class Matchmaker:
                     return Group(make_group_id(s.run_id, key, attempt, members), members, key)
                 raise BehindError(f"left out of the group for round {key}", group_outer_step=key.outer_step + 1)
             if leader == me:
-                records.store(self.dht, gkey, sorted(compatible), get_dht_time() + s.record_ttl, subkey=me)
+                members = sorted(compatible)
+                records.store(self.dht, gkey, members, get_dht_time() + s.record_ttl, subkey=me)
+                if self.ring_members is not None:
+                    self.ring_members([m for m in members if m != me], str(key), attempt)
                 leader = None  # read it back: a concurrent leader with a smaller id would win
                 continue
             self._raise_if_interrupted()
@@ -103,7 +136,7 @@ class Matchmaker:
                 workers = self.presence.live_workers()
                 self.presence.raise_if_behind(workers, key.outer_step)
                 live = set(workers) | {me}
-            time.sleep(s.poll_interval)
+            self.doorbell.wait(str(key), attempt, s.poll_interval)
 
     def _raise_if_interrupted(self) -> None:
         if self.interrupted.is_set():
