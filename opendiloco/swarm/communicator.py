@@ -63,6 +63,13 @@ class SwarmSettings:
     part_numel: int = DEFAULT_PART_NUMEL
 
 
+async def _cancel_other_tasks() -> None:
+    tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
 class RoundState(enum.Enum):
     ANNOUNCE = "announce"
     GROUP = "group"
@@ -314,6 +321,10 @@ class SwarmCommunicator(Communicator):
             self._call(self.presence.leave(), timeout=5)
         except Exception as e:
             log.debug("could not announce leaving: %s", e)
+        try:  # a round still in its data plane ends now (its thread sees an error), not at its timeout
+            self._call(_cancel_other_tasks(), timeout=5)
+        except Exception as e:
+            log.debug("cancelling the communicator's tasks: %s", e)
         try:
             self._call(self.p2p.shutdown(), timeout=5)
         except Exception as e:
