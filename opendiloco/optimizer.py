@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 import logging
 import threading
@@ -14,7 +15,7 @@ from .comm.base import Communicator, RoundKey
 from .comm.buffers import FlatBuffer, all_finite, unflatten
 from .comm.local import SingleWorker
 from .errors import AveragingError, BehindError, DriftError
-from .outer import OptimizerFactory, OuterState, validate_tensors
+from .outer import OptimizerFactory, OuterState, tensors_hash, validate_tensors
 
 log = logging.getLogger(__name__)
 
@@ -199,16 +200,17 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
 
     def _catch_up(self, err: BehindError, seconds: float) -> SyncReport:
         log.warning("outer step %d: %s; loading state from a peer", self._outer_step, err)
+        majority = err.majority_hash if isinstance(err, DriftError) else None
         try:
             timeout = min(self.catch_up_timeout, err.timeout or self.catch_up_timeout)
             state = self.communicator.download_state(
                 timeout, min_outer_step=err.group_outer_step, max_bytes=self.shareable_state_bound(),
-                majority_hash=err.majority_hash if isinstance(err, DriftError) else None)
+                majority_hash=majority)
             if state is None:
                 raise AveragingError("no live peer to download state from")
-            self.load_shareable_state(state)
-        except (AveragingError, ValueError) as e:
-            return self._round_failed(f"{err}; could not catch up: {e}", seconds, True)
+            self.load_shareable_state(state, min_outer_step=err.group_outer_step, expected_hash=majority)
+        except Exception as e:  # a peer's state is input from the network: any defect is a failed catch-up
+            return self._round_failed(f"{err}; could not catch up: {type(e).__name__}: {e}", seconds, True)
         drift = isinstance(err, DriftError)
         return SyncReport(self._outer_step, False, allreduce_s=seconds, global_hash=self.global_hash(),
                           reason="healed drift from a peer" if drift else "caught up from a peer",
@@ -221,9 +223,9 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         ``inner_steps_total`` is the count at the last outer step, the point θ_global stands for:
         a joiner then takes exactly ``local_steps`` inner steps before its first outer step.
         """
-        with self._state_lock:
+        with self._state_lock:  # copies, so that serving it later never races an outer step
             return {
-                "outer": self.outer.state_dict(),
+                "outer": copy.deepcopy(self.outer.state_dict()),
                 "outer_step": self._outer_step,
                 "inner_steps_total": self._inner_steps_total - self._local_step,
                 "buffers": self.outer.buffer_values(),
@@ -237,12 +239,25 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         return 4 * (4 * values + buffers) + (16 << 20)
 
     @torch.no_grad()
-    def load_shareable_state(self, state: dict) -> None:
-        """Adopts a peer's θ_global and outer state; local weights restart from θ_global."""
+    def load_shareable_state(self, state: dict, *, min_outer_step: int | None = None,
+                             expected_hash: str | None = None) -> None:
+        """Adopts a peer's θ_global and outer state; local weights restart from θ_global.
+
+        Everything is checked before anything changes: fields, counters (at least
+        ``min_outer_step``), shapes and dtypes, and θ_global's fingerprint if ``expected_hash``.
+        """
         if not isinstance(state, dict) or not {"outer", "outer_step", "inner_steps_total"} <= state.keys():
             raise ValueError("peer state is missing required fields")
         if not all(isinstance(state[k], int) and state[k] >= 0 for k in ("outer_step", "inner_steps_total")):
             raise ValueError("peer state has invalid step counters")
+        if min_outer_step is not None and state["outer_step"] < min_outer_step:
+            raise ValueError(f"peer state is at outer step {state['outer_step']}, not yet {min_outer_step}")
+        outer = state["outer"]
+        if not isinstance(outer, dict) or not {"global_params", "optimizer"} <= outer.keys():
+            raise ValueError("peer state's outer part needs 'global_params' and 'optimizer'")
+        validate_tensors(outer["global_params"], self.outer.global_params, "global_params")
+        if expected_hash is not None and tensors_hash(outer["global_params"]) != expected_hash:
+            raise ValueError(f"peer state's θ_global is not the majority's {expected_hash}")
         buffers = state.get("buffers", [])
         validate_tensors(buffers, self.outer.buffer_values(), "buffers")
         with self._state_lock:

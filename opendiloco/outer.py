@@ -46,15 +46,18 @@ class OuterState:
     @torch.no_grad()
     def pseudo_gradient_into(self, views: Sequence[torch.Tensor]) -> None:
         """Writes Δ = θ_global − θ_local into preallocated fp32 CPU ``views`` (one pass per tensor)."""
-        on_device = False
+        devices = set()
         for view, p in zip(views, self.params, strict=True):
             local = p.detach()
             if local.device.type == "cpu" and local.dtype == torch.float32:
                 continue
             view.copy_(local.reshape(view.shape), non_blocking=True)  # to (pinned) host memory
-            on_device |= local.device.type == "cuda"
-        if on_device:
-            torch.cuda.current_stream().synchronize()
+            devices.add(local.device)
+        for device in devices:  # the asynchronous copies must have landed before we read them
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            elif device.type != "cpu" and hasattr(torch, device.type):
+                getattr(torch, device.type).synchronize()
         for view, g, p in zip(views, self.global_params, self.params):
             local = p.detach()
             if local.device.type == "cpu" and local.dtype == torch.float32:
@@ -130,5 +133,11 @@ def validate_optimizer_state(state: dict, params: Sequence[torch.Tensor]) -> Non
         if not isinstance(index, int) or not 0 <= index < len(params) or not isinstance(entry, dict):
             raise ValueError(f"outer optimizer state has an unexpected entry {index!r}")
         for name, value in entry.items():
-            if isinstance(value, torch.Tensor) and value.dim() > 0:
-                validate_tensors([value], [params[index]], f"outer optimizer state[{index}].{name}")
+            where = f"outer optimizer state[{index}].{name}"
+            if name == "step":  # the one scalar entry torch's optimizers keep per parameter
+                if not (isinstance(value, (int, float)) or (isinstance(value, torch.Tensor) and value.numel() == 1)):
+                    raise ValueError(f"{where}: expected a scalar")
+            elif isinstance(value, torch.Tensor):
+                validate_tensors([value], [params[index]], where)  # e.g. a momentum buffer: the parameter's shape
+            elif value is not None:
+                raise ValueError(f"{where}: unexpected {type(value).__name__}")

@@ -599,3 +599,70 @@ def test_shareable_state_carries_global_weights_not_inner_state():
         assert torch.equal(p.detach(), g.detach())
     with pytest.raises(ValueError, match="missing"):
         joiner.load_shareable_state({"outer": state["outer"]})
+
+
+def _poisoned(state, how):
+    bad = copy.deepcopy(state)
+    if how == "scalar-momentum":
+        for entry in bad["outer"]["optimizer"]["state"].values():
+            entry["momentum_buffer"] = torch.tensor(1.0)
+    elif how == "no-outer-fields":
+        bad["outer"] = {}
+    elif how == "string-in-state":
+        next(iter(bad["outer"]["optimizer"]["state"].values()))["momentum_buffer"] = "x"
+    elif how == "nan-weights":
+        bad["outer"]["global_params"][0] = torch.full_like(bad["outer"]["global_params"][0], float("nan"))
+    return bad
+
+
+@pytest.mark.parametrize("how", ["scalar-momentum", "no-outer-fields", "string-in-state", "nan-weights"])
+def test_a_poisoned_peer_state_is_refused_and_changes_nothing(how):
+    model, opt, sched = _make()
+    _steps(model, opt, sched, 0, 12)
+    state = opt.shareable_state()
+    joiner_model, joiner, _ = _make(seed=7)
+    before = (joiner.global_hash(), joiner.outer_step, [p.detach().clone() for p in joiner_model.parameters()])
+    with pytest.raises((ValueError, KeyError, TypeError)):
+        joiner.load_shareable_state(_poisoned(state, how))
+    assert (joiner.global_hash(), joiner.outer_step) == before[:2]
+    assert all(torch.equal(p.detach(), q) for p, q in zip(joiner_model.parameters(), before[2]))
+
+
+def test_peer_state_behind_the_group_or_with_another_hash_is_refused():
+    model, opt, sched = _make()
+    _steps(model, opt, sched, 0, 12)  # outer step 2
+    state = opt.shareable_state()
+    _, joiner, _ = _make(seed=7)
+    with pytest.raises(ValueError, match="not yet 3"):
+        joiner.load_shareable_state(copy.deepcopy(state), min_outer_step=3)
+    with pytest.raises(ValueError, match="majority"):
+        joiner.load_shareable_state(copy.deepcopy(state), expected_hash="0" * 16)
+    joiner.load_shareable_state(copy.deepcopy(state), min_outer_step=2, expected_hash=opt.global_hash())
+    assert joiner.global_hash() == opt.global_hash()
+
+
+class PoisonDonor(SingleWorker):
+    """A communicator whose group is ahead and whose only donor serves a broken state."""
+
+    def __init__(self, state):
+        super().__init__()
+        self.state = state
+
+    def start(self, flat, *, weight, key, out=None):
+        from opendiloco.errors import BehindError
+
+        return CompletedWork(error=BehindError("peers are ahead", group_outer_step=0))
+
+    def download_state(self, timeout, **bounds):
+        return self.state
+
+
+def test_catching_up_from_a_broken_state_is_a_failed_round_not_a_crash():
+    model, opt, sched = _make()
+    _steps(model, opt, sched, 0, 12)
+    bad = _poisoned(opt.shareable_state(), "no-outer-fields")
+    model2 = mlp()
+    victim = DiLoCoOptimizer(model2.parameters(), local_steps=2, inner_optimizer=ADAMW, communicator=PoisonDonor(bad))
+    h0 = victim.global_hash()
+    report = victim.sync()
+    assert not report.ok and "could not catch up" in report.reason and victim.global_hash() == h0

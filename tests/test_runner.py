@@ -428,3 +428,28 @@ def test_an_averaged_part_keeps_its_bytes_while_later_parts_are_reduced(codec):
                 first_seen[done] = bytes(r.results[done])
     assert sorted(first_seen) == list(range(5))
     assert all(bytes(r.results[i]) == first_seen[i] for i in range(5))
+
+
+def test_an_outsider_naming_the_round_is_refused_and_cannot_break_it():
+    """z knows the group id (it can be computed from public records) and contributes: refused, round unharmed."""
+
+    async def scenario():
+        net = MemoryNetwork(wait_for_group=5.0)
+        for m in ("a", "b"):
+            net.add(m)
+        group = Group("g", ("a", "b"), RoundKey(0))
+        codec = get_codec("fp16")
+        runners = [RoundRunner(group, m, torch.randn(N), 1.0, codec, part_numel=PART, timeout=10) for m in "ab"]
+        for m, r in zip("ab", runners):
+            await net.rounds[m].register(r)
+        intruder = await net.connector("z")("a")
+        await intruder.send(Code.CONTRIBUTE, {**OPENING, "sender": "z"})
+        refusal = await read_refusal(intruder)
+        outcomes = await asyncio.gather(*[r.run(net.connector(m)) for m, r in zip("ab", runners)],
+                                        return_exceptions=True)
+        return refusal, outcomes
+
+    refusal, outcomes = run(scenario())
+    assert isinstance(refusal, Refused) and "not a member" in str(refusal)
+    assert all(not isinstance(o, Exception) for o in outcomes), outcomes
+    assert torch.equal(outcomes[0].flat, outcomes[1].flat)

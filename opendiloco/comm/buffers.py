@@ -54,11 +54,3 @@ class FlatBuffer:
             pin = any(t.device.type == "cuda" for t in like) and torch.cuda.is_available()
         self.flat = torch.empty(self.numel, dtype=torch.float32, pin_memory=bool(pin))
         self.views = unflatten(self.flat, like)
-
-    def fill_from(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-        """Copies ``tensors`` (any device or float dtype) into the buffer; returns the flat vector."""
-        for view, t in zip(self.views, tensors, strict=True):
-            view.copy_(t.detach().reshape(view.shape), non_blocking=True)
-        if any(t.device.type == "cuda" for t in tensors):
-            torch.cuda.current_stream().synchronize()
-        return self.flat

@@ -122,9 +122,10 @@ class ShardReducer:
         self.weights[member] = float(weight)
         self._next_part[member] = 0
         if len(self.weights) == len(self.members):
-            self.total_weight = sum(self.weights[m] for m in self.members)
-            if self.total_weight <= 0:
+            total = sum(self.weights[m] for m in self.members)
+            if total <= 0:
                 raise AveragingError("every member of the group contributed weight 0")
+            self.total_weight = total
 
     def add_part(self, member: str, index, payload) -> list[int]:
         if member not in self.weights:
@@ -182,6 +183,8 @@ class RoundRunner:
                  timeout: float = 60.0, confirm_timeout: float = 5.0):
         if me not in group.members:
             raise ValueError("this worker is not a member of the group")
+        if not isinstance(part_numel, int) or part_numel < 1:
+            raise ValueError(f"part_numel must be a positive int, got {part_numel!r}")
         self.group, self.me, self.codec = group, me, codec
         self.members = group.members
         self.my_index = self.members.index(me)
@@ -259,8 +262,7 @@ class RoundRunner:
                     await stream.send(Code.PART, {"i": i}, payload)
                     self.bytes_sent += len(payload) if not isinstance(payload, memoryview) else payload.nbytes
 
-            sender = asyncio.create_task(send_parts())
-            try:
+            async def receive_results():
                 first = await stream.recv(max_payload=0, expect=Code.RESULT)
                 total = meta_field(first.meta, "total_weight", (int, float))
                 if not (math.isfinite(total) and 0 < total <= MAX_WEIGHT * len(self.members)):
@@ -278,10 +280,20 @@ class RoundRunner:
                 end = await stream.recv(max_payload=0, expect=Code.RESULT_END)
                 if meta_field(end.meta, "digest", str) != hasher.hexdigest():
                     raise ProtocolError("averaged shard does not match its digest")
+                return hasher.hexdigest(), float(total)
+
+            sender, receiver = asyncio.create_task(send_parts()), asyncio.create_task(receive_results())
+            try:  # either side failing ends the exchange at once
+                done, _ = await asyncio.wait({sender, receiver}, return_when=asyncio.FIRST_EXCEPTION)
+                for task in done:
+                    if task.exception() is not None:
+                        raise task.exception()
                 await sender
+                digest, total = await receiver
             finally:
                 sender.cancel()
-            self._shard_digests[j], self._shard_totals[j] = hasher.hexdigest(), float(total)
+                receiver.cancel()
+            self._shard_digests[j], self._shard_totals[j] = digest, total
             self._confirm_streams[j], stream = stream, None  # kept open for our CONFIRM
         except (ProtocolError, OSError, ConnectionError) as e:
             raise PeerFailure(f"exchange with {peer[-8:]}: {e}", {peer}) from None
@@ -358,8 +370,9 @@ class RoundRunner:
             for i in range(len(self.reducer.parts)):
                 frame = await self._unless_failed(stream.recv(max_payload=self.reducer.part_bytes(i), expect=Code.PART))
                 await self._add_part(sender, meta_field(frame.meta, "i", int), frame.payload)
-            await writer
-            confirm = await self._unless_failed(stream.recv(max_payload=0, expect=Code.CONFIRM))
+            await self._unless_failed(writer)
+            confirm = await self._unless_failed(asyncio.wait_for(stream.recv(max_payload=0, expect=Code.CONFIRM),
+                                                                 self.timeout + self.confirm_timeout))
             async with self._changed:
                 self._confirms[sender] = meta_field(confirm.meta, "digest", str)
                 self._changed.notify_all()
@@ -415,10 +428,12 @@ class RoundRunner:
             await asyncio.wait({task, failed}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             failed.cancel()
-        if not task.done():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+            if not task.done():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+        if task.cancelled():
             self._raise_if_failed()
+            raise AveragingError("round cancelled")
         return task.result()
 
     def _raise_if_failed(self) -> None:
@@ -480,12 +495,19 @@ class Rounds:
             if meta_field(opening.meta, "sender", str) != stream.remote:
                 raise ProtocolError("sender field does not match the authenticated peer id")
             runner = await self._find(group_id)
+            if stream.remote not in runner.members or stream.remote == runner.me:
+                # Refused without failing the round: an outsider must not be able to break it.
+                raise ProtocolError(f"{stream.remote[-8:]} is not a member of round {group_id}")
         except Exception as e:
             log.warning("refused a stream from %s: %s", stream.remote[-8:], e)
             await stream.refuse(str(e) if isinstance(e, AveragingError) else f"{type(e).__name__}")
             stream.close()
             return
-        await runner.serve(stream, opening.meta)
+        try:  # a handler never outlives its round, whatever the peer does
+            await asyncio.wait_for(runner.serve(stream, opening.meta), runner.timeout + runner.confirm_timeout)
+        except asyncio.TimeoutError:
+            log.debug("contribution stream from %s outlived its round", stream.remote[-8:])
+            stream.close()
 
     async def _find(self, group_id: str) -> RoundRunner:
         if group_id in self._finished:

@@ -85,6 +85,8 @@ class SwarmCommunicator(Communicator):
         self.settings = s = settings or SwarmSettings()
         if s.min_group_size < 1:
             raise ValueError("min_group_size must be >= 1")
+        if not isinstance(s.part_numel, int) or s.part_numel < 1024 or s.part_numel % 1024:
+            raise ValueError("part_numel must be a positive multiple of 1024 (every codec's block)")
         self.codec = get_codec(s.compression)
         self._own_dht = own_dht
         self._peer_id = dht.peer_id.to_base58()
@@ -103,8 +105,8 @@ class SwarmCommunicator(Communicator):
         self.matchmaker = Matchmaker(dht, self.presence, MatchmakingSettings(
             run_id=s.run_id, min_group_size=s.min_group_size, matchmaking_timeout=s.matchmaking_timeout,
             straggler_wait=s.straggler_wait, record_ttl=s.matchmaking_timeout + s.allreduce_timeout,
-            poll_interval=s.poll_interval), self.codec.name, self._interrupted, doorbell=self.doorbell,
-            ring_members=self._ring_members)
+            poll_interval=s.poll_interval, part_numel=s.part_numel), self.codec.name, self._interrupted,
+            doorbell=self.doorbell, ring_members=self._ring_members)
 
     @classmethod
     def from_config(cls, cfg, run_dir: str | None = None) -> SwarmCommunicator:

@@ -34,6 +34,8 @@ class MatchmakingSettings:
     record_ttl: float = 60.0
     """How long announcements and published groups stay in the DHT."""
     poll_interval: float = 0.02
+    part_numel: int = 1 << 18
+    """Values per streamed part: members must agree on it (it is part of the announcement)."""
 
 
 class Doorbell:
@@ -56,8 +58,11 @@ class Doorbell:
             self._cond.notify_all()
 
     def wait(self, key: str, attempt: int, timeout: float) -> bool:
+        """True if rung for (key, attempt) within ``timeout``; a ring wakes one wait only."""
         with self._cond:
-            return self._cond.wait_for(lambda: (key, attempt) in self._rung, timeout)
+            rung = self._cond.wait_for(lambda: (key, attempt) in self._rung, timeout)
+            self._rung.pop((key, attempt), None)
+            return rung
 
 
 class Matchmaker:
@@ -89,11 +94,11 @@ class Matchmaker:
                      if isinstance(v, dict) and type(v.get("attempt")) is int}
             attempt = max([attempt] + [v["attempt"] for v in ready.values()])
             if announced != attempt:
-                value = {"attempt": attempt, "numel": numel, "codec": self.codec_name}
+                value = {"attempt": attempt, "numel": numel, "codec": self.codec_name, "part": s.part_numel}
                 records.store(self.dht, announce_key, value, get_dht_time() + s.record_ttl, subkey=me)
                 ready[me], announced = value, attempt
-            compatible = {p for p, v in ready.items() if v.get("attempt") == attempt
-                          and v.get("numel") == numel and v.get("codec") == self.codec_name}
+            compatible = {p for p, v in ready.items() if v.get("attempt") == attempt and v.get("numel") == numel
+                          and v.get("codec") == self.codec_name and v.get("part") == s.part_numel}
             expected = ({p for p, r in workers.items() if r.outer_step == key.outer_step} - set(suspects)) | {me}
             waited = time.monotonic() - t0
             if len(compatible) >= s.min_group_size and (expected <= compatible or waited >= s.straggler_wait):
@@ -114,10 +119,13 @@ class Matchmaker:
         polls = 0
         while True:
             # A group already closed for this round wins over our own view of who is ready.
-            published = {p: m for p, m in records.subkey_values(self.dht, gkey).items()
-                         if isinstance(m, list) and all(isinstance(x, str) for x in m) and live & set(m)}
+            # A group counts if its publisher leads it (the smallest member id), its members are
+            # distinct, and some of them are alive.
+            published = {p: tuple(sorted(set(m))) for p, m in records.subkey_values(self.dht, gkey).items()
+                         if isinstance(m, list) and m and all(isinstance(x, str) for x in m)
+                         and len(set(m)) == len(m) and p == min(m) and live & set(m)}
             if published:
-                members = tuple(sorted(published[min(published)]))
+                members = published[min(published)]
                 if me in members:
                     return Group(make_group_id(s.run_id, key, attempt, members), members, key)
                 raise BehindError(f"left out of the group for round {key}", group_outer_step=key.outer_step + 1)

@@ -24,6 +24,9 @@ log = logging.getLogger(__name__)
 
 CHUNK_BYTES = 1 << 20
 MAX_CONCURRENT_SERVES = 2
+SEND_TIMEOUT_BASE = 30.0
+MIN_RATE_BYTES_PER_S = 1 << 20
+"""A requester reading slower than 1 MiB/s (plus 30 s) is dropped."""
 
 
 def _digest(payload) -> str:
@@ -49,20 +52,31 @@ class StateServer:
             if self.provider is None:
                 raise ProtocolError("this worker has no state to share yet")
             async with self._slots:
-                state = await asyncio.get_running_loop().run_in_executor(None, self.provider)
-                if isinstance(min_step, int) and state["outer_step"] < min_step:
-                    raise ProtocolError(f"at outer step {state['outer_step']}, not yet {min_step}")
-                buf = io.BytesIO()
-                torch.save(state, buf)
-                payload = buf.getbuffer()
-                await stream.send(Code.STATE, {"size": payload.nbytes, "outer_step": state["outer_step"],
-                                               "digest": _digest(payload)})
-                for i in range(0, payload.nbytes, CHUNK_BYTES):
-                    await stream.send(Code.STATE_PART, None, payload[i : i + CHUNK_BYTES])
+                loop = asyncio.get_running_loop()
+                outer_step, payload, digest = await loop.run_in_executor(None, self._serialize)
+                if isinstance(min_step, int) and outer_step < min_step:
+                    raise ProtocolError(f"at outer step {outer_step}, not yet {min_step}")
+
+                async def send():
+                    await stream.send(Code.STATE, {"size": payload.nbytes, "outer_step": outer_step,
+                                                   "digest": digest})
+                    for i in range(0, payload.nbytes, CHUNK_BYTES):
+                        await stream.send(Code.STATE_PART, None, payload[i : i + CHUNK_BYTES])
+
+                # A requester that stops reading must not hold a slot for ever.
+                await asyncio.wait_for(send(), SEND_TIMEOUT_BASE + payload.nbytes / MIN_RATE_BYTES_PER_S)
         except Exception as e:
             await stream.refuse(str(e) if isinstance(e, ProtocolError) else type(e).__name__)
         finally:
             stream.close()
+
+    def _serialize(self) -> tuple[int, memoryview, str]:
+        """The provider's state as bytes with its digest (runs on an executor thread, off the event loop)."""
+        state = self.provider()
+        buf = io.BytesIO()
+        torch.save(state, buf)
+        payload = buf.getbuffer()
+        return state["outer_step"], payload, _digest(payload)
 
 
 async def fetch_state(streams: P2PStreams, peer: str, min_outer_step: int | None, max_bytes: int) -> dict:
@@ -80,11 +94,15 @@ async def fetch_state(streams: P2PStreams, peer: str, min_outer_step: int | None
             if not frame.payload:
                 raise ProtocolError("empty state part")
             payload += frame.payload
-        if _digest(payload) != head.meta.get("digest"):
+        if await asyncio.get_running_loop().run_in_executor(None, _digest, payload) != head.meta.get("digest"):
             raise ProtocolError("state does not match its digest")
     finally:
         stream.close()
-    state = torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
+    state = await asyncio.get_running_loop().run_in_executor(None, _load, payload)
     if not isinstance(state, dict):
         raise ProtocolError("state is not a dict")
     return state
+
+
+def _load(payload: bytearray):
+    return torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
