@@ -176,7 +176,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         """This worker's flat [pseudo-gradients, buffers] in a reused fp32 buffer, its weight, and finiteness."""
         if self._buffer is None:  # allocated once: later rounds write into pages already in memory
             like = self.outer.params + self.outer.buffers
-            self._buffer = FlatBuffer(like, pin=any(p.is_cuda for p in self.outer.params) and torch.cuda.is_available())
+            self._buffer = FlatBuffer(like)  # pinned when the model is on CUDA
             self._result = FlatBuffer(like, pin=False)
         n = self.outer.num_params
         self.outer.pseudo_gradient_into(self._buffer.views[:n])

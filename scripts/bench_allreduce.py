@@ -51,11 +51,12 @@ CODECS = {"none": ("float32", 4), "fp16": ("float16", 2)}  # codec -> (gloo dtyp
 
 # -- process bookkeeping (by PID only) --------------------------------------------------------------
 
-def rss_bytes(pid: int) -> int:
+def status_bytes(pid: int | str = "self", field: str = "VmRSS") -> int:
+    """A memory field of /proc/PID/status (VmRSS, VmHWM...) in bytes; 0 for a process that is gone."""
     try:
         with open(f"/proc/{pid}/status") as f:
             for line in f:
-                if line.startswith("VmRSS:"):
+                if line.startswith(field + ":"):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
@@ -91,7 +92,7 @@ class Group(ProcessGroup):
     def _sample(self) -> None:
         while self._sampling:
             pids = self.track()
-            self.peak_rss = max(self.peak_rss, sum(rss_bytes(p) for p in pids))
+            self.peak_rss = max(self.peak_rss, sum(status_bytes(p) for p in pids))
             if mem_available() < 2**30:  # stop before the OOM killer picks a victim
                 print("less than 1 GiB of memory left: stopping this measurement", file=sys.stderr, flush=True)
                 for proc in list(self.procs):
@@ -105,14 +106,6 @@ class Group(ProcessGroup):
 
 
 # -- the OpenDiLoCo peer -------------------------------------------------------------------------------
-
-def _rss(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    return 0
-
 
 def _reset_peak_rss() -> bool:
     try:
@@ -167,12 +160,12 @@ def run_peer(args) -> int:
                 import gc
 
                 gc.collect()
-                before = _rss("VmRSS")
+                before = status_bytes()
                 peak_ok = _reset_peak_rss()
                 t0 = time.time()
                 result = comm.start(vec, weight=1.0, key=RoundKey(step), out=averaged).wait()
                 t1 = time.time()
-                peak = _rss("VmHWM") if peak_ok else 0
+                peak = status_bytes(field="VmHWM") if peak_ok else 0
                 step += 1
                 enter, leave, py_cpu, p2pd_cpu = comm.marks[-1]
                 got, digest, group = result.flat, result.extra.get("digest"), len(result.peers)

@@ -25,7 +25,7 @@ import logging
 import math
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -34,7 +34,7 @@ from ..fingerprint import new_hasher
 from .base import RoundKey
 from .buffers import all_finite
 from .compression import Codec
-from .wire import ByteStream, Code, Refused, StreamClosed
+from .wire import ByteStream, Code, Refused, StreamClosed, payload_size
 from .wire import field as meta_field
 
 log = logging.getLogger(__name__)
@@ -260,7 +260,7 @@ class RoundRunner:
                 for i, (pa, pb) in enumerate(parts):
                     payload = self.codec.to_bytes(self.flat[a + pa : a + pb])
                     await stream.send(Code.PART, {"i": i}, payload)
-                    self.bytes_sent += len(payload) if not isinstance(payload, memoryview) else payload.nbytes
+                    self.bytes_sent += payload_size(payload)
 
             async def receive_results():
                 first = await stream.recv(max_payload=0, expect=Code.RESULT)
@@ -397,7 +397,7 @@ class RoundRunner:
         for i in range(len(self.reducer.parts)):
             payload = await self._result(i)
             await stream.send(Code.RESULT_PART, {"i": i}, payload)
-            self.bytes_sent += payload.nbytes if isinstance(payload, memoryview) else len(payload)
+            self.bytes_sent += payload_size(payload)
         await stream.send(Code.RESULT_END, {"digest": self.reducer.digest})
 
     # -- shared state ----------------------------------------------------------------------------------
@@ -456,7 +456,6 @@ class RoundRunner:
             stream.close()
 
 
-@dataclass
 class Rounds:
     """The rounds this worker is in, by group id, so that incoming streams find theirs.
 
@@ -465,21 +464,16 @@ class Rounds:
     earlier round is refused at once.
     """
 
-    wait_for_group: float = 10.0
-    remember: int = 1024
-    _active: dict[str, RoundRunner] = field(default_factory=dict)
-    _finished: collections.OrderedDict = field(default_factory=collections.OrderedDict)
-    _registered: asyncio.Condition | None = None
-
-    def _condition(self) -> asyncio.Condition:
-        if self._registered is None:
-            self._registered = asyncio.Condition()
-        return self._registered
+    def __init__(self, wait_for_group: float = 10.0, remember: int = 1024):
+        self.wait_for_group, self.remember = wait_for_group, remember
+        self._active: dict[str, RoundRunner] = {}
+        self._finished: collections.OrderedDict = collections.OrderedDict()
+        self._registered = asyncio.Condition()
 
     async def register(self, runner: RoundRunner) -> None:
-        async with self._condition():
+        async with self._registered:
             self._active[runner.group.group_id] = runner
-            self._condition().notify_all()
+            self._registered.notify_all()
 
     def finish(self, group_id: str) -> None:
         self._active.pop(group_id, None)
@@ -512,7 +506,7 @@ class Rounds:
     async def _find(self, group_id: str) -> RoundRunner:
         if group_id in self._finished:
             raise ProtocolError(f"round {group_id} is already finished")
-        cond = self._condition()
+        cond = self._registered
         async with cond:
             try:
                 await asyncio.wait_for(cond.wait_for(lambda: group_id in self._active or group_id in self._finished),

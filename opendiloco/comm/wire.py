@@ -63,6 +63,11 @@ class Frame:
     payload: bytes = b""
 
 
+def payload_size(payload) -> int:
+    """Bytes in a payload, whether ``bytes`` or a (possibly multi-byte-item) memoryview."""
+    return payload.nbytes if isinstance(payload, memoryview) else len(payload)
+
+
 def encode_frame_prefix(code: Code, meta: dict | None, payload_len: int) -> bytes:
     raw = msgpack.packb(meta, use_bin_type=True) if meta else b""
     if len(raw) > MAX_META_BYTES:
@@ -82,7 +87,7 @@ class ByteStream:
         self.bytes_sent = 0
 
     async def send(self, code: Code, meta: dict | None = None, payload=b"") -> None:
-        payload_len = len(payload) if not isinstance(payload, memoryview) else payload.nbytes
+        payload_len = payload_size(payload)
         self.writer.write(encode_frame_prefix(code, meta, payload_len))
         if payload_len:
             self.writer.write(payload)
