@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import functools
 import logging
+import math
 import threading
 import time
 from dataclasses import dataclass, field
@@ -16,6 +17,7 @@ from .comm.buffers import FlatBuffer, all_finite, unflatten
 from .comm.local import SingleWorker
 from .errors import AveragingError, BehindError, DriftError
 from .outer import OptimizerFactory, OuterState, tensors_hash, validate_tensors
+from .pacing import PACES, Pace, round_due, seconds_to_target
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +39,14 @@ class SyncReport:
     """Seconds of the whole outer step, as seen by the training loop (``allreduce_s`` plus local work)."""
     global_hash: str = ""
     reason: str = ""
+    steps: int = 0
+    """Inner steps this worker took in the round (since its previous round)."""
+    contributed_steps: int = 0
+    """Inner steps whose work entered this average (carried-over steps of earlier rounds included)."""
+    dropped_steps: int = 0
+    """Inner steps thrown away at this outer step (left out under ``pace="fixed"``, healed drift, NaN)."""
+    weight: float = 0.0
+    """The weight this worker's contribution carried."""
     extra: dict = field(default_factory=dict)
 
 
@@ -47,6 +57,13 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
     schedulers drive the inner lr, and ``GradScaler`` can skip a step (a skipped step does not
     count towards ``local_steps``). Pass ``module=`` to also average the module's floating
     buffers (e.g. BatchNorm running statistics) at each outer step.
+
+    ``pace`` decides when a round is due (see ``opendiloco.pacing``): ``"fixed"`` (default,
+    reproducible) takes exactly ``local_steps`` inner steps; ``"swarm"`` closes the round when
+    the group has done ``local_steps`` steps' worth of work per member, so workers of different
+    speed stop together and each contributes what it did, weighted by its samples (or steps).
+    Under ``"swarm"``, a worker left out of a round keeps its local work and adds it to the next
+    round instead of throwing it away.
     """
 
     def __init__(
@@ -60,9 +77,12 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         module: torch.nn.Module | None = None,
         weight_by_samples: bool = False,
         catch_up_timeout: float = 60.0,
+        pace: str = "fixed",
     ):
         if not isinstance(local_steps, int) or isinstance(local_steps, bool) or local_steps < 1:
             raise ValueError(f"local_steps must be a positive integer, got {local_steps!r}")
+        if pace not in PACES:
+            raise ValueError(f"pace must be one of {PACES}, got {pace!r}")
         params = list(params) if not isinstance(params, torch.Tensor) else [params]
         if not params:
             raise ValueError("DiLoCoOptimizer got an empty parameter list")
@@ -77,7 +97,8 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         self.outer = OuterState(trainable, buffers, outer_optimizer)
         self.local_steps = local_steps
         self.communicator = communicator if communicator is not None else SingleWorker()
-        self.weight_by_samples = weight_by_samples
+        self.weight_by_samples = weight_by_samples or pace == "swarm"
+        self.pace = pace
         self.catch_up_timeout = catch_up_timeout
         # Held while θ_global changes, so state served to a joiner from another thread is never torn.
         self._state_lock = threading.RLock()
@@ -86,6 +107,18 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         self._outer_step = 0
         self._inner_steps_total = 0
         self._samples_since_sync = 0
+        self._step_samples = 0
+        self._round_work = 0.0
+        """Work (samples, or steps where none are counted) in θ_local that no average holds yet."""
+        self._pace_work = 0.0
+        """Work since the last round attempt: what the pacing rule counts."""
+        self._work_per_step = 0.0
+        self._step_s = 0.0
+        """Moving average of the seconds between two inner steps (outer steps left out)."""
+        self._last_step_end: float | None = None
+        self._uncommitted_steps = 0
+        self._contributed_steps = 0
+        self._dropped_steps = 0
         self.last_sync: SyncReport | None = None
         self._buffer: FlatBuffer | None = None
         """This worker's contribution: [pseudo-gradients, buffers], flat fp32 (pinned for CUDA models)."""
@@ -107,11 +140,34 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
 
     @property
     def inner_steps_total(self) -> int:
+        """Inner steps this worker has taken (or adopted from a peer when it joined)."""
         return self._inner_steps_total
 
+    @property
+    def schedule_step(self) -> int:
+        """Where the run stands, for learning-rate schedules and for when to stop: the same on
+        every worker of a swarm. ``inner_steps_total`` under ``pace="fixed"``; under ``"swarm"``
+        (where a fast worker takes more inner steps than a slow one) ``local_steps`` per outer
+        step plus this round's steps, capped below ``local_steps``: only the outer step itself
+        completes a round, so a run that ends at a multiple of ``local_steps`` ends on one."""
+        if self.pace == "fixed":
+            return self._inner_steps_total
+        return self._outer_step * self.local_steps + min(self._local_step, self.local_steps - 1)
+
+    @property
+    def contributed_steps(self) -> int:
+        """Inner steps of this worker whose work entered an average."""
+        return self._contributed_steps
+
+    @property
+    def dropped_steps(self) -> int:
+        """Inner steps of this worker that were thrown away (and why is in each ``SyncReport``)."""
+        return self._dropped_steps
+
     def count_samples(self, n: int) -> None:
-        """Tells the optimizer how many samples the last inner step saw (for weighted averaging)."""
+        """Tells the optimizer how many samples the coming inner step sees (for weighting and pacing)."""
         self._samples_since_sync += int(n)
+        self._step_samples += int(n)
 
     def global_hash(self) -> str:
         """Short hash of θ_global's exact bytes (cached; recomputed after each change)."""
@@ -130,16 +186,59 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
 
     def step(self, closure=None):
         loss = self.inner.step(closure)
+        now = time.perf_counter()
+        if self._last_step_end is not None:
+            dt = now - self._last_step_end
+            self._step_s = dt if self._step_s == 0 else 0.7 * self._step_s + 0.3 * dt
+        work = float(self._step_samples) if self._step_samples > 0 else 1.0
+        self._step_samples = 0
+        self._work_per_step = work if self._work_per_step == 0 else 0.7 * self._work_per_step + 0.3 * work
         self._local_step += 1
         self._inner_steps_total += 1
-        if self._local_step >= self.local_steps:
+        self._uncommitted_steps += 1
+        self._round_work += work
+        self._pace_work += work
+        if self._round_due():
             self.sync()
+            self._last_step_end = None  # the next interval holds whatever the loop does after a sync
+        else:
+            self._publish_pace()
+            self._last_step_end = now
         return loss
+
+    # -- pacing ------------------------------------------------------------------------------
+    def _own_pace(self, ready: bool = False) -> Pace:
+        rate = self._work_per_step / self._step_s if self._step_s > 0 else 0.0
+        return Pace(work=self._pace_work, rate=rate, per_step=self._work_per_step, time=time.time(), ready=ready)
+
+    def _round_due(self) -> bool:
+        if self.pace == "fixed":
+            return self._local_step >= self.local_steps
+        return round_due(self._own_pace(), self.communicator.peer_paces(self._outer_step), self.local_steps,
+                         own_step_s=self._step_s, local_step=self._local_step)
+
+    def _seconds_to_round(self) -> float:
+        fixed = max(0, self.local_steps - self._local_step) * self._step_s
+        if self.pace == "fixed":
+            return fixed
+        eta = seconds_to_target(self._own_pace(), self.communicator.peer_paces(self._outer_step), self.local_steps)
+        return eta if math.isfinite(eta) else fixed
+
+    def _publish_pace(self, ready: bool = False) -> None:
+        """Tells the swarm how far this worker is in its round and when it expects to enter it."""
+        pace = self._own_pace()
+        self.communicator.report_progress(
+            round_work=pace.work, work_rate=pace.rate, work_per_step=pace.per_step, ready=ready,
+            ready_in=0.0 if ready else self._seconds_to_round(),
+            steps_per_s=1 / self._step_s if self._step_s > 0 else 0.0,
+            contributed_steps=self._contributed_steps, dropped_steps=self._dropped_steps)
 
     # -- the outer step ----------------------------------------------------------------------
     def sync(self) -> SyncReport:
         """Averages pseudo-gradients with the group and applies one outer step (called by ``step``)."""
         began = time.perf_counter()
+        steps = self._local_step
+        self._publish_pace(ready=True)  # peers pacing themselves stop counting on our work growing
         flat, weight, own_finite = self._contribution()
         start = time.perf_counter()
         try:
@@ -153,7 +252,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
             if not all_finite(averaged):
                 raise AveragingError("the averaged pseudo-gradient is not finite; refused")
         except BehindError as e:
-            report = self._catch_up(e, time.perf_counter() - start)
+            report = self._catch_up(e, time.perf_counter() - start, own_finite)
         except AveragingError as e:
             report = self._round_failed(str(e), time.perf_counter() - start, own_finite)
         else:
@@ -162,12 +261,17 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
             with self._state_lock:
                 self.outer.apply(views[:n], views[n:])
                 self._outer_step += 1
-            self._global_changed()
             report = SyncReport(self._outer_step, True, group_size=result.group_size, peers=result.peers,
-                                allreduce_s=communicator_s, global_hash=self.global_hash(),
+                                allreduce_s=communicator_s, contributed_steps=self._uncommitted_steps,
                                 extra=result.extra)
+            self._contributed_steps += self._uncommitted_steps
+            self._uncommitted_steps, self._round_work, self._samples_since_sync = 0, 0.0, 0
+            self._global_changed()
+            report.global_hash = self.global_hash()
+        report.steps, report.weight = steps, weight
         self._local_step = 0
-        self._samples_since_sync = 0
+        self._pace_work = 0.0
+        self._publish_pace()
         report.seconds = time.perf_counter() - began
         self.last_sync = report
         return report
@@ -182,7 +286,10 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         self.outer.pseudo_gradient_into(self._buffer.views[:n])
         self.outer.buffer_values_into(self._buffer.views[n:])
         flat = self._buffer.flat
-        weight = float(self._samples_since_sync) if self.weight_by_samples else 1.0
+        if self.pace == "swarm":
+            weight = self._round_work
+        else:
+            weight = float(self._samples_since_sync) if self.weight_by_samples else 1.0
         own_finite = all_finite(flat)
         if not own_finite:
             log.warning("outer step %d: own pseudo-gradient is not finite; contributing zeros with weight 0",
@@ -192,13 +299,23 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         return flat, weight, own_finite
 
     def _round_failed(self, reason: str, seconds: float, own_finite: bool) -> SyncReport:
+        """θ_global stays; the local work stays too (the next round's pseudo-gradient holds it),
+        unless it is not finite."""
         log.warning("outer step %d failed, θ_global kept: %s", self._outer_step, reason)
+        dropped = 0
         if not own_finite:
             self.outer.reset_local()  # local weights are poisoned: start over from θ_global
+            dropped = self._drop_local_work()
         return SyncReport(self._outer_step, False, allreduce_s=seconds, global_hash=self.global_hash(),
-                          reason=reason)
+                          reason=reason, dropped_steps=dropped)
 
-    def _catch_up(self, err: BehindError, seconds: float) -> SyncReport:
+    def _drop_local_work(self) -> int:
+        dropped, self._uncommitted_steps = self._uncommitted_steps, 0
+        self._dropped_steps += dropped
+        self._round_work, self._samples_since_sync = 0.0, 0
+        return dropped
+
+    def _catch_up(self, err: BehindError, seconds: float, own_finite: bool = True) -> SyncReport:
         log.warning("outer step %d: %s; loading state from a peer", self._outer_step, err)
         majority = err.majority_hash if isinstance(err, DriftError) else None
         try:
@@ -208,13 +325,23 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
                 majority_hash=majority)
             if state is None:
                 raise AveragingError("no live peer to download state from")
-            self.load_shareable_state(state, min_outer_step=err.group_outer_step, expected_hash=majority)
+            # Under pace="swarm" a worker that was only late keeps its local work: θ_local restarts
+            # from the new θ_global minus its own pseudo-gradient, which the next round then carries.
+            # Drifted or non-finite local work is never carried.
+            drift = isinstance(err, DriftError)
+            carry = self.pace == "swarm" and not drift and own_finite
+            n = self.outer.num_params
+            keep = [v.clone() for v in self._buffer.views[:n]] if carry else None
+            self.load_shareable_state(state, min_outer_step=err.group_outer_step, expected_hash=majority,
+                                      keep_local=keep)
         except Exception as e:  # a peer's state is input from the network: any defect is a failed catch-up
-            return self._round_failed(f"{err}; could not catch up: {type(e).__name__}: {e}", seconds, True)
-        drift = isinstance(err, DriftError)
+            return self._round_failed(f"{err}; could not catch up: {type(e).__name__}: {e}", seconds, own_finite)
+        dropped = 0 if carry else self._drop_local_work()
+        reason = "healed drift from a peer" if drift else "caught up from a peer"
+        if carry:
+            reason += f", local work of {self._uncommitted_steps} step(s) carried into the next round"
         return SyncReport(self._outer_step, False, allreduce_s=seconds, global_hash=self.global_hash(),
-                          reason="healed drift from a peer" if drift else "caught up from a peer",
-                          extra={"caught_up": True})
+                          reason=reason, dropped_steps=dropped, extra={"caught_up": True, "carried": carry})
 
     # -- state for joiners -------------------------------------------------------------------
     def shareable_state(self) -> dict:
@@ -228,6 +355,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
                 "outer": copy.deepcopy(self.outer.state_dict()),
                 "outer_step": self._outer_step,
                 "inner_steps_total": self._inner_steps_total - self._local_step,
+                "local_step": self._local_step,
                 "buffers": self.outer.buffer_values(),
             }
 
@@ -240,11 +368,16 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def load_shareable_state(self, state: dict, *, min_outer_step: int | None = None,
-                             expected_hash: str | None = None) -> None:
+                             expected_hash: str | None = None, keep_local: list[torch.Tensor] | None = None) -> None:
         """Adopts a peer's θ_global and outer state; local weights restart from θ_global.
 
         Everything is checked before anything changes: fields, counters (at least
         ``min_outer_step``), shapes and dtypes, and θ_global's fingerprint if ``expected_hash``.
+
+        ``keep_local``: this worker's own pseudo-gradient; local weights restart from the new
+        θ_global minus it (the work is carried, not lost), and this worker's counters stay its own.
+        Under ``pace="fixed"`` a worker takes the peer's position in the round (its ``local_step``),
+        so that it reaches the next outer step together with the group instead of holding it up.
         """
         if not isinstance(state, dict) or not {"outer", "outer_step", "inner_steps_total"} <= state.keys():
             raise ValueError("peer state is missing required fields")
@@ -260,15 +393,24 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
             raise ValueError(f"peer state's θ_global is not the majority's {expected_hash}")
         buffers = state.get("buffers", [])
         validate_tensors(buffers, self.outer.buffer_values(), "buffers")
+        peer_local = state.get("local_step", 0)
+        if not isinstance(peer_local, int) or isinstance(peer_local, bool) or peer_local < 0:
+            raise ValueError("peer state has an invalid local_step")
         with self._state_lock:
             self.outer.load_state_dict(state["outer"])
             for b, src in zip(self.outer.buffers, buffers):
                 b.copy_(src)
             self._outer_step = state["outer_step"]
-            self._inner_steps_total = state["inner_steps_total"]
             self._local_step = 0
-            self._samples_since_sync = 0
-            self.outer.reset_local()
+            if keep_local is not None:
+                self.outer.restart_local(keep_local)
+            else:
+                self.outer.reset_local()
+                self._samples_since_sync = 0
+                self._round_work = 0.0
+                self._local_step = min(peer_local, self.local_steps - 1) if self.pace == "fixed" else 0
+                self._inner_steps_total = state["inner_steps_total"] + self._local_step
+            self._pace_work = 0.0
         self._global_changed()
 
     # -- checkpoints -------------------------------------------------------------------------
@@ -281,6 +423,12 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
             "inner_steps_total": self._inner_steps_total,
             "samples_since_sync": self._samples_since_sync,
             "local_steps": self.local_steps,
+            "pace": self.pace,
+            "round_work": self._round_work,
+            "pace_work": self._pace_work,
+            "uncommitted_steps": self._uncommitted_steps,
+            "contributed_steps": self._contributed_steps,
+            "dropped_steps": self._dropped_steps,
         }
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -307,6 +455,11 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         self._outer_step = int(state_dict["outer_step"])
         self._inner_steps_total = int(state_dict["inner_steps_total"])
         self._samples_since_sync = int(state_dict.get("samples_since_sync", 0))
+        self._round_work = float(state_dict.get("round_work", self._samples_since_sync or self._local_step))
+        self._pace_work = float(state_dict.get("pace_work", self._round_work))
+        self._uncommitted_steps = int(state_dict.get("uncommitted_steps", self._local_step))
+        self._contributed_steps = int(state_dict.get("contributed_steps", 0))
+        self._dropped_steps = int(state_dict.get("dropped_steps", 0))
         self._global_changed()  # θ_global was replaced: drop the cached hash
 
     def __repr__(self) -> str:

@@ -91,6 +91,12 @@ class OuterState:
         for p, g in zip(self.params, self.global_params):
             p.copy_(g)
 
+    @torch.no_grad()
+    def restart_local(self, pseudo_gradients: Sequence[torch.Tensor]) -> None:
+        """θ_local := θ_global − Δ: local work measured against an older θ_global, moved onto this one."""
+        for p, g, delta in zip(self.params, self.global_params, pseudo_gradients, strict=True):
+            p.copy_(torch.sub(g, delta.reshape(g.shape)))
+
     def global_hash(self) -> str:
         return tensors_hash(self.global_params)
 

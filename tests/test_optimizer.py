@@ -587,13 +587,15 @@ def test_shareable_state_carries_global_weights_not_inner_state():
     model, opt, sched = _make()
     _steps(model, opt, sched, 0, 12)  # two outer steps, two inner steps into the third round
     state = opt.shareable_state()
-    # The step count θ_global stands for (the last outer step), not the peer's local progress: a joiner
-    # then takes exactly local_steps inner steps before its first outer step.
+    # The step count θ_global stands for (the last outer step) and the peer's position in the round:
+    # a joiner takes the group's position, so it reaches the next outer step with the group (3 more
+    # inner steps here) instead of making it wait for a whole round of its own.
     assert "inner" not in state and state["outer_step"] == 2 and state["inner_steps_total"] == 10
+    assert state["local_step"] == 2
     joiner_model, joiner, _ = _make(seed=7)
     joiner.load_shareable_state(copy.deepcopy(state))
-    assert joiner.global_hash() == opt.global_hash() and joiner.outer_step == 2 and joiner.local_step == 0
-    assert joiner.inner_steps_total == 10
+    assert joiner.global_hash() == opt.global_hash() and joiner.outer_step == 2 and joiner.local_step == 2
+    assert joiner.inner_steps_total == 12
     assert not joiner.inner.state  # a joiner starts its inner optimizer fresh
     for p, g in zip(joiner_model.parameters(), opt.outer.global_params):
         assert torch.equal(p.detach(), g.detach())

@@ -158,8 +158,12 @@ def test_joiner_adopts_peer_state_schedule_and_data_position(tmp_path, monkeypat
     expected.skip(12 * 4)  # 8 steps skipped on joining + 4 trained, 4 rows each
     assert joiner.stream.state_dict() == expected.state_dict()
     fields = comm.progress[-1]
-    assert {"outer_step", "inner_step", "samples_per_s", "loss", "global_hash", "next_sync_eta"} <= fields.keys()
+    assert {"outer_step", "inner_step", "samples_per_s", "loss", "global_hash"} <= fields.keys()
     assert fields["global_hash"] == joiner.opt.global_hash()
+    # The optimizer publishes its pace: work this round, rate, and when it expects its next round.
+    paced = [f for f in comm.progress if "round_work" in f]
+    assert paced and {"work_rate", "work_per_step", "ready", "ready_in", "contributed_steps"} <= paced[-1].keys()
+    assert any(f["ready"] for f in paced)  # entering a round says so
 
 
 def test_make_communicator_seam(tmp_path, monkeypatch):

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import AveragingError, BehindError
+from ..pacing import Pace
 from .buffers import flatten, unflatten
 
 __all__ = ["AverageResult", "AveragingError", "BehindError", "Communicator", "RoundKey", "Work"]
@@ -149,6 +150,14 @@ class Communicator(ABC):
 
     def report_progress(self, **fields) -> None:
         """Publishes progress (outer step, inner step, throughput, hash...); no-op by default."""
+
+    def peer_paces(self, outer_step: int) -> list[Pace]:
+        """The paces other workers published for their round at ``outer_step`` (see ``pacing``).
+
+        Called after every inner step, so it answers from a snapshot and never waits on the
+        network. Empty by default: a worker alone paces itself with a fixed ``H``.
+        """
+        return []
 
     def interrupt(self) -> None:
         """The worker is stopping: a round still waiting for peers gives up at once (no-op by default).

@@ -38,6 +38,8 @@ from ..comm.runner import DEFAULT_PART_NUMEL, Group, RoundOutcome, RoundRunner, 
 from ..comm.wire import ByteStream, Code
 from ..comm.wire import field as meta_field
 from ..errors import AveragingError, PeerFailure
+from ..pacing import Pace
+from . import records
 from .matchmaking import Doorbell, Matchmaker, MatchmakingSettings
 from .node import start_dht, visible_maddrs
 from .presence import Presence
@@ -60,6 +62,8 @@ class SwarmSettings:
     record_ttl: float = 8.0
     verify_timeout: float = 5.0
     poll_interval: float = 0.02
+    max_wait: float = 600.0
+    """The longest a round waits for a live peer that says it is coming (its published ready time)."""
     part_numel: int = DEFAULT_PART_NUMEL
 
 
@@ -104,9 +108,12 @@ class SwarmCommunicator(Communicator):
                                  heartbeat_interval=s.heartbeat_interval, record_ttl=s.record_ttl)
         self.matchmaker = Matchmaker(dht, self.presence, MatchmakingSettings(
             run_id=s.run_id, min_group_size=s.min_group_size, matchmaking_timeout=s.matchmaking_timeout,
-            straggler_wait=s.straggler_wait, record_ttl=s.matchmaking_timeout + s.allreduce_timeout,
+            straggler_wait=s.straggler_wait, max_wait=s.max_wait,
+            record_ttl=s.max_wait + s.matchmaking_timeout + s.allreduce_timeout,
             poll_interval=s.poll_interval, part_numel=s.part_numel), self.codec.name, self._interrupted,
             doorbell=self.doorbell, ring_members=self._ring_members)
+        self._workers_snapshot: dict[str, records.WorkerRecord] = {}
+        self._pace_refresh = asyncio.run_coroutine_threadsafe(self._refresh_workers(), self._loop)
 
     @classmethod
     def from_config(cls, cfg, run_dir: str | None = None) -> SwarmCommunicator:
@@ -190,6 +197,22 @@ class SwarmCommunicator(Communicator):
 
     def live_workers(self):
         return self.presence.live_workers()
+
+    async def _refresh_workers(self) -> None:
+        """Keeps a snapshot of the run's records for ``peer_paces`` (asked after every inner step)."""
+        interval = max(0.2, self.settings.heartbeat_interval / 4)
+        key = records.workers_key(self.settings.run_id)
+        while True:
+            try:
+                found = await self.dht.get(key, latest=True, return_future=True)
+                self._workers_snapshot = records.parse_workers(records.live_subkeys(found))
+            except Exception as e:  # the DHT may be busy or shutting down: keep the last snapshot
+                log.debug("refreshing the workers snapshot: %s", e)
+            await asyncio.sleep(interval)
+
+    def peer_paces(self, outer_step: int) -> list[Pace]:
+        snapshot = self._workers_snapshot
+        return [r.pace() for p, r in snapshot.items() if p != self._peer_id and r.outer_step == outer_step]
 
     # -- a round -------------------------------------------------------------------------------
     def start(self, flat, *, weight, key, out=None) -> Work:

@@ -1,9 +1,10 @@
 """Matchmaking: who averages together for a round key, decided through the DHT.
 
 Each worker announces it is ready for round ``k`` (attempt ``a``). When every live worker of the
-run at that outer step is ready (or ``straggler_wait`` has passed with at least
-``min_group_size``), the ready peer with the smallest id closes the group and publishes its
-members; everyone adopts the group published under the smallest id, so no two views split the run.
+run at that outer step is ready (or the ones still missing are past the ready time they published,
+plus ``straggler_wait``, with at least ``min_group_size`` ready), the ready peer with the smallest
+id closes the group and publishes its members; everyone adopts the group published under the
+smallest id, so no two views split the run.
 Blocking by design: it runs on the communicator's round thread, never on the event loop.
 """
 
@@ -31,6 +32,8 @@ class MatchmakingSettings:
     min_group_size: int = 1
     matchmaking_timeout: float = 30.0
     straggler_wait: float = 10.0
+    """Grace beyond a peer's published ready time (or from the start, for a peer without one)."""
+    max_wait: float = 600.0
     record_ttl: float = 60.0
     """How long announcements and published groups stay in the DHT."""
     poll_interval: float = 0.02
@@ -86,7 +89,7 @@ class Matchmaker:
         """
         s, me = self.settings, self.me
         announce_key = records.round_key(s.run_id, key)
-        t0, announced = time.monotonic(), None
+        began, announced = get_dht_time(), None
         while True:
             workers = workers if workers is not None else self.presence.live_workers()
             self.presence.raise_if_behind(workers, key.outer_step)
@@ -100,16 +103,31 @@ class Matchmaker:
             compatible = {p for p, v in ready.items() if v.get("attempt") == attempt and v.get("numel") == numel
                           and v.get("codec") == self.codec_name and v.get("part") == s.part_numel}
             expected = ({p for p, r in workers.items() if r.outer_step == key.outer_step} - set(suspects)) | {me}
-            waited = time.monotonic() - t0
-            if len(compatible) >= s.min_group_size and (expected <= compatible or waited >= s.straggler_wait):
+            missing = expected - compatible
+            enough = len(compatible) >= s.min_group_size
+            now = get_dht_time()
+            give_up_at = max((self._wait_until(workers[p], began) for p in missing), default=began)
+            if enough and now >= give_up_at:
                 break
             self._raise_if_interrupted()
-            if waited >= s.matchmaking_timeout:
+            if not enough and now >= max(began + s.matchmaking_timeout, give_up_at):
                 raise AveragingError(f"matchmaking for round {key}: {len(compatible)} peer(s) ready "
-                                     f"after {waited:.0f}s, need {s.min_group_size}")
+                                     f"after {now - began:.0f}s, need {s.min_group_size}")
             time.sleep(s.poll_interval)
             workers = None
         return self._adopt_group(key, attempt, min(compatible), compatible, set(workers) | {me}), attempt
+
+    def _wait_until(self, record, began: float) -> float:
+        """Until when (DHT time) a live peer that is not ready yet is waited for.
+
+        Its own published ready time plus ``straggler_wait`` of grace (a 4x slower peer says it
+        comes 4x later, and is waited for); ``straggler_wait`` from the start of matchmaking for
+        a peer that published none; never more than ``max_wait``. A dead peer stops being waited
+        for when its record expires, a hung one when its ready time has passed.
+        """
+        s = self.settings
+        expected = record.ready_at if record.ready_at is not None else began
+        return min(max(expected, began) + s.straggler_wait, began + s.max_wait)
 
     def _adopt_group(self, key: RoundKey, attempt: int, leader: str | None, compatible: set[str],
                      live: set[str]) -> Group:

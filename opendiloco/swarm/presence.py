@@ -37,8 +37,17 @@ class Presence:
             return self._progress.get(name, default)
 
     def report(self, **fields) -> None:
+        """Updates this worker's record; published at once if its outer step or readiness changed,
+        else with the next heartbeat. ``ready_in`` (seconds from now) is stored as ``ready_at``."""
+        now = get_dht_time()
+        ready_in = fields.pop("ready_in", None)
+        if ready_in is not None:
+            fields["ready_at"] = now + min(float(ready_in), 1e7)
+        if "round_work" in fields:
+            fields["pace_time"] = now
         with self._lock:
-            changed = fields.get("outer_step", self._progress["outer_step"]) != self._progress["outer_step"]
+            changed = any(k in fields and fields[k] != self._progress.get(k, default)
+                          for k, default in (("outer_step", -1), ("ready", False)))
             self._progress.update(fields)
         if changed:  # keep the future: an unreferenced task may be garbage-collected mid-flight
             future = asyncio.run_coroutine_threadsafe(self.publish(), self.loop)

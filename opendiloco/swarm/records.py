@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import math
 from dataclasses import asdict, dataclass, fields
 
 import hivemind
 from hivemind.utils.timed_storage import get_dht_time
 
 from opendiloco.errors import AveragingError
+from opendiloco.pacing import Pace
 
 log = logging.getLogger(__name__)
 
@@ -43,11 +45,30 @@ class WorkerRecord:
     loss: float | None = None
     global_hash: str = ""
     last_sync_time: float = 0.0
-    next_sync_eta: float | None = None
-    """Seconds until this worker expects to be ready for its next outer step."""
+    ready_at: float | None = None
+    """DHT time at which this worker expects to enter its next round (an absolute time, so a
+    heartbeat that republishes the record does not push it back)."""
+    ready: bool = False
+    """It has stopped training and waits for its round (its ``round_work`` is final)."""
+    round_work: float = 0.0
+    """Samples (or inner steps) this worker has put into the current round so far."""
+    work_rate: float = 0.0
+    """Its work per second while training (0 until measured)."""
+    work_per_step: float = 0.0
+    pace_time: float = 0.0
+    """DHT time at which ``round_work`` was true."""
+    steps_per_s: float = 0.0
+    contributed_steps: int = 0
+    """Inner steps of this worker that entered an average, since it started."""
+    dropped_steps: int = 0
+    """Inner steps it threw away (left out of a round under ``pace = fixed``, healed drift, NaN)."""
     time: float = 0.0
     left: bool = False
     """Set when a worker leaves cleanly, so others stop waiting for it at once."""
+
+    def pace(self) -> Pace:
+        return Pace(work=self.round_work, rate=self.work_rate, per_step=self.work_per_step,
+                    time=self.pace_time or self.time, ready=self.ready)
 
     def to_value(self) -> dict:
         d = asdict(self)
@@ -63,6 +84,18 @@ class WorkerRecord:
         try:
             rec = cls(peer_id=str(peer_id), **{k: v for k, v in value.items() if k in known})
             rec.outer_step, rec.inner_step = int(rec.outer_step), int(rec.inner_step)
+            rec.contributed_steps, rec.dropped_steps = int(rec.contributed_steps), int(rec.dropped_steps)
+            for name in ("round_work", "work_rate", "work_per_step", "steps_per_s", "samples_per_s", "time",
+                         "pace_time"):
+                value = float(getattr(rec, name))
+                if not math.isfinite(value) or value < 0:
+                    return None
+                setattr(rec, name, value)
+            if rec.ready_at is not None:
+                rec.ready_at = float(rec.ready_at)
+                if not math.isfinite(rec.ready_at):
+                    return None
+            rec.ready = bool(rec.ready)
             return rec
         except (TypeError, ValueError):
             return None
@@ -88,17 +121,25 @@ def store(dht: hivemind.DHT, key: str, value, expiration_time: float, subkey: st
 
 def subkey_values(dht: hivemind.DHT, key: str) -> dict[str, object]:
     """All live subkey -> value pairs stored under ``key`` (empty if none)."""
-    found = wait_dht(dht.get(key, latest=True, return_future=True), "get")
+    return live_subkeys(wait_dht(dht.get(key, latest=True, return_future=True), "get"))
+
+
+def read_workers(dht: hivemind.DHT, run_id: str) -> dict[str, WorkerRecord]:
+    """Live workers of a run (those that left cleanly are dropped)."""
+    return parse_workers(subkey_values(dht, workers_key(run_id)))
+
+
+def live_subkeys(found) -> dict[str, object]:
+    """The unexpired subkey -> value pairs of a ``dht.get`` answer."""
     if found is None or not isinstance(found.value, dict):
         return {}
     now = get_dht_time()
     return {str(sk): item.value for sk, item in found.value.items() if item.expiration_time > now}
 
 
-def read_workers(dht: hivemind.DHT, run_id: str) -> dict[str, WorkerRecord]:
-    """Live workers of a run (those that left cleanly are dropped)."""
+def parse_workers(values: dict[str, object]) -> dict[str, WorkerRecord]:
     out = {}
-    for peer, value in subkey_values(dht, workers_key(run_id)).items():
+    for peer, value in values.items():
         rec = WorkerRecord.from_value(peer, value)
         if rec is None:
             log.debug("ignoring a malformed worker record from %s", peer)

@@ -29,12 +29,16 @@ def format_table(workers: Sequence[records.WorkerRecord], run_id: str) -> str:
     if not workers:
         return f"run {run_id!r}: no live workers"
     now = get_dht_time()
-    rows = [("peer", "outer", "inner", "samples/s", "loss", "since sync", "global_hash")]
+    rows = [("peer", "outer", "inner", "steps/s", "samples/s", "round", "contributed", "dropped", "loss",
+             "since sync", "global_hash")]
     for w in workers:
         since = f"{now - w.last_sync_time:.0f}s" if w.last_sync_time else "-"
         loss = f"{w.loss:.4f}" if isinstance(w.loss, (int, float)) else "-"
-        rows.append((w.peer_id, str(w.outer_step), str(w.inner_step), f"{w.samples_per_s:.1f}", loss, since,
-                     w.global_hash or "-"))
+        taken = w.contributed_steps + w.dropped_steps
+        share = f" ({w.contributed_steps / taken:.0%})" if taken else ""
+        state = "waiting" if w.ready else f"{w.round_work:g}"
+        rows.append((w.peer_id, str(w.outer_step), str(w.inner_step), f"{w.steps_per_s:.2f}", f"{w.samples_per_s:.1f}",
+                     state, f"{w.contributed_steps}{share}", str(w.dropped_steps), loss, since, w.global_hash or "-"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.ljust(wd) for c, wd in zip(r, widths)).rstrip() for r in rows]
     hashes = {w.global_hash for w in workers if w.global_hash}

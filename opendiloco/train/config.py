@@ -120,6 +120,10 @@ class OptimConfig(Section):
     outer_lr: float = Field(0.7, gt=0)
     outer_momentum: float = Field(0.9, ge=0, lt=1)
     outer_nesterov: bool = True
+    pace: Literal["fixed", "swarm"] = "swarm"
+    """When a round is due. swarm: when the group has done local_steps steps' worth of work per
+    member, so workers of different speed stop together and all contribute (a lone worker takes
+    exactly local_steps). fixed: exactly local_steps inner steps per worker (reproducible)."""
 
     @field_validator("betas")
     @classmethod
@@ -144,6 +148,9 @@ class TrainConfig(Section):
     """Inner steps between evals; 0 evaluates after every outer step."""
     eval_batches: int = Field(8, ge=0)
     seed: int = 0
+    throttle: float = Field(0.0, ge=0)
+    """Seconds of sleep added to every inner step: makes this worker slower on purpose (to try a
+    swarm of workers of different speed on one machine; benchmarks and tests use it)."""
 
 
 class CheckpointConfig(Section):
@@ -171,7 +178,10 @@ class SwarmConfig(Section):
     matchmaking_timeout: float = Field(30.0, gt=0)
     allreduce_timeout: float = Field(60.0, gt=0)
     straggler_wait: float = Field(10.0, ge=0)
-    """Seconds to wait for slower peers before starting a round."""
+    """Grace, in seconds, beyond the time a slower peer published it would be ready (or from the
+    start of matchmaking for a peer that published none)."""
+    max_wait: float = Field(600.0, gt=0)
+    """The longest a round waits for a live peer that says it is coming."""
     join_timeout: float = Field(30.0, ge=0)
     on_join_failure: Literal["start-fresh", "exit"] = "start-fresh"
     weight_by_samples: bool = False

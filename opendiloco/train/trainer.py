@@ -207,6 +207,7 @@ class Trainer:
             communicator=self.comm,
             module=PersistentBuffers(self.model),
             weight_by_samples=cfg.swarm.weight_by_samples,
+            pace=o.pace,
         )
         schedule = functools.partial(lr_lambda, warmup=o.warmup_steps, total=cfg.train.total_steps,
                                      min_ratio=o.min_lr_ratio)
@@ -248,7 +249,7 @@ class Trainer:
             return
         before = self.opt.inner_steps_total
         self.opt.load_shareable_state(state)
-        set_schedule_position(self.scheduler, self.opt.inner_steps_total)
+        set_schedule_position(self.scheduler, self.opt.schedule_step)
         ahead = self.opt.inner_steps_total - before
         if ahead > 0:
             self.stream.skip(ahead * self.cfg.train.batch_size * self.cfg.train.grad_accum)
@@ -297,21 +298,23 @@ class Trainer:
                 loss = self.forward(input_ids=batch, labels=batch).loss / cfg.grad_accum
             (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
             loss_sum += float(loss.detach())
+        if cfg.throttle:
+            time.sleep(cfg.throttle)
         if self.scaler is not None:
             self.scaler.unscale_(self.opt)
         grad_norm = None
         if self.cfg.optim.grad_clip > 0:
             grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.optim.grad_clip))
         self.opt.count_samples(cfg.batch_size * cfg.grad_accum)
-        before = self.opt.inner_steps_total
+        before = self.opt.schedule_step
         if self.scaler is not None:
             self.scaler.step(self.opt)  # skips the step on inf/NaN gradients; then it does not count
             self.scaler.update()
         else:
             self.opt.step()
         self.opt.zero_grad(set_to_none=True)
-        if self.opt.inner_steps_total > before:
-            self.scheduler.step()
+        if self.opt.schedule_step != before:  # a step, an outer step, or state adopted from a peer
+            set_schedule_position(self.scheduler, self.opt.schedule_step)
         return loss_sum, grad_norm
 
     # -- the loop -----------------------------------------------------------------------------
@@ -345,11 +348,11 @@ class Trainer:
         log.info("worker %s on %s (%s): %.2fM parameters, run dir %s", cfg.worker, self.device, self.precision,
                  count_parameters(self.model) / 1e6, self.run_dir)
 
-        bar = tqdm(total=cfg.train.total_steps, initial=self.opt.inner_steps_total, unit="step",
+        bar = tqdm(total=cfg.train.total_steps, initial=self.opt.schedule_step, unit="step",
                    disable=not cfg.run.progress, dynamic_ncols=True, desc=cfg.worker)
         tally = _Tally(tokens_per_step=cfg.train.batch_size * cfg.train.grad_accum * cfg.data.seq_len,
                        global_hash=self.opt.global_hash())  # θ_global changes only at outer steps: hash it then
-        while self.opt.inner_steps_total < cfg.train.total_steps and not stop.requested:
+        while self.opt.schedule_step < cfg.train.total_steps and not stop.requested:
             if stop_after is not None and tally.steps >= stop_after:
                 result.stopped = True
                 break
@@ -368,7 +371,7 @@ class Trainer:
             bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tally.tokens_per_s():,.0f}", outer=self.opt.outer_step,
                             peers=sync.group_size if sync else 0,
                             ar_s=f"{sync.allreduce_s:.2f}" if sync else "-", refresh=False)
-            bar.update(1)
+            bar.update(self.opt.schedule_step - bar.n)
         bar.close()
         loop_s = time.perf_counter() - tally.start
 
@@ -382,6 +385,8 @@ class Trainer:
         result.inner_steps = self.opt.inner_steps_total
         result.outer_steps = self.opt.outer_step
         self.metrics.write("end", inner_step=result.inner_steps, outer_step=result.outer_steps,
+                           steps_taken=tally.steps, contributed_steps=self.opt.contributed_steps,
+                           dropped_steps=self.opt.dropped_steps,
                            stopped=result.stopped, tokens_per_s=result.tokens_per_s, eval_loss=result.eval_loss,
                            loop_s=loop_s, compute_s=tally.compute_s, sync_s=tally.sync_s,
                            utilisation=tally.compute_s / loop_s if loop_s > 0 else None)
@@ -421,7 +426,9 @@ class Trainer:
                            group_size=report.group_size, peers=list(report.peers), allreduce_s=report.allreduce_s,
                            sync_s=report.seconds, transfer_s=report.extra.get("transfer_s"),
                            bytes_sent=report.extra.get("bytes_sent"), round_compute_s=tally.round_compute_s,
-                           global_hash=report.global_hash, reason=report.reason)
+                           global_hash=report.global_hash, reason=report.reason, steps=report.steps,
+                           contributed_steps=report.contributed_steps, dropped_steps=report.dropped_steps,
+                           weight=report.weight)
         tally.round_losses, tally.round_compute_s = [], 0.0
         tally.global_hash = report.global_hash or tally.global_hash
         every = self.cfg.checkpoint.every_outer_steps
@@ -436,8 +443,7 @@ class Trainer:
         tally.last_report = now
         self.comm.report_progress(
             outer_step=self.opt.outer_step, inner_step=self.opt.inner_steps_total,
-            samples_per_s=tally.tokens_per_s() / self.cfg.data.seq_len, loss=loss, global_hash=tally.global_hash,
-            next_sync_eta=(self.cfg.optim.local_steps - self.opt.local_step) * tally.step_s)
+            samples_per_s=tally.tokens_per_s() / self.cfg.data.seq_len, loss=loss, global_hash=tally.global_hash)
 
 
 @dataclass

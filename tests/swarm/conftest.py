@@ -40,6 +40,9 @@ class Swarm(ProcessGroup):
     def worker(self, name: str, **options):
         args = [sys.executable, str(WORKER), "--peers-file", str(self.peers_file), "--out", str(self.out(name))]
         for key, value in options.items():
+            if value is True:  # a flag
+                args.append(f"--{key.replace('_', '-')}")
+                continue
             values = value if isinstance(value, (list, tuple)) else [value]
             args += [f"--{key.replace('_', '-')}", *map(str, values)]
         return self.spawn(args, name)

@@ -40,3 +40,31 @@ def test_sigterm_while_waiting_for_peers_stops_at_once(swarm, tmp_path):
     end = json.loads(metrics.read_text().splitlines()[-1])
     assert end["event"] == "end" and end["stopped"] is True and end["outer_step"] == 0, end
     assert (run_dir / "checkpoints" / "latest").is_file()
+
+
+def test_cli_workers_of_4x_different_speed_average_together_every_round(swarm, tmp_path):
+    """The README's swarm with one worker 4x slower (as on a loaded machine): with the default
+    ``optim.pace = swarm`` both train until the run's end and every outer step holds both."""
+    peers = swarm.bootstrap()
+    procs, dirs = [], {}
+    for name, throttle in (("fast", "0.05"), ("slow", "0.2")):
+        dirs[name] = tmp_path / name
+        procs.append(swarm.spawn([sys.executable, "-m", "opendiloco", "train", *SMALL, "--run.dir", str(dirs[name]),
+                                  "--run.worker", name, "--train.throttle", throttle, "--train.total-steps", "40",
+                                  "--swarm.initial-peers", *peers, "--swarm.host-maddrs", "/ip4/127.0.0.1/tcp/0",
+                                  "--swarm.min-group-size", "2", "--swarm.join-timeout", "1"], name))
+    swarm.wait(procs, timeout=100)
+    rounds = {}
+    for name in dirs:
+        records = [json.loads(line) for line in (dirs[name] / "metrics.jsonl").read_text().splitlines()]
+        rounds[name] = [r for r in records if r["event"] == "outer_step"]
+        end = records[-1]
+        # 40 steps at H=4 are 10 outer steps for the run, however many inner steps each worker took.
+        assert end["event"] == "end" and end["outer_step"] == 10 and end["dropped_steps"] == 0, end
+    assert [r["outer_step"] for r in rounds["fast"]] == list(range(1, 11))
+    for name in dirs:
+        assert all(r["ok"] and r["group_size"] == 2 for r in rounds[name]), rounds[name]
+    assert [r["global_hash"] for r in rounds["fast"]] == [r["global_hash"] for r in rounds["slow"]]
+    fast_steps = sum(r["steps"] for r in rounds["fast"])
+    slow_steps = sum(r["steps"] for r in rounds["slow"])
+    assert fast_steps > 40 > slow_steps, (fast_steps, slow_steps)

@@ -65,6 +65,8 @@ def main():
     p.add_argument("--corrupt-at", type=int, default=None, help="perturb θ_global after this outer step")
     p.add_argument("--join-timeout", type=float, default=30.0)
     p.add_argument("--matchmaking-timeout", type=float, default=30.0)
+    p.add_argument("--pace", default="fixed", choices=["fixed", "swarm"])
+    p.add_argument("--run-until-stopped", action="store_true", help="ignore --outer-steps; train until SIGTERM")
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s [{args.seed}] %(name)s: %(message)s")
     torch.set_num_threads(1)
@@ -87,7 +89,8 @@ def main():
     model = torch.nn.Sequential(torch.nn.Linear(16, args.hidden), torch.nn.Tanh(), torch.nn.Linear(args.hidden, 1))
     opt = DiLoCoOptimizer(model.parameters(), local_steps=args.local_steps, communicator=comm,
                           inner_optimizer=functools.partial(torch.optim.AdamW, lr=3e-2),
-                          outer_optimizer=functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True))
+                          outer_optimizer=functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True),
+                          pace=args.pace)
     t0 = time.perf_counter()
     state = comm.download_state(timeout=args.join_timeout)
     download_s = time.perf_counter() - t0
@@ -97,12 +100,13 @@ def main():
     w_true = torch.linspace(-1, 1, 16)
     out = open(args.out, "a")
     out.write(json.dumps({"event": "start", "peer_id": comm.peer_id, "outer_step": opt.outer_step,
+                          "inner_steps_total": opt.inner_steps_total,
                           "global_hash": opt.global_hash(), "pid": os.getpid(), "time": time.time(),
                           "downloaded": state is not None, "download_s": download_s,
                           "numel": sum(p.numel() for p in model.parameters())}) + "\n")
     out.flush()
     try:
-        while opt.outer_step < args.outer_steps and not stop:
+        while (args.run_until_stopped or opt.outer_step < args.outer_steps) and not stop:
             x = torch.randn(64, 16, generator=gen)
             y = (x @ w_true).tanh()[:, None] + 0.05 * torch.randn(64, 1, generator=gen)
             loss = torch.nn.functional.mse_loss(model(x), y)
@@ -127,10 +131,16 @@ def main():
                 out.write(json.dumps({"event": "sync", "ok": s.ok, "outer_step": opt.outer_step, "before": before,
                                       "group_size": s.group_size, "peers": list(s.peers),
                                       "global_hash": opt.global_hash(), "loss": loss.item(),
-                                      "allreduce_s": s.allreduce_s, "reason": s.reason,
+                                      "allreduce_s": s.allreduce_s, "reason": s.reason, "steps": s.steps,
+                                      "contributed": s.contributed_steps, "dropped": s.dropped_steps,
+                                      "weight": s.weight, "inner_steps_total": opt.inner_steps_total,
                                       "time": time.time()}) + "\n")
                 out.flush()
     finally:
+        out.write(json.dumps({"event": "end", "inner_steps_total": opt.inner_steps_total,
+                              "contributed": opt.contributed_steps, "dropped": opt.dropped_steps,
+                              "outer_step": opt.outer_step, "time": time.time()}) + "\n")
+        out.flush()
         comm.close()
     return 0
 

@@ -1,0 +1,46 @@
+"""How long a round waits for a peer follows from what the peer published; what status shows of it."""
+
+from types import SimpleNamespace
+
+from opendiloco.swarm.matchmaking import Matchmaker, MatchmakingSettings
+from opendiloco.swarm.records import WorkerRecord
+from opendiloco.swarm.status import format_table
+
+SETTINGS = MatchmakingSettings(run_id="r", straggler_wait=5.0, max_wait=600.0)
+
+
+def wait_until(record, began=1000.0):
+    return Matchmaker._wait_until(SimpleNamespace(settings=SETTINGS), record, began)
+
+
+def test_a_slow_peer_is_waited_for_until_its_own_ready_time_plus_grace():
+    # A peer 4x slower says it enters its round 120 s from now: it is waited for, not dropped at a constant.
+    assert wait_until(WorkerRecord("p", ready_at=1120.0)) == 1125.0
+    assert wait_until(WorkerRecord("p", ready_at=1001.0)) == 1006.0
+
+
+def test_a_peer_without_a_ready_time_or_past_it_gets_only_the_grace():
+    assert wait_until(WorkerRecord("p")) == 1005.0
+    assert wait_until(WorkerRecord("p", ready_at=10.0)) == 1005.0  # hung: its promise is long past
+
+
+def test_no_peer_is_waited_for_longer_than_max_wait():
+    assert wait_until(WorkerRecord("p", ready_at=1e9)) == 1600.0
+
+
+def test_records_with_bad_numbers_are_ignored():
+    assert WorkerRecord.from_value("p", {"outer_step": 1, "work_rate": float("nan")}) is None
+    assert WorkerRecord.from_value("p", {"outer_step": 1, "round_work": -3}) is None
+    assert WorkerRecord.from_value("p", {"outer_step": 1, "ready_at": float("inf")}) is None
+    rec = WorkerRecord.from_value("p", {"outer_step": 1, "round_work": 7, "work_rate": 2.5, "ready": 1})
+    assert rec.pace().work == 7.0 and rec.pace().rate == 2.5 and rec.ready is True
+
+
+def test_status_shows_rate_and_contribution_per_worker():
+    workers = [WorkerRecord("fast", outer_step=3, steps_per_s=4.0, contributed_steps=90, dropped_steps=0),
+               WorkerRecord("slow", outer_step=3, steps_per_s=1.0, contributed_steps=27, dropped_steps=3, ready=True)]
+    table = format_table(workers, "r")
+    header, fast, slow = table.splitlines()[:3]
+    assert "steps/s" in header and "contributed" in header and "dropped" in header
+    assert "4.00" in fast and "90 (100%)" in fast
+    assert "1.00" in slow and "27 (90%)" in slow and "waiting" in slow
