@@ -64,7 +64,7 @@ def run_swarm(work: Path, name: str, throttles: list[float], *, pace: str, h: in
     if run_dir.exists():
         raise SystemExit(f"{run_dir} exists: choose another --work or remove it")
     group = ProcessGroup(run_dir / "logs", cwd=ROOT)
-    print(f"[{time.strftime('%H:%M:%S')}] {name}: throttles {['%.3f' % t for t in throttles]} pace={pace}",
+    print(f"[{time.strftime('%H:%M:%S')}] {name}: throttles {[round(t, 3) for t in throttles]} pace={pace}",
           flush=True)
     try:
         peers = spawn_bootstrap(group, run_dir / "bootstrap.addrs")
@@ -99,7 +99,8 @@ def run_swarm(work: Path, name: str, throttles: list[float], *, pace: str, h: in
 
 def summarise(records: list[list[dict]], started: float, wall: float, throttles: list[float], pace: str) -> dict:
     n = len(records)
-    rounds = [r for r in records[0] if r["event"] == "outer_step"]
+    # The round a worker was stopped in (SIGTERM at the end of the run) is not the swarm's doing.
+    rounds = [r for r in records[0] if r["event"] == "outer_step" and "stopping" not in (r.get("reason") or "")]
     full = [r["outer_step"] for r in rounds if r["ok"] and r["group_size"] == n]
     # Rounds after the first one that had everybody (workers start at different moments).
     counted = [r for r in rounds if full and r["outer_step"] > min(full) - 1]
@@ -108,10 +109,12 @@ def summarise(records: list[list[dict]], started: float, wall: float, throttles:
     for recs in records:
         syncs = [r for r in recs if r["event"] == "outer_step"]
         end = next(r for r in recs if r["event"] == "end")
-        taken = sum(r.get("steps", 0) for r in syncs)
-        contributed = sum(r.get("contributed_steps", 0) for r in syncs)
+        # Useful: steps that entered an average / steps whose round is over (entered or dropped);
+        # the round a worker was stopped in has not had its chance.
+        contributed, dropped = end.get("contributed_steps", 0), end.get("dropped_steps", 0)
+        taken = contributed + dropped
         workers.append({"steps_in_finished_rounds": taken, "contributed": contributed,
-                        "useful": contributed / taken if taken else None, "dropped": end.get("dropped_steps"),
+                        "useful": contributed / taken if taken else None, "dropped": dropped,
                         "steps_taken": end.get("steps_taken"), "utilisation": end.get("utilisation"),
                         "steps_per_s": end.get("steps_taken", 0) / end["loop_s"] if end.get("loop_s") else None,
                         "mean_steps_per_round": taken / len(syncs) if syncs else None})
@@ -143,7 +146,15 @@ def main(argv=None) -> int:
     p.add_argument("--local-steps", type=int, default=20)
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--results", type=Path, default=None)
+    p.add_argument("--plot", type=Path, default=None, help="write the loss-vs-wall-time plot here (png)")
+    p.add_argument("--report-only", action="store_true", help="only print the table (and plot) of --results")
     args = p.parse_args(argv)
+    if args.report_only:
+        out = json.loads(args.results.read_text())
+        print(table(out))
+        if args.plot:
+            plot(out, args.plot)
+        return 0
     c = step_compute_s(args.batch)
     step = args.base + c
     print(f"one inner step computes in {c * 1e3:.1f} ms; a full-speed step takes {step:.3f} s", flush=True)
@@ -173,28 +184,59 @@ def main(argv=None) -> int:
     results.parent.mkdir(parents=True, exist_ok=True)
     results.write_text(json.dumps(out, indent=1))
     print(f"results: {results}")
-    print_table(out)
+    print(table(out))
+    if args.plot:
+        plot(out, args.plot)
+        print(f"plot: {args.plot}")
     return 0
 
 
-def print_table(out: dict) -> None:
-    print("\n| workers | run | every worker in the round | useful compute, min over workers | utilisation, min "
-          "| loss at equal wall time | vs equal-speed | vs without the slow worker |")
-    print("|---|---|---|---|---|---|---|---|")
+def table(out: dict) -> str:
+    """The markdown table of docs/benchmarks.md: one row per run, ratios against runs of the same size."""
+    rows = ["| workers | run | outer steps with every worker | useful compute, lowest | utilisation, lowest | "
+            "held-out loss at equal wall time | vs equal-speed swarm | vs without the slow worker |",
+            "|---|---|---|---|---|---|---|---|"]
     for n, runs in out["runs"].items():
-        base = runs.get("without-slow", {}).get("loss_at_wall")
         for name, r in runs.items():
             k = name.split("-k")[-1] if "-k" in name else None
-            equal = runs.get(f"equal-k{k}", runs.get("swarm-k1", {})).get("loss_at_wall") if k else None
+            equal = runs.get("swarm-k1" if k == "1" else f"equal-k{k}", {}).get("loss_at_wall")
+            base = runs.get("without-slow", {}).get("loss_at_wall")
             loss = r["loss_at_wall"]
             useful = [w["useful"] for w in r["per_worker"] if w["useful"] is not None]
             util = [w["utilisation"] for w in r["per_worker"] if w["utilisation"] is not None]
-            ratio = (lambda ref: f"{loss / ref:.3f}x" if loss and ref and name.startswith(("swarm", "fixed"))
-                     else "-")
-            print(f"| {n} | {name} | {r['rounds_together']}/{r['rounds']} ({r['together_share']:.0%}) | "
-                  f"{min(useful):.1%} | {min(util):.1%} | {loss:.4f} | {ratio(equal)} | {ratio(base)} |"
-                  if useful and util and loss else f"| {n} | {name} | {r['rounds_together']}/{r['rounds']} | - | - | "
-                  f"{loss} | - | - |")
+            compared = name.startswith(("swarm", "fixed"))
+            rows.append(" | ".join([
+                f"| {n}", name, f"{r['rounds_together']}/{r['rounds']} ({r['together_share']:.0%})",
+                f"{min(useful):.1%}" if useful else "-", f"{min(util):.1%}" if util else "-",
+                f"{loss:.4f}" if loss else "-",
+                f"{loss / equal:.3f}x" if compared and loss and equal and k != "1" else "-",
+                f"{loss / base:.3f}x |" if compared and loss and base else "- |"]))
+    return "\n".join(rows)
+
+
+def plot(out: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sizes = list(out["runs"])
+    fig, axes = plt.subplots(1, len(sizes), figsize=(6 * len(sizes), 4), dpi=120, squeeze=False)
+    for ax, n in zip(axes[0], sizes):
+        for i, (name, r) in enumerate(out["runs"][n].items()):
+            if r["evals"]:
+                t, loss = zip(*r["evals"])
+                ax.plot(t, loss, marker="o", ms=2.5, lw=1.2, color=f"C{i}", label=name,
+                        ls="--" if name.startswith(("equal", "without")) else "-")
+        ax.axvline(out["wall_s"], color="grey", lw=0.8)
+        ax.set_title(f"{n} workers, one slowed k x")
+        ax.set_xlabel("wall time since every worker started (s)")
+        ax.set_ylabel("held-out loss")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
 
 
 if __name__ == "__main__":

@@ -217,7 +217,10 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         return round_due(self._own_pace(), self.communicator.peer_paces(self._outer_step), self.local_steps,
                          own_step_s=self._step_s, local_step=self._local_step)
 
-    def _seconds_to_round(self) -> float:
+    def _seconds_to_round(self) -> float | None:
+        """When this worker expects to enter its next round; None until its step time is measured."""
+        if self._step_s <= 0:
+            return None
         fixed = max(0, self.local_steps - self._local_step) * self._step_s
         if self.pace == "fixed":
             return fixed

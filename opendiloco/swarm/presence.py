@@ -40,9 +40,9 @@ class Presence:
         """Updates this worker's record; published at once if its outer step or readiness changed,
         else with the next heartbeat. ``ready_in`` (seconds from now) is stored as ``ready_at``."""
         now = get_dht_time()
-        ready_in = fields.pop("ready_in", None)
-        if ready_in is not None:
-            fields["ready_at"] = now + min(float(ready_in), 1e7)
+        if "ready_in" in fields:  # None: not known yet
+            ready_in = fields.pop("ready_in")
+            fields["ready_at"] = None if ready_in is None else now + min(float(ready_in), 1e7)
         if "round_work" in fields:
             fields["pace_time"] = now
         with self._lock:
