@@ -12,12 +12,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .comm.base import Communicator, RoundKey
+from .comm.base import Communicator, CompletedWork, RoundKey, Work
 from .comm.buffers import FlatBuffer, all_finite, unflatten
 from .comm.local import SingleWorker
 from .errors import AveragingError, BehindError, DriftError
 from .outer import OptimizerFactory, OuterState, tensors_hash, validate_tensors
 from .pacing import PACES, Pace, round_due, seconds_to_target
+from .staging import DeviceSnapshot
+from .streaming import check_schedule, event_gap, event_start, fragment_of, fragments_from_groups, split_evenly
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +49,30 @@ class SyncReport:
     """Inner steps thrown away at this outer step (left out under ``pace="fixed"``, healed drift, NaN)."""
     weight: float = 0.0
     """The weight this worker's contribution carried."""
+    fragment: int = 0
+    """Which fragment of the model this round averaged (always 0 without streaming)."""
     extra: dict = field(default_factory=dict)
+
+
+@dataclass
+class _Round:
+    """A round in flight: started at a fragment's sync event, applied ``overlap`` steps later."""
+
+    key: RoundKey
+    fragment: int
+    steps: int
+    began: float
+    weight: float = 0.0
+    own_finite: bool = True
+    work: Work | None = None
+    prepared: object = None
+    """A future that starts the round once a CUDA snapshot has reached host memory (None on CPU)."""
+    blocked_s: float = 0.0
+
+    def wait(self):
+        if self.prepared is not None:
+            self.prepared.result()  # raises what preparing or starting the round raised
+        return self.work.wait()
 
 
 class DiLoCoOptimizer(torch.optim.Optimizer):
@@ -64,6 +89,13 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
     speed stop together and each contributes what it did, weighted by its samples (or steps).
     Under ``"swarm"``, a worker left out of a round keeps its local work and adds it to the next
     round instead of throwing it away.
+
+    Streaming (see ``opendiloco.streaming``): ``fragments`` cuts the model into that many parts
+    (or takes an explicit list of parameter groups, e.g. one per transformer block) that
+    synchronise in turn, one every ``local_steps / fragments`` steps; each fragment's round runs
+    in the background for ``overlap`` inner steps before it is applied, and ``mix`` keeps that share
+    of the local weights when it is (0 takes θ_global). ``fragments=1, overlap=0`` is plain DiLoCo.
+    An outer step is then one fragment's sync.
     """
 
     def __init__(
@@ -78,6 +110,9 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         weight_by_samples: bool = False,
         catch_up_timeout: float = 60.0,
         pace: str = "fixed",
+        fragments=1,
+        overlap: int = 0,
+        mix: float = 0.0,
     ):
         if not isinstance(local_steps, int) or isinstance(local_steps, bool) or local_steps < 1:
             raise ValueError(f"local_steps must be a positive integer, got {local_steps!r}")
@@ -95,6 +130,13 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         trainable = [p for g in self.param_groups for p in g["params"] if p.requires_grad and p.is_floating_point()]
         buffers = [b for b in module.buffers() if b.is_floating_point()] if module is not None else []
         self.outer = OuterState(trainable, buffers, outer_optimizer)
+        if isinstance(fragments, int) and not isinstance(fragments, bool):
+            check_schedule(local_steps, fragments, overlap, mix)
+            self.fragments = split_evenly(trainable, fragments) if fragments > 1 else [list(range(len(trainable)))]
+        else:
+            self.fragments = fragments_from_groups(trainable, fragments)
+            check_schedule(local_steps, len(self.fragments), overlap, mix)
+        self.overlap, self.mix = overlap, float(mix)
         self.local_steps = local_steps
         self.communicator = communicator if communicator is not None else SingleWorker()
         self.weight_by_samples = weight_by_samples or pace == "swarm"
@@ -106,10 +148,9 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         self._local_step = 0
         self._outer_step = 0
         self._inner_steps_total = 0
-        self._samples_since_sync = 0
         self._step_samples = 0
-        self._round_work = 0.0
-        """Work (samples, or steps where none are counted) in θ_local that no average holds yet."""
+        self._fragment_work = [0.0] * len(self.fragments)
+        """Per fragment: work (samples, or steps where none are counted) that no average holds yet."""
         self._pace_work = 0.0
         """Work since the last round attempt: what the pacing rule counts."""
         self._work_per_step = 0.0
@@ -120,10 +161,11 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         self._contributed_steps = 0
         self._dropped_steps = 0
         self.last_sync: SyncReport | None = None
-        self._buffer: FlatBuffer | None = None
-        """This worker's contribution: [pseudo-gradients, buffers], flat fp32 (pinned for CUDA models)."""
-        self._result: FlatBuffer | None = None
-        """The group's average lands here."""
+        self._buffers: dict[int, tuple[FlatBuffer, FlatBuffer]] = {}
+        """Per fragment: this worker's contribution [pseudo-gradients, buffers] (flat fp32, pinned for
+        CUDA models) and the buffer the group's average lands in."""
+        self._pending: _Round | None = None
+        self._snapshot: DeviceSnapshot | None = None
         self.communicator.attach_state_provider(self.shareable_state)
         self._global_changed()  # the swarm learns our outer step (and θ_global hash) at once
 
@@ -152,7 +194,16 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         completes a round, so a run that ends at a multiple of ``local_steps`` ends on one."""
         if self.pace == "fixed":
             return self._inner_steps_total
-        return self._outer_step * self.local_steps + min(self._local_step, self.local_steps - 1)
+        event = self._outer_step + (self._pending is not None)  # the event this round's steps lead to
+        return (event_start(event - 1, self.local_steps, self.num_fragments)
+                + min(self._local_step, self._gap(event) - 1))
+
+    @property
+    def num_fragments(self) -> int:
+        return len(self.fragments)
+
+    def _gap(self, event: int) -> int:
+        return event_gap(event, self.local_steps, self.num_fragments)
 
     @property
     def contributed_steps(self) -> int:
@@ -166,7 +217,6 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
 
     def count_samples(self, n: int) -> None:
         """Tells the optimizer how many samples the coming inner step sees (for weighting and pacing)."""
-        self._samples_since_sync += int(n)
         self._step_samples += int(n)
 
     def global_hash(self) -> str:
@@ -196,14 +246,21 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         self._local_step += 1
         self._inner_steps_total += 1
         self._uncommitted_steps += 1
-        self._round_work += work
+        self._fragment_work = [w + work for w in self._fragment_work]
         self._pace_work += work
-        if self._round_due():
-            self.sync()
-            self._last_step_end = None  # the next interval holds whatever the loop does after a sync
-        else:
+        finished = False
+        if self._pending is not None and self._local_step >= self.overlap:
+            self._finish_round()
+            finished = True
+        if self._pending is None and self._round_due():
+            self._begin_round()
+            if self.overlap == 0:
+                self._finish_round()
+                finished = True
+        elif not finished:
             self._publish_pace()
-            self._last_step_end = now
+        # The next interval holds whatever the loop does after an outer step (an eval, a checkpoint).
+        self._last_step_end = None if finished else now
         return loss
 
     # -- pacing ------------------------------------------------------------------------------
@@ -212,19 +269,22 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         return Pace(work=self._pace_work, rate=rate, per_step=self._work_per_step, time=time.time(), ready=ready)
 
     def _round_due(self) -> bool:
+        gap = self._gap(self._outer_step)
         if self.pace == "fixed":
-            return self._local_step >= self.local_steps
-        return round_due(self._own_pace(), self.communicator.peer_paces(self._outer_step), self.local_steps,
+            return self._local_step >= gap
+        return round_due(self._own_pace(), self.communicator.peer_paces(self._outer_step), gap,
                          own_step_s=self._step_s, local_step=self._local_step)
 
     def _seconds_to_round(self) -> float | None:
         """When this worker expects to enter its next round; None until its step time is measured."""
         if self._step_s <= 0:
             return None
-        fixed = max(0, self.local_steps - self._local_step) * self._step_s
+        event = self._outer_step + (self._pending is not None)
+        gap = self._gap(event)
+        fixed = max(0, gap - self._local_step) * self._step_s
         if self.pace == "fixed":
             return fixed
-        eta = seconds_to_target(self._own_pace(), self.communicator.peer_paces(self._outer_step), self.local_steps)
+        eta = seconds_to_target(self._own_pace(), self.communicator.peer_paces(self._outer_step), gap)
         return eta if math.isfinite(eta) else fixed
 
     def _publish_pace(self, ready: bool = False) -> None:
@@ -238,68 +298,137 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
 
     # -- the outer step ----------------------------------------------------------------------
     def sync(self) -> SyncReport:
-        """Averages pseudo-gradients with the group and applies one outer step (called by ``step``)."""
+        """Starts the next round now and waits for it (a round still in flight is finished first)."""
+        if self._pending is not None:
+            self._finish_round()
+        self._begin_round()
+        return self._finish_round()
+
+    def _begin_round(self) -> None:
+        """Snapshots this worker's pseudo-gradient of the event's fragment and starts its round."""
         began = time.perf_counter()
-        steps = self._local_step
+        event = self._outer_step
+        fragment = fragment_of(event, self.num_fragments)
         self._publish_pace(ready=True)  # peers pacing themselves stop counting on our work growing
-        flat, weight, own_finite = self._contribution()
-        start = time.perf_counter()
+        round_ = _Round(RoundKey(event, fragment), fragment, steps=self._local_step, began=began)
+        contribution, result = self._fragment_buffers(fragment)
+        indices = self._indices(fragment)
+        n = self._fragment_size(fragment)
+        weight = self._fragment_work[fragment] if self.weight_by_samples else 1.0
+        if self.overlap > 0 and self._on_cuda(fragment):
+            # The training thread only queues a device-side snapshot and its copy to pinned host
+            # memory on a side stream; the subtraction and the round start once the copy has landed.
+            self._snapshot = self._snapshot or DeviceSnapshot()
+            ready = self._snapshot.capture(self.outer.select(indices)[0], contribution.views[:n])
+            buffers = [b.detach().clone() for b in self.outer.buffers] if self._carries_buffers(fragment) else []
+
+            def prepare():
+                ready()
+                round_.weight, round_.own_finite = self._finish_contribution(
+                    fragment, contribution, weight, from_snapshot=True, buffer_values=buffers)
+                round_.work = self.communicator.start(contribution.flat, weight=round_.weight, key=round_.key,
+                                                      out=result.flat)
+
+            round_.prepared = self._snapshot.executor.submit(prepare)
+        else:
+            self.outer.pseudo_gradient_into(contribution.views[:n], indices)
+            if self._carries_buffers(fragment):
+                self.outer.buffer_values_into(contribution.views[n:])
+            round_.weight, round_.own_finite = self._finish_contribution(fragment, contribution, weight)
+            try:
+                round_.work = self.communicator.start(contribution.flat, weight=round_.weight, key=round_.key,
+                                                      out=result.flat)
+            except AveragingError as e:
+                round_.work = CompletedWork(error=e)
+        round_.blocked_s = time.perf_counter() - began
+        self._pending = round_
+        self._local_step = 0
+        self._pace_work = 0.0
+
+    def _finish_round(self) -> SyncReport:
+        """Waits for the round in flight and applies it to its fragment (or handles its failure)."""
+        round_, self._pending = self._pending, None
+        began = time.perf_counter()
+        fragment = round_.fragment
+        contribution, _ = self._fragment_buffers(fragment)
         try:
-            result = self.communicator.start(flat, weight=weight, key=RoundKey(self._outer_step),
-                                             out=self._result.flat).wait()
-            communicator_s = time.perf_counter() - start
+            result = round_.wait()
+            communicator_s = time.perf_counter() - round_.began
             averaged = result.flat
-            if averaged.numel() != flat.numel() or averaged.dtype != torch.float32:
+            if averaged.numel() != contribution.numel or averaged.dtype != torch.float32:
                 raise AveragingError(f"the averaged vector has {averaged.numel()} {averaged.dtype} values, "
-                                     f"expected {flat.numel()} float32")
+                                     f"expected {contribution.numel} float32")
             if not all_finite(averaged):
                 raise AveragingError("the averaged pseudo-gradient is not finite; refused")
         except BehindError as e:
-            report = self._catch_up(e, time.perf_counter() - start, own_finite)
+            report = self._catch_up(e, time.perf_counter() - round_.began, round_.own_finite, contribution)
         except AveragingError as e:
-            report = self._round_failed(str(e), time.perf_counter() - start, own_finite)
+            report = self._round_failed(str(e), time.perf_counter() - round_.began, round_.own_finite)
         else:
-            n = self.outer.num_params
-            views = unflatten(averaged, self._buffer.views)
+            indices = self._indices(fragment)
+            n = self._fragment_size(fragment)
+            views = unflatten(averaged, contribution.views)
             with self._state_lock:
-                self.outer.apply(views[:n], views[n:])
+                self.outer.apply(views[:n], views[n:] if self._carries_buffers(fragment) else None, indices,
+                                 mix=self.mix)
                 self._outer_step += 1
             report = SyncReport(self._outer_step, True, group_size=result.group_size, peers=result.peers,
                                 allreduce_s=communicator_s, contributed_steps=self._uncommitted_steps,
                                 extra=result.extra)
             self._contributed_steps += self._uncommitted_steps
-            self._uncommitted_steps, self._round_work, self._samples_since_sync = 0, 0.0, 0
+            self._uncommitted_steps = 0
+            self._fragment_work[fragment] = 0.0
             self._global_changed()
             report.global_hash = self.global_hash()
-        report.steps, report.weight = steps, weight
-        self._local_step = 0
-        self._pace_work = 0.0
+        report.steps, report.weight, report.fragment = round_.steps, round_.weight, fragment
         self._publish_pace()
-        report.seconds = time.perf_counter() - began
+        report.seconds = round_.blocked_s + time.perf_counter() - began
         self.last_sync = report
         return report
 
-    def _contribution(self) -> tuple[torch.Tensor, float, bool]:
-        """This worker's flat [pseudo-gradients, buffers] in a reused fp32 buffer, its weight, and finiteness."""
-        if self._buffer is None:  # allocated once: later rounds write into pages already in memory
-            like = self.outer.params + self.outer.buffers
-            self._buffer = FlatBuffer(like)  # pinned when the model is on CUDA
-            self._result = FlatBuffer(like, pin=False)
-        n = self.outer.num_params
-        self.outer.pseudo_gradient_into(self._buffer.views[:n])
-        self.outer.buffer_values_into(self._buffer.views[n:])
-        flat = self._buffer.flat
-        if self.pace == "swarm":
-            weight = self._round_work
-        else:
-            weight = float(self._samples_since_sync) if self.weight_by_samples else 1.0
+    # -- contributions -------------------------------------------------------------------------
+    def _indices(self, fragment: int) -> list[int] | None:
+        """The fragment's parameter indices; None for the whole model (plain DiLoCo)."""
+        return None if self.num_fragments == 1 else self.fragments[fragment]
+
+    def _fragment_size(self, fragment: int) -> int:
+        """How many parameter tensors the fragment holds."""
+        return len(self.fragments[fragment])
+
+    def _carries_buffers(self, fragment: int) -> bool:
+        """Module buffers travel with the last fragment, which syncs at multiples of ``local_steps``."""
+        return fragment == self.num_fragments - 1
+
+    def _on_cuda(self, fragment: int) -> bool:
+        return any(p.device.type == "cuda" for p in self.outer.select(self._indices(fragment))[0])
+
+    def _fragment_buffers(self, fragment: int) -> tuple[FlatBuffer, FlatBuffer]:
+        """Allocated once per fragment: later rounds write into pages already in memory."""
+        if fragment not in self._buffers:
+            params = self.outer.select(self._indices(fragment))[0]
+            like = params + (self.outer.buffers if self._carries_buffers(fragment) else [])
+            self._buffers[fragment] = (FlatBuffer(like), FlatBuffer(like, pin=False))  # contribution pinned for CUDA
+        return self._buffers[fragment]
+
+    def _finish_contribution(self, fragment: int, contribution: FlatBuffer, weight: float, *,
+                             from_snapshot: bool = False, buffer_values=()) -> tuple[float, bool]:
+        """Completes the contribution in place (Δ from a snapshot, buffers) and refuses a non-finite one:
+        zeros with weight 0 go out instead. Returns (weight, own_finite)."""
+        indices = self._indices(fragment)
+        n = self._fragment_size(fragment)
+        if from_snapshot:  # the views hold θ_local: Δ = θ_global − θ_local, in place
+            for view, g in zip(contribution.views[:n], self.outer.select(indices)[1]):
+                torch.sub(g.detach(), view, out=view)
+            for view, b in zip(contribution.views[n:], buffer_values):
+                view.copy_(b.reshape(view.shape))
+        flat = contribution.flat
         own_finite = all_finite(flat)
         if not own_finite:
             log.warning("outer step %d: own pseudo-gradient is not finite; contributing zeros with weight 0",
                         self._outer_step)
             flat.zero_()
             weight = 0.0
-        return flat, weight, own_finite
+        return weight, own_finite
 
     def _round_failed(self, reason: str, seconds: float, own_finite: bool) -> SyncReport:
         """θ_global stays; the local work stays too (the next round's pseudo-gradient holds it),
@@ -315,10 +444,11 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
     def _drop_local_work(self) -> int:
         dropped, self._uncommitted_steps = self._uncommitted_steps, 0
         self._dropped_steps += dropped
-        self._round_work, self._samples_since_sync = 0.0, 0
+        self._fragment_work = [0.0] * self.num_fragments
         return dropped
 
-    def _catch_up(self, err: BehindError, seconds: float, own_finite: bool = True) -> SyncReport:
+    def _catch_up(self, err: BehindError, seconds: float, own_finite: bool = True,
+                  contribution: FlatBuffer | None = None) -> SyncReport:
         log.warning("outer step %d: %s; loading state from a peer", self._outer_step, err)
         majority = err.majority_hash if isinstance(err, DriftError) else None
         try:
@@ -332,9 +462,10 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
             # from the new θ_global minus its own pseudo-gradient, which the next round then carries.
             # Drifted or non-finite local work is never carried.
             drift = isinstance(err, DriftError)
-            carry = self.pace == "swarm" and not drift and own_finite
-            n = self.outer.num_params
-            keep = [v.clone() for v in self._buffer.views[:n]] if carry else None
+            # Only a whole-model pseudo-gradient can be carried (without fragments).
+            carry = (self.pace == "swarm" and not drift and own_finite and contribution is not None
+                     and self.num_fragments == 1)
+            keep = [v.clone() for v in contribution.views[:self.outer.num_params]] if carry else None
             self.load_shareable_state(state, min_outer_step=err.group_outer_step, expected_hash=majority,
                                       keep_local=keep)
         except Exception as e:  # a peer's state is input from the network: any defect is a failed catch-up
@@ -399,6 +530,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         peer_local = state.get("local_step", 0)
         if not isinstance(peer_local, int) or isinstance(peer_local, bool) or peer_local < 0:
             raise ValueError("peer state has an invalid local_step")
+        self._wait_pending()
         with self._state_lock:
             self.outer.load_state_dict(state["outer"])
             for b, src in zip(self.outer.buffers, buffers):
@@ -409,25 +541,38 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
                 self.outer.restart_local(keep_local)
             else:
                 self.outer.reset_local()
-                self._samples_since_sync = 0
-                self._round_work = 0.0
-                self._local_step = min(peer_local, self.local_steps - 1) if self.pace == "fixed" else 0
+                self._fragment_work = [0.0] * self.num_fragments
+                gap = self._gap(self._outer_step)
+                self._local_step = min(peer_local, gap - 1) if self.pace == "fixed" else 0
                 self._inner_steps_total = state["inner_steps_total"] + self._local_step
             self._pace_work = 0.0
         self._global_changed()
 
     # -- checkpoints -------------------------------------------------------------------------
     def state_dict(self) -> dict:
+        """Inner and outer state, counters and the streaming schedule. A round still in flight is
+        saved as this worker's contribution to it, and started again (same key) on load."""
+        pending = None
+        if self._pending is not None:
+            r = self._pending
+            if r.prepared is not None:
+                r.prepared.result()  # its contribution must be complete before it is copied
+            contribution, _ = self._fragment_buffers(r.fragment)
+            pending = {"outer_step": r.key.outer_step, "fragment": r.fragment, "steps": r.steps, "weight": r.weight,
+                       "own_finite": r.own_finite, "contribution": contribution.flat.clone()}
         return {
             "inner": self.inner.state_dict(),
             "outer": self.outer.state_dict(),
             "local_step": self._local_step,
             "outer_step": self._outer_step,
             "inner_steps_total": self._inner_steps_total,
-            "samples_since_sync": self._samples_since_sync,
             "local_steps": self.local_steps,
             "pace": self.pace,
-            "round_work": self._round_work,
+            "fragments": [list(f) for f in self.fragments],
+            "overlap": self.overlap,
+            "mix": self.mix,
+            "pending": pending,
+            "fragment_work": list(self._fragment_work),
             "pace_work": self._pace_work,
             "uncommitted_steps": self._uncommitted_steps,
             "contributed_steps": self._contributed_steps,
@@ -443,6 +588,15 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
             raise ValueError("DiLoCoOptimizer state_dict['outer'] needs 'global_params' and 'optimizer'")
         # Validate before touching anything, so a refused state dict leaves this optimizer as it was.
         validate_tensors(outer["global_params"], self.outer.global_params, "outer.global_params")
+        saved = state_dict.get("fragments", [list(range(self.outer.num_params))])
+        if saved != [list(f) for f in self.fragments]:
+            raise ValueError(f"the state dict was saved with {len(saved)} fragment(s) cut differently; this optimizer "
+                             f"has {self.num_fragments}: resume with the same fragments")
+        pending = state_dict.get("pending")
+        if pending is not None:
+            contribution, _ = self._fragment_buffers(int(pending["fragment"]))
+            validate_tensors([pending["contribution"]], [contribution.flat], "pending contribution")
+        self._wait_pending()
         inner_backup = self.inner.state_dict()
         self.inner.load_state_dict(state_dict["inner"])
         try:
@@ -457,14 +611,39 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         self._local_step = int(state_dict["local_step"])
         self._outer_step = int(state_dict["outer_step"])
         self._inner_steps_total = int(state_dict["inner_steps_total"])
-        self._samples_since_sync = int(state_dict.get("samples_since_sync", 0))
-        self._round_work = float(state_dict.get("round_work", self._samples_since_sync or self._local_step))
-        self._pace_work = float(state_dict.get("pace_work", self._round_work))
+        work = state_dict.get("fragment_work", [float(self._local_step)] * self.num_fragments)
+        self._fragment_work = [float(w) for w in work]
+        self._pace_work = float(state_dict.get("pace_work", self._local_step))
         self._uncommitted_steps = int(state_dict.get("uncommitted_steps", self._local_step))
         self._contributed_steps = int(state_dict.get("contributed_steps", 0))
         self._dropped_steps = int(state_dict.get("dropped_steps", 0))
         self._global_changed()  # θ_global was replaced: drop the cached hash
+        if pending is not None:  # the round that was in flight starts again, under the same key
+            fragment = int(pending["fragment"])
+            contribution, result = self._fragment_buffers(fragment)
+            contribution.flat.copy_(pending["contribution"])
+            round_ = _Round(RoundKey(int(pending["outer_step"]), fragment), fragment, steps=int(pending["steps"]),
+                            began=time.perf_counter(), weight=float(pending["weight"]),
+                            own_finite=bool(pending["own_finite"]))
+            try:
+                round_.work = self.communicator.start(contribution.flat, weight=round_.weight, key=round_.key,
+                                                      out=result.flat)
+            except AveragingError as e:
+                round_.work = CompletedWork(error=e)
+            self._pending = round_
+
+    def _wait_pending(self) -> None:
+        """Lets a round in flight end (its outcome discarded) before state is replaced under it: its
+        thread writes into this optimizer's buffers until then."""
+        if self._pending is not None:
+            try:
+                self._pending.wait()
+            except Exception as e:  # discarded anyway
+                log.debug("discarded round %s: %s", self._pending.key, e)
+            self._pending = None
 
     def __repr__(self) -> str:
-        return (f"DiLoCoOptimizer(local_steps={self.local_steps}, inner={type(self.inner).__name__}, "
+        streaming = (f", fragments={self.num_fragments}, overlap={self.overlap}, mix={self.mix}"
+                     if self.num_fragments > 1 or self.overlap else "")
+        return (f"DiLoCoOptimizer(local_steps={self.local_steps}{streaming}, inner={type(self.inner).__name__}, "
                 f"outer={type(self.outer.optimizer).__name__}, communicator={type(self.communicator).__name__})")

@@ -43,11 +43,19 @@ class OuterState:
     def buffer_values(self) -> list[torch.Tensor]:
         return [b.detach().to("cpu", torch.float32, copy=True) for b in self.buffers]
 
+    def select(self, indices: Sequence[int] | None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """(local, global) parameters at ``indices`` (all of them for None)."""
+        if indices is None:
+            return self.params, self.global_params
+        return [self.params[i] for i in indices], [self.global_params[i] for i in indices]
+
     @torch.no_grad()
-    def pseudo_gradient_into(self, views: Sequence[torch.Tensor]) -> None:
-        """Writes Δ = θ_global − θ_local into preallocated fp32 CPU ``views`` (one pass per tensor)."""
+    def pseudo_gradient_into(self, views: Sequence[torch.Tensor], indices: Sequence[int] | None = None) -> None:
+        """Writes Δ = θ_global − θ_local into preallocated fp32 CPU ``views`` (one pass per tensor),
+        for the parameters at ``indices`` (a fragment; all of them for None)."""
+        params, global_params = self.select(indices)
         devices = set()
-        for view, p in zip(views, self.params, strict=True):
+        for view, p in zip(views, params, strict=True):
             local = p.detach()
             if local.device.type == "cpu" and local.dtype == torch.float32:
                 continue
@@ -58,7 +66,7 @@ class OuterState:
                 torch.cuda.synchronize(device)
             elif device.type != "cpu" and hasattr(torch, device.type):
                 getattr(torch, device.type).synchronize()
-        for view, g, p in zip(views, self.global_params, self.params):
+        for view, g, p in zip(views, global_params, params):
             local = p.detach()
             if local.device.type == "cpu" and local.dtype == torch.float32:
                 torch.sub(g.detach(), local, out=view)
@@ -71,25 +79,35 @@ class OuterState:
             view.copy_(b.detach().reshape(view.shape))
 
     @torch.no_grad()
-    def apply(self, averaged_deltas: Sequence[torch.Tensor], averaged_buffers: Sequence[torch.Tensor]) -> None:
-        """One outer optimizer step on θ_global, then θ_local := θ_global.
+    def apply(self, averaged_deltas: Sequence[torch.Tensor], averaged_buffers: Sequence[torch.Tensor] | None,
+              indices: Sequence[int] | None = None, mix: float = 0.0) -> None:
+        """One outer optimizer step on θ_global (on the parameters at ``indices`` only, for a
+        fragment), then θ_local := mix·θ_local + (1 − mix)·θ_global for those parameters.
 
-        The averaged tensors are used as gradients in place (no copy); the caller must not
-        reuse them until this returns.
+        Parameters outside the fragment get no gradient, so the outer optimizer leaves them and
+        their momentum alone. The averaged tensors are used as gradients in place (no copy); the
+        caller must not reuse them until this returns.
         """
-        for g, delta in zip(self.global_params, averaged_deltas, strict=True):
+        _, global_params = self.select(indices)
+        for g, delta in zip(global_params, averaged_deltas, strict=True):
             g.grad = delta.to(torch.float32).reshape(g.shape)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        for b, avg in zip(self.buffers, averaged_buffers, strict=True):
-            b.copy_(avg.reshape(b.shape))
-        self.reset_local()
+        if averaged_buffers is not None:  # None: a fragment that does not carry the buffers
+            for b, avg in zip(self.buffers, averaged_buffers, strict=True):
+                b.copy_(avg.reshape(b.shape))
+        self.reset_local(indices, mix)
 
     @torch.no_grad()
-    def reset_local(self) -> None:
-        """Copies θ_global into the model's parameters (whatever their device and dtype)."""
-        for p, g in zip(self.params, self.global_params):
-            p.copy_(g)
+    def reset_local(self, indices: Sequence[int] | None = None, mix: float = 0.0) -> None:
+        """Copies θ_global into the model's parameters (whatever their device and dtype); with
+        ``mix`` > 0 keeps that share of the local weights (θ_local := mix·θ_local + (1 − mix)·θ_global)."""
+        params, global_params = self.select(indices)
+        for p, g in zip(params, global_params):
+            if mix == 0.0:
+                p.copy_(g)
+            else:
+                p.lerp_(g.to(p.device, p.dtype), 1.0 - mix)
 
     @torch.no_grad()
     def restart_local(self, pseudo_gradients: Sequence[torch.Tensor]) -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "opendiloco"
-CORE = ["optimizer.py", "outer.py", "pacing.py", "fingerprint.py", "errors.py",
+CORE = ["optimizer.py", "outer.py", "pacing.py", "streaming.py", "staging.py", "fingerprint.py", "errors.py",
         "comm/base.py", "comm/buffers.py", "comm/compression.py", "comm/local.py"]
 
 

@@ -46,6 +46,8 @@ def test_bad_config_file_exits_2_with_one_line(tmp_path, capsys, toml, fragment)
     (["--optim.lr"], "optim.lr: needs a value"),
     (["--data.eval-fraction", "1.5"], "data.eval_fraction: must be < 1"),
     (["stray"], "unexpected argument 'stray'"),
+    (["--optim.local-steps", "8", "--optim.fragments", "4", "--optim.overlap", "2"], "overlap 2 must be shorter"),
+    (["--optim.mix", "2"], "optim.mix: must be <= 1"),
 ])
 def test_bad_override_exits_2(capsys, override, fragment):
     code, out, err = run_cli(capsys, "train", *override)

@@ -51,6 +51,23 @@ def test_resume_is_bit_exact(tmp_path):
     assert hashes[0] == hashes[1]
 
 
+def test_streaming_resume_is_bit_exact_and_records_each_fragment(tmp_path):
+    # 2 fragments, each round lands 1 step after it starts; the cut (step 7) is mid flight: the
+    # round of fragment 1 started at step 6... (H=4: events at 2, 4, 6, 8, ... land at 3, 5, 7, 9).
+    stream = ["--optim.fragments", "2", "--optim.overlap", "1", "--optim.mix", "0.5", "--train.total-steps", "13"]
+    whole = train(small_config(tmp_path / "whole", *stream))
+    assert whole.outer_steps == 6
+    cfg = small_config(tmp_path / "split", *stream)
+    first = train(cfg, stop_after=6)
+    second = train(cfg, resume=True)
+    assert first.losses + second.losses == whole.losses
+    records = [[r for r in read_metrics(d / "metrics.jsonl") if r["event"] == "outer_step"]
+               for d in (tmp_path / "whole", tmp_path / "split")]
+    assert [r["global_hash"] for r in records[0]] == [r["global_hash"] for r in records[1]]
+    assert [(r["inner_step"], r["fragment"]) for r in records[0]] == [(3, 0), (5, 1), (7, 0), (9, 1), (11, 0),
+                                                                       (13, 1)]
+
+
 def test_loss_goes_down_and_metrics_are_written(tmp_path):
     result = train(small_config(tmp_path, "--train.total-steps", "24", "--optim.lr", "5e-3"))
     first, last = sum(result.losses[:3]) / 3, sum(result.losses[-3:]) / 3

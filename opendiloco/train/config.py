@@ -13,6 +13,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator, model_validator
 
+from opendiloco.streaming import check_schedule
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
@@ -120,6 +122,13 @@ class OptimConfig(Section):
     outer_lr: float = Field(0.7, gt=0)
     outer_momentum: float = Field(0.9, ge=0, lt=1)
     outer_nesterov: bool = True
+    fragments: int = Field(1, ge=1)
+    """Streaming DiLoCo: the model is cut into this many fragments that synchronise in turn, one
+    every local_steps / fragments inner steps (1: the whole model at once)."""
+    overlap: int = Field(0, ge=0)
+    """Inner steps a fragment's round runs in the background before it is applied (tau; 0: blocking)."""
+    mix: float = Field(0.0, ge=0, le=1)
+    """Share of the local weights kept when a round lands (alpha; 0 takes theta_global)."""
     pace: Literal["fixed", "swarm"] = "swarm"
     """When a round is due. swarm: when the group has done local_steps steps' worth of work per
     member, so workers of different speed stop together and all contribute (a lone worker takes
@@ -131,6 +140,11 @@ class OptimConfig(Section):
         if len(v) != 2 or not all(0 <= b < 1 for b in v):
             raise ValueError(f"expected two numbers in [0, 1), got {v}")
         return v
+
+    @model_validator(mode="after")
+    def _schedule(self):
+        check_schedule(self.local_steps, self.fragments, self.overlap, self.mix)
+        return self
 
 
 class TrainConfig(Section):

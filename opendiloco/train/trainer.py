@@ -208,6 +208,9 @@ class Trainer:
             module=PersistentBuffers(self.model),
             weight_by_samples=cfg.swarm.weight_by_samples,
             pace=o.pace,
+            fragments=o.fragments,
+            overlap=o.overlap,
+            mix=o.mix,
         )
         schedule = functools.partial(lr_lambda, warmup=o.warmup_steps, total=cfg.train.total_steps,
                                      min_ratio=o.min_lr_ratio)
@@ -428,10 +431,11 @@ class Trainer:
                            bytes_sent=report.extra.get("bytes_sent"), round_compute_s=tally.round_compute_s,
                            global_hash=report.global_hash, reason=report.reason, steps=report.steps,
                            contributed_steps=report.contributed_steps, dropped_steps=report.dropped_steps,
-                           weight=report.weight)
+                           weight=report.weight, fragment=report.fragment)
         tally.round_losses, tally.round_compute_s = [], 0.0
         tally.global_hash = report.global_hash or tally.global_hash
-        every = self.cfg.checkpoint.every_outer_steps
+        # With streaming an outer step is one fragment's sync: count whole-model syncs.
+        every = self.cfg.checkpoint.every_outer_steps * self.opt.num_fragments
         if report.ok and every and self.opt.outer_step % every == 0:
             self.save_checkpoint()
 

@@ -80,3 +80,22 @@ def test_worker_killed_leaves_no_daemons(swarm):
     while any(alive(p) for p in children) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not [p for p in children if alive(p)]
+
+
+def test_streaming_fragments_average_in_the_background_and_replicas_agree(swarm):
+    """2 fragments, each round landing 1 inner step after it starts: every event has all three
+    workers, fragments alternate, and θ_global is bit-identical across workers after every event."""
+    swarm.bootstrap()
+    names = ["w0", "w1", "w2"]
+    procs = [swarm.worker(n, seed=i + 1, outer_steps=6, local_steps=6, fragments=2, overlap=1, mix=0.5,
+                          min_group_size=3, step_delay=0.02) for i, n in enumerate(names)]
+    swarm.wait(procs, timeout=180)
+    syncs = {n: by_step(swarm.records(n)) for n in names}
+    for n in names:
+        assert sorted(syncs[n]) == [1, 2, 3, 4, 5, 6], swarm.log(n)
+        assert [syncs[n][k]["fragment"] for k in range(1, 7)] == [0, 1, 0, 1, 0, 1]
+    for k in range(1, 7):
+        assert {syncs[n][k]["group_size"] for n in names} == {3}
+        assert len({syncs[n][k]["global_hash"] for n in names}) == 1, f"event {k}"
+    # The round landed while training went on: the worker had taken its overlap step first.
+    assert all(syncs["w0"][k]["inner_steps_total"] == 3 * k + 1 for k in range(1, 7))

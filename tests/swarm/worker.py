@@ -66,6 +66,9 @@ def main():
     p.add_argument("--join-timeout", type=float, default=30.0)
     p.add_argument("--matchmaking-timeout", type=float, default=30.0)
     p.add_argument("--pace", default="fixed", choices=["fixed", "swarm"])
+    p.add_argument("--fragments", type=int, default=1)
+    p.add_argument("--overlap", type=int, default=0)
+    p.add_argument("--mix", type=float, default=0.0)
     p.add_argument("--run-until-stopped", action="store_true", help="ignore --outer-steps; train until SIGTERM")
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s [{args.seed}] %(name)s: %(message)s")
@@ -90,7 +93,7 @@ def main():
     opt = DiLoCoOptimizer(model.parameters(), local_steps=args.local_steps, communicator=comm,
                           inner_optimizer=functools.partial(torch.optim.AdamW, lr=3e-2),
                           outer_optimizer=functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True),
-                          pace=args.pace)
+                          pace=args.pace, fragments=args.fragments, overlap=args.overlap, mix=args.mix)
     t0 = time.perf_counter()
     state = comm.download_state(timeout=args.join_timeout)
     download_s = time.perf_counter() - t0
@@ -105,6 +108,7 @@ def main():
                           "downloaded": state is not None, "download_s": download_s,
                           "numel": sum(p.numel() for p in model.parameters())}) + "\n")
     out.flush()
+    last_reported = None
     try:
         while (args.run_until_stopped or opt.outer_step < args.outer_steps) and not stop:
             x = torch.randn(64, 16, generator=gen)
@@ -122,8 +126,8 @@ def main():
                                  global_hash=opt.global_hash())
             if args.step_delay:
                 time.sleep(args.step_delay)
-            if opt.local_step == 0:
-                s = opt.last_sync
+            if opt.last_sync is not None and opt.last_sync is not last_reported:
+                s = last_reported = opt.last_sync
                 if args.corrupt_at is not None and s.ok and opt.outer_step == args.corrupt_at:
                     with torch.no_grad():  # a silent divergence (e.g. a bit flip) that the swarm must heal
                         opt.outer.global_params[0].add_(1e-3)
@@ -134,6 +138,7 @@ def main():
                                       "allreduce_s": s.allreduce_s, "reason": s.reason, "steps": s.steps,
                                       "contributed": s.contributed_steps, "dropped": s.dropped_steps,
                                       "weight": s.weight, "inner_steps_total": opt.inner_steps_total,
+                                      "fragment": s.fragment,
                                       "time": time.time()}) + "\n")
                 out.flush()
     finally:

@@ -1,0 +1,142 @@
+"""Streaming DiLoCo against plain DiLoCo, in one run: utilisation, loss, peak bytes per sync.
+
+    python -m benchmarks.streaming --work runs/streaming [--fragments 4 --overlap 5 --mix 0.5]
+
+Same workers, model and links as the suite (``benchmarks/suite.py``, full plan): 4
+``opendiloco train`` processes through a real swarm, one network namespace each. Both methods run
+with ``optim.pace = fixed``, so they take exactly the same inner steps.
+
+- Utilisation at H=50 and H=500 with every worker's link shaped to 100 Mbit/s (tbf): plain DiLoCo
+  (one blocking all-reduce of the whole model every H steps), then streaming (P fragments, each
+  round in the background for ``overlap`` steps). The figure is steady-state time in inner steps
+  over wall time, median over workers.
+- Held-out loss at H=50 after the suite's 400 inner steps (batch 8), on loopback: plain, and
+  streaming with each ``--mixes`` value.
+- Peak bytes per sync event: the most payload bytes one worker sent in one round.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from opendiloco.testing.netns import unavailable_reason
+
+from . import analysis
+from .network import Loopback, Namespaces
+from .suite import PLANS, Suite
+
+PLAIN = ["--optim.pace", "fixed"]
+
+
+def streamed(fragments: int, overlap: int, mix: float) -> list[str]:
+    return [*PLAIN, "--optim.fragments", str(fragments), "--optim.overlap", str(overlap), "--optim.mix", str(mix)]
+
+
+def figures(run: dict) -> dict:
+    recs = run["records"]
+    rounds = [analysis.rounds(r) for r in recs]
+    steady = [analysis.steady_utilisation(r) for r in recs]
+    return {
+        "utilisation_steady_median": analysis.median_or_none(steady),
+        "utilisation_steady": steady,
+        "utilisation_whole": [analysis.whole_run_utilisation(r) for r in recs],
+        "final_eval_loss": analysis.final_eval_loss(recs[0]),
+        "eval_curve": analysis.eval_curve(recs[0]),
+        "peak_bytes_per_sync": max((r.get("bytes_sent") or 0 for rs in rounds for r in rs), default=0),
+        "bytes_per_step": statistics.median(
+            sum(r.get("bytes_sent") or 0 for r in rs) / max(1, rs[-1]["inner_step"]) for rs in rounds if rs),
+        "sync_s_median": analysis.median_or_none([r.get("sync_s") for rs in rounds for r in rs]),
+        "transfer_s_median": analysis.median_or_none([r.get("transfer_s") for rs in rounds for r in rs]),
+        "events": len(rounds[0]),
+        "group_sizes": sorted({r["group_size"] for rs in rounds for r in rs}),
+        "hashes_agree": len({rs[-1]["global_hash"] for rs in rounds if rs}) == 1,
+        "wall_s": run["wall_s"],
+    }
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--work", type=Path, default=Path("runs/streaming"))
+    p.add_argument("--fragments", type=int, default=4)
+    p.add_argument("--overlap", type=int, default=5)
+    p.add_argument("--mixes", default="0.5,0", help="mix values for the loss comparison (the first is used for "
+                                                     "utilisation)")
+    p.add_argument("--phases", default="utilisation,loss")
+    p.add_argument("--results", type=Path, default=None)
+    p.add_argument("--report-only", action="store_true")
+    args = p.parse_args(argv)
+    results_path = args.results or args.work / "results.json"
+    if args.report_only:
+        print(table(json.loads(results_path.read_text())))
+        return 0
+    reason = unavailable_reason()
+    if reason:
+        print(f"needs network namespaces for the shaped link: {reason}", file=sys.stderr)
+        return 2
+    plan = PLANS["full"]
+    suite = Suite(plan, args.work, use_netns=True)
+    mixes = [float(m) for m in args.mixes.split(",")]
+    out = {"fragments": args.fragments, "overlap": args.overlap, "mixes": mixes, "link_mbit": plan.link_mbit,
+           "workers": plan.workers, "runs": {}, "command": " ".join(["python -m benchmarks.streaming",
+                                                                      *(argv or sys.argv[1:])])}
+    started = time.monotonic()
+    phases = args.phases.split(",")
+    if "utilisation" in phases:
+        quiet = ["--train.eval-batches", "0"]
+        net = Namespaces(plan.workers + 1, link_mbit=plan.link_mbit)
+        try:
+            for h in plan.util_hs:
+                steps = h * plan.util_rounds.get(h, 2)
+                for name, extra in (("plain", PLAIN), ("streaming", streamed(args.fragments, args.overlap,
+                                                                              mixes[0]))):
+                    run = suite.diloco(f"util-H{h}-{name}", net, h, steps, plan.util_batch, [*quiet, *extra])
+                    out["runs"][f"util-H{h}-{name}"] = {"H": h, "link": plan.link_mbit, **figures(run)}
+                    print(f"    {out['runs'][f'util-H{h}-{name}']['utilisation_steady_median']}", flush=True)
+        finally:
+            net.close()
+    if "loss" in phases:
+        evals = ["--train.eval-every", "50", "--train.eval-batches", str(plan.eval_batches)]
+        net = Loopback(plan.workers + 1)
+        h = 50
+        configs = [("plain", PLAIN)] + [(f"streaming-mix{m:g}", streamed(args.fragments, args.overlap, m))
+                                        for m in mixes]
+        for name, extra in configs:
+            run = suite.diloco(f"loss-H{h}-{name}", net, h, plan.steps, plan.batch, [*evals, *extra])
+            out["runs"][f"loss-H{h}-{name}"] = {"H": h, "link": None, **figures(run)}
+            print(f"    {out['runs'][f'loss-H{h}-{name}']['final_eval_loss']}", flush=True)
+    out["minutes"] = (time.monotonic() - started) / 60
+    results_path.parent.mkdir(parents=True, exist_ok=True)
+    results_path.write_text(json.dumps(out, indent=1))
+    print(f"results: {results_path}")
+    print(table(out))
+    return 0
+
+
+def table(out: dict) -> str:
+    runs = out["runs"]
+    rows = ["| run | link | steady utilisation (median of workers) | outer step, blocking part (median) | "
+            "peak bytes per sync event | vs plain | held-out loss | vs plain |", "|---|---|---|---|---|---|---|---|"]
+    for name, r in runs.items():
+        kind, h, method = name.split("-", 2)
+        plain = runs.get(f"{kind}-{h}-plain", {})
+        util = r["utilisation_steady_median"]
+        link = f"{r['link']:g} Mbit/s" if r["link"] else "loopback"
+        loss = r["final_eval_loss"] if kind == "loss" else None
+        peak_ratio = r["peak_bytes_per_sync"] / plain["peak_bytes_per_sync"] if plain.get("peak_bytes_per_sync") \
+            else None
+        loss_ratio = loss / plain["final_eval_loss"] if loss and plain.get("final_eval_loss") else None
+        rows.append(" | ".join([
+            f"| {h} {method}", link, f"{util:.1%}" if util else "-",
+            f"{r['sync_s_median']:.3f} s" if r["sync_s_median"] is not None else "-",
+            f"{r['peak_bytes_per_sync'] / 1e6:.2f} MB", f"{peak_ratio:.3f}x" if peak_ratio else "-",
+            f"{loss:.4f}" if loss else "-", f"{loss_ratio:.4f}x |" if loss_ratio else "- |"]))
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
