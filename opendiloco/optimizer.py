@@ -166,6 +166,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         CUDA models) and the buffer the group's average lands in."""
         self._pending: _Round | None = None
         self._snapshot: DeviceSnapshot | None = None
+        self._schedule_high = 0
         self.communicator.attach_state_provider(self.shareable_state)
         self._global_changed()  # the swarm learns our outer step (and θ_global hash) at once
 
@@ -194,9 +195,12 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         completes a round, so a run that ends at a multiple of ``local_steps`` ends on one."""
         if self.pace == "fixed":
             return self._inner_steps_total
-        event = self._outer_step + (self._pending is not None)  # the event this round's steps lead to
-        return (event_start(event - 1, self.local_steps, self.num_fragments)
-                + min(self._local_step, self._gap(event) - 1))
+        event = self._next_round()  # the event this round's steps lead to
+        position = event_start(event - 1, self.local_steps, self.num_fragments) + min(self._local_step,
+                                                                                       self._gap(event) - 1)
+        # A failed round restarts its count of local steps; the run's position never goes back.
+        self._schedule_high = max(self._schedule_high, position)
+        return self._schedule_high
 
     @property
     def num_fragments(self) -> int:
@@ -227,8 +231,15 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         return self._hash
 
     def _global_changed(self) -> None:
+        """θ_global moved: the swarm learns the new outer step, hash and this worker's fresh pace in
+        one record, published at once."""
         self._hash = None
-        self.communicator.report_progress(outer_step=self._outer_step, global_hash=self.global_hash())
+        self.communicator.report_progress(outer_step=self._outer_step, global_hash=self.global_hash(),
+                                          **self._pace_fields())
+
+    def _next_round(self) -> int:
+        """The round this worker enters next: one more than ``outer_step`` while a round is in flight."""
+        return self._outer_step + (self._pending is not None)
 
     # -- the torch.optim.Optimizer surface ---------------------------------------------------
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -279,24 +290,31 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         """When this worker expects to enter its next round; None until its step time is measured."""
         if self._step_s <= 0:
             return None
-        event = self._outer_step + (self._pending is not None)
+        event = self._next_round()
         gap = self._gap(event)
         fixed = max(0, gap - self._local_step) * self._step_s
         if self.pace == "fixed":
             return fixed
-        eta = seconds_to_target(self._own_pace(), self.communicator.peer_paces(self._outer_step), gap)
+        eta = seconds_to_target(self._own_pace(), self.communicator.peer_paces(event), gap)
         return eta if math.isfinite(eta) else fixed
 
     def _publish_pace(self, ready: bool = False) -> None:
         """Tells the swarm how far this worker is in its round and when it expects to enter it."""
+        self.communicator.report_progress(**self._pace_fields(ready))
+
+    def _pace_fields(self, ready: bool = False) -> dict:
         pace = self._own_pace()
-        self.communicator.report_progress(
-            round_work=pace.work, work_rate=pace.rate, work_per_step=pace.per_step, ready=ready,
-            ready_in=0.0 if ready else self._seconds_to_round(),
-            steps_per_s=1 / self._step_s if self._step_s > 0 else 0.0,
-            contributed_steps=self._contributed_steps, dropped_steps=self._dropped_steps)
+        return dict(round_work=pace.work, work_rate=pace.rate, work_per_step=pace.per_step, ready=ready,
+                    next_round=self._next_round(), ready_in=0.0 if ready else self._seconds_to_round(),
+                    steps_per_s=1 / self._step_s if self._step_s > 0 else 0.0,
+                    contributed_steps=self._contributed_steps, dropped_steps=self._dropped_steps)
 
     # -- the outer step ----------------------------------------------------------------------
+    def finish(self) -> SyncReport | None:
+        """Applies a streamed round still in flight now, instead of ``overlap`` steps later (at the
+        end of a run, before its final eval and checkpoint). None if there is none."""
+        return self._finish_round() if self._pending is not None else None
+
     def sync(self) -> SyncReport:
         """Starts the next round now and waits for it (a round still in flight is finished first)."""
         if self._pending is not None:
@@ -347,7 +365,9 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
 
     def _finish_round(self) -> SyncReport:
         """Waits for the round in flight and applies it to its fragment (or handles its failure)."""
-        round_, self._pending = self._pending, None
+        # ``_pending`` stays set until the round has landed or failed: a joiner served state in the
+        # meantime must know that this round has started here.
+        round_ = self._pending
         began = time.perf_counter()
         fragment = round_.fragment
         contribution, _ = self._fragment_buffers(fragment)
@@ -361,8 +381,10 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
             if not all_finite(averaged):
                 raise AveragingError("the averaged pseudo-gradient is not finite; refused")
         except BehindError as e:
-            report = self._catch_up(e, time.perf_counter() - round_.began, round_.own_finite, contribution)
+            self._pending = None
+            report = self._catch_up(e, time.perf_counter() - round_.began, round_.own_finite)
         except AveragingError as e:
+            self._pending = None
             report = self._round_failed(str(e), time.perf_counter() - round_.began, round_.own_finite)
         else:
             indices = self._indices(fragment)
@@ -372,16 +394,18 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
                 self.outer.apply(views[:n], views[n:] if self._carries_buffers(fragment) else None, indices,
                                  mix=self.mix)
                 self._outer_step += 1
+                self._pending = None
             report = SyncReport(self._outer_step, True, group_size=result.group_size, peers=result.peers,
                                 allreduce_s=communicator_s, contributed_steps=self._uncommitted_steps,
                                 extra=result.extra)
             self._contributed_steps += self._uncommitted_steps
             self._uncommitted_steps = 0
             self._fragment_work[fragment] = 0.0
-            self._global_changed()
+            self._global_changed()  # publishes the fresh pace with the new outer step
             report.global_hash = self.global_hash()
+        if not report.ok:
+            self._publish_pace()
         report.steps, report.weight, report.fragment = round_.steps, round_.weight, fragment
-        self._publish_pace()
         report.seconds = round_.blocked_s + time.perf_counter() - began
         self.last_sync = report
         return report
@@ -447,8 +471,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         self._fragment_work = [0.0] * self.num_fragments
         return dropped
 
-    def _catch_up(self, err: BehindError, seconds: float, own_finite: bool = True,
-                  contribution: FlatBuffer | None = None) -> SyncReport:
+    def _catch_up(self, err: BehindError, seconds: float, own_finite: bool = True) -> SyncReport:
         log.warning("outer step %d: %s; loading state from a peer", self._outer_step, err)
         majority = err.majority_hash if isinstance(err, DriftError) else None
         try:
@@ -462,10 +485,11 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
             # from the new θ_global minus its own pseudo-gradient, which the next round then carries.
             # Drifted or non-finite local work is never carried.
             drift = isinstance(err, DriftError)
-            # Only a whole-model pseudo-gradient can be carried (without fragments).
-            carry = (self.pace == "swarm" and not drift and own_finite and contribution is not None
-                     and self.num_fragments == 1)
-            keep = [v.clone() for v in contribution.views[:self.outer.num_params]] if carry else None
+            # Δ afresh, over the whole model: it holds every local step since θ_global last moved,
+            # those taken while a streamed round was in flight included.
+            keep = self.outer.pseudo_gradients() if self.pace == "swarm" and not drift and own_finite else None
+            carry = keep is not None and all(all_finite(d) for d in keep)
+            keep = keep if carry else None
             self.load_shareable_state(state, min_outer_step=err.group_outer_step, expected_hash=majority,
                                       keep_local=keep)
         except Exception as e:  # a peer's state is input from the network: any defect is a failed catch-up
@@ -485,11 +509,18 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         a joiner then takes exactly ``local_steps`` inner steps before its first outer step.
         """
         with self._state_lock:  # copies, so that serving it later never races an outer step
+            base, local = self._inner_steps_total - self._local_step, self._local_step
+            if self._pending is not None:
+                # Round ``outer_step`` has started here and not landed: the joiner holds θ_global
+                # without it, so it is placed one step before that round's start, to take part
+                # in it if the group is still forming.
+                gap = self._gap(self._outer_step)
+                base, local = base - gap, gap - 1
             return {
                 "outer": copy.deepcopy(self.outer.state_dict()),
                 "outer_step": self._outer_step,
-                "inner_steps_total": self._inner_steps_total - self._local_step,
-                "local_step": self._local_step,
+                "inner_steps_total": max(0, base),
+                "local_step": local,
                 "buffers": self.outer.buffer_values(),
             }
 
@@ -555,11 +586,17 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         pending = None
         if self._pending is not None:
             r = self._pending
-            if r.prepared is not None:
-                r.prepared.result()  # its contribution must be complete before it is copied
-            contribution, _ = self._fragment_buffers(r.fragment)
-            pending = {"outer_step": r.key.outer_step, "fragment": r.fragment, "steps": r.steps, "weight": r.weight,
-                       "own_finite": r.own_finite, "contribution": contribution.flat.clone()}
+            try:
+                if r.prepared is not None:
+                    r.prepared.result()  # its contribution must be complete before it is copied
+                prepared = True
+            except Exception as e:  # it failed to start: nothing to restart on load
+                log.debug("round %s did not start: %s", r.key, e)
+                prepared = False
+            if prepared:
+                contribution, _ = self._fragment_buffers(r.fragment)
+                pending = {"outer_step": r.key.outer_step, "fragment": r.fragment, "steps": r.steps,
+                           "weight": r.weight, "own_finite": r.own_finite, "contribution": contribution.flat.clone()}
         return {
             "inner": self.inner.state_dict(),
             "outer": self.outer.state_dict(),

@@ -22,6 +22,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 PACES = ("fixed", "swarm")
+EXTRAPOLATE_S = 10.0
+"""How far ahead of a peer's last published figures its work is extrapolated (several heartbeats)."""
 
 
 @dataclass(frozen=True)
@@ -45,9 +47,11 @@ class Pace:
         return self.ready or (self.rate > 0 and self.per_step > 0)
 
     def work_at(self, t: float) -> float:
+        """Its work at time ``t``, extrapolated at its rate, for at most ``EXTRAPOLATE_S`` seconds: a
+        peer whose figures stopped moving (a long eval, a stall) is not assumed to train on for ever."""
         if self.ready:
             return self.work
-        return self.work + self.rate * max(0.0, t - self.time)
+        return self.work + self.rate * min(EXTRAPOLATE_S, max(0.0, t - self.time))
 
 
 def target_work(members: Sequence[Pace], local_steps: int) -> float:

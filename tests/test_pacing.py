@@ -6,9 +6,9 @@ import math
 import pytest
 import torch
 
-from opendiloco import DiLoCoOptimizer
+from opendiloco import AveragingError, DiLoCoOptimizer
 from opendiloco.comm import SingleWorker
-from opendiloco.pacing import Pace, group_work, round_due, seconds_to_target, target_work
+from opendiloco.pacing import EXTRAPOLATE_S, Pace, group_work, round_due, seconds_to_target, target_work
 from tests.test_optimizer import ADAMW, batch, mlp, params, train_step
 
 H = 10
@@ -98,3 +98,25 @@ def test_carried_work_restarts_from_the_new_global_minus_the_old_pseudo_gradient
 def test_pace_is_validated():
     with pytest.raises(ValueError, match="pace"):
         DiLoCoOptimizer(mlp(0).parameters(), local_steps=5, pace="fast")
+
+
+def test_schedule_step_never_goes_back_after_a_failed_round():
+    class Failing(SingleWorker):
+        def start(self, flat, *, weight, key, out=None):
+            from opendiloco.comm.base import CompletedWork
+
+            return CompletedWork(error=AveragingError("no quorum"))
+
+    model = mlp(0)
+    opt = DiLoCoOptimizer(model.parameters(), local_steps=5, inner_optimizer=ADAMW, communicator=Failing(),
+                          pace="swarm")
+    seen = []
+    for s in range(12):
+        train_step(model, opt, *batch(0, s))
+        seen.append(opt.schedule_step)
+    assert seen == sorted(seen) and opt.outer_step == 0 and seen[-1] == 4  # stuck below the round's end
+
+
+def test_a_far_stale_peer_is_not_extrapolated_for_ever():
+    stale = Pace(work=2, rate=2.5, per_step=1, time=0.0)
+    assert stale.work_at(1e6) == 2 + 2.5 * EXTRAPOLATE_S

@@ -68,6 +68,18 @@ def test_streaming_resume_is_bit_exact_and_records_each_fragment(tmp_path):
                                                                        (13, 1)]
 
 
+def test_a_run_ending_with_a_round_in_flight_applies_it_before_its_last_eval(tmp_path):
+    # Events start at 2, 4, ..., 12 and land one step later: the last one is still in flight at step 12.
+    result = train(small_config(tmp_path, "--optim.fragments", "2", "--optim.overlap", "1",
+                                "--train.total-steps", "12"))
+    assert result.inner_steps == 12 and result.outer_steps == 6
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    last = [r for r in records if r["event"] == "outer_step"][-1]
+    assert last["outer_step"] == 6 and last["inner_step"] == 12 and last["ok"]
+    final_eval = [r for r in records if r["event"] == "eval"][-1]
+    assert final_eval["outer_step"] == 6  # evaluated after the last round landed
+
+
 def test_loss_goes_down_and_metrics_are_written(tmp_path):
     result = train(small_config(tmp_path, "--train.total-steps", "24", "--optim.lr", "5e-3"))
     first, last = sum(result.losses[:3]) / 3, sum(result.losses[-3:]) / 3

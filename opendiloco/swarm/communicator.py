@@ -212,7 +212,7 @@ class SwarmCommunicator(Communicator):
 
     def peer_paces(self, outer_step: int) -> list[Pace]:
         snapshot = self._workers_snapshot
-        return [r.pace() for p, r in snapshot.items() if p != self._peer_id and r.outer_step == outer_step]
+        return [r.pace() for p, r in snapshot.items() if p != self._peer_id and r.heading == outer_step]
 
     # -- a round -------------------------------------------------------------------------------
     def start(self, flat, *, weight, key, out=None) -> Work:

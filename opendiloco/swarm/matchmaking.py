@@ -89,30 +89,45 @@ class Matchmaker:
         """
         s, me = self.settings, self.me
         announce_key = records.round_key(s.run_id, key)
-        began, announced = get_dht_time(), None
+        began, announced, polls = get_dht_time(), None, 0
+        gkey = records.group_key(s.run_id, key, attempt)
         while True:
             workers = workers if workers is not None else self.presence.live_workers()
             self.presence.raise_if_behind(workers, key.outer_step)
             ready = {p: v for p, v in records.subkey_values(self.dht, announce_key).items()
                      if isinstance(v, dict) and type(v.get("attempt")) is int}
             attempt = max([attempt] + [v["attempt"] for v in ready.values()])
+            gkey = records.group_key(s.run_id, key, attempt)
             if announced != attempt:
-                value = {"attempt": attempt, "numel": numel, "codec": self.codec_name, "part": s.part_numel}
+                value = {"attempt": attempt, "numel": numel, "codec": self.codec_name, "part": s.part_numel,
+                         "since": began}
                 records.store(self.dht, announce_key, value, get_dht_time() + s.record_ttl, subkey=me)
                 ready[me], announced = value, attempt
             compatible = {p for p, v in ready.items() if v.get("attempt") == attempt and v.get("numel") == numel
                           and v.get("codec") == self.codec_name and v.get("part") == s.part_numel}
-            expected = ({p for p, r in workers.items() if r.outer_step == key.outer_step} - set(suspects)) | {me}
+            # Peers heading for this round: at its outer step, or one behind with a streamed round
+            # still in flight that they will apply before they come.
+            expected = ({p for p, r in workers.items() if r.heading == key.outer_step} - set(suspects)) | {me}
             missing = expected - compatible
             enough = len(compatible) >= s.min_group_size
             now = get_dht_time()
-            give_up_at = max((self._wait_until(workers[p], began) for p in missing), default=began)
+            # Everyone measures from the earliest announcement, so that the leader and the members
+            # give up on a straggler at the same moment.
+            shared = self._shared_start({p: ready[p] for p in compatible}, began, now)
+            give_up_at = max((self._wait_until(workers[p], shared) for p in missing), default=shared)
             if enough and now >= give_up_at:
                 break
             self._raise_if_interrupted()
-            if not enough and now >= max(began + s.matchmaking_timeout, give_up_at):
+            if not enough and now >= max(shared + s.matchmaking_timeout, give_up_at):
                 raise AveragingError(f"matchmaking for round {key}: {len(compatible)} peer(s) ready "
-                                     f"after {now - began:.0f}s, need {s.min_group_size}")
+                                     f"after {now - shared:.0f}s, need {s.min_group_size}")
+            polls += 1
+            # A leader may have closed the group already (it gave up on a straggler we still wait
+            # for): its doorbell ring, or now and then the DHT, tells us.
+            if self.doorbell.wait(str(key), attempt, 0) or polls % 10 == 0:
+                members = self._published(key, gkey, set(workers) | {me})
+                if members is not None:
+                    return self._group(key, attempt, members), attempt
             time.sleep(s.poll_interval)
             workers = None
         return self._adopt_group(key, attempt, min(compatible), compatible, set(workers) | {me}), attempt
@@ -129,6 +144,32 @@ class Matchmaker:
         expected = record.ready_at if record.ready_at is not None else began
         return min(max(expected, began) + s.straggler_wait, began + s.max_wait)
 
+    def _shared_start(self, announcements: dict, began: float, now: float) -> float:
+        """The earliest plausible ``since`` among compatible announcements (ours if none is)."""
+        oldest = now - self.settings.max_wait - self.settings.matchmaking_timeout
+        times = [v.get("since") for v in announcements.values()]
+        return min([began] + [t for t in times if isinstance(t, (int, float)) and oldest <= t <= now])
+
+    def _published(self, key: RoundKey, gkey: str, live: set[str]) -> tuple[str, ...] | None:
+        """The group published for this round and attempt, or None.
+
+        A group counts if its publisher leads it (the smallest member id), its members are
+        distinct, and some of them are alive; of several, the smallest publisher's wins.
+        Raises ``BehindError`` if it leaves this worker out.
+        """
+        published = {p: tuple(sorted(set(m))) for p, m in records.subkey_values(self.dht, gkey).items()
+                     if isinstance(m, list) and m and all(isinstance(x, str) for x in m)
+                     and len(set(m)) == len(m) and p == min(m) and live & set(m)}
+        if not published:
+            return None
+        members = published[min(published)]
+        if self.me not in members:
+            raise BehindError(f"left out of the group for round {key}", group_outer_step=key.outer_step + 1)
+        return members
+
+    def _group(self, key: RoundKey, attempt: int, members: tuple[str, ...]) -> Group:
+        return Group(make_group_id(self.settings.run_id, key, attempt, members), members, key)
+
     def _adopt_group(self, key: RoundKey, attempt: int, leader: str | None, compatible: set[str],
                      live: set[str]) -> Group:
         s, me = self.settings, self.me
@@ -137,16 +178,9 @@ class Matchmaker:
         polls = 0
         while True:
             # A group already closed for this round wins over our own view of who is ready.
-            # A group counts if its publisher leads it (the smallest member id), its members are
-            # distinct, and some of them are alive.
-            published = {p: tuple(sorted(set(m))) for p, m in records.subkey_values(self.dht, gkey).items()
-                         if isinstance(m, list) and m and all(isinstance(x, str) for x in m)
-                         and len(set(m)) == len(m) and p == min(m) and live & set(m)}
-            if published:
-                members = published[min(published)]
-                if me in members:
-                    return Group(make_group_id(s.run_id, key, attempt, members), members, key)
-                raise BehindError(f"left out of the group for round {key}", group_outer_step=key.outer_step + 1)
+            members = self._published(key, gkey, live)
+            if members is not None:
+                return self._group(key, attempt, members)
             if leader == me:
                 members = sorted(compatible)
                 records.store(self.dht, gkey, members, get_dht_time() + s.record_ttl, subkey=me)

@@ -47,7 +47,7 @@ class Presence:
             fields["pace_time"] = now
         with self._lock:
             changed = any(k in fields and fields[k] != self._progress.get(k, default)
-                          for k, default in (("outer_step", -1), ("ready", False)))
+                          for k, default in (("outer_step", -1), ("ready", False), ("next_round", -1)))
             self._progress.update(fields)
         if changed:  # keep the future: an unreferenced task may be garbage-collected mid-flight
             future = asyncio.run_coroutine_threadsafe(self.publish(), self.loop)

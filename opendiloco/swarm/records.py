@@ -50,6 +50,9 @@ class WorkerRecord:
     heartbeat that republishes the record does not push it back)."""
     ready: bool = False
     """It has stopped training and waits for its round (its ``round_work`` is final)."""
+    next_round: int = -1
+    """The round (outer step) it heads for: ``outer_step``, or one more while a streamed round is
+    still in flight (it started round ``outer_step`` and has not applied it yet). -1: not said."""
     round_work: float = 0.0
     """Samples (or inner steps) this worker has put into the current round so far."""
     work_rate: float = 0.0
@@ -65,6 +68,11 @@ class WorkerRecord:
     time: float = 0.0
     left: bool = False
     """Set when a worker leaves cleanly, so others stop waiting for it at once."""
+
+    @property
+    def heading(self) -> int:
+        """The round this worker will enter next."""
+        return self.next_round if self.next_round >= 0 else self.outer_step
 
     def pace(self) -> Pace:
         return Pace(work=self.round_work, rate=self.work_rate, per_step=self.work_per_step,
@@ -96,8 +104,11 @@ class WorkerRecord:
                 if not math.isfinite(rec.ready_at):
                     return None
             rec.ready = bool(rec.ready)
+            rec.next_round = int(rec.next_round)
+            if not isinstance(rec.global_hash, str) or not (rec.loss is None or isinstance(rec.loss, (int, float))):
+                return None
             return rec
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError):
             return None
 
 

@@ -376,9 +376,11 @@ class Trainer:
                             ar_s=f"{sync.allreduce_s:.2f}" if sync else "-", refresh=False)
             bar.update(self.opt.schedule_step - bar.n)
         bar.close()
+        result.stopped = result.stopped or stop.requested
+        if not result.stopped and self.opt.finish() is not None:  # a streamed round still in flight lands now
+            self._outer_step_done(tally, evaluated=False)
         loop_s = time.perf_counter() - tally.start
 
-        result.stopped = result.stopped or stop.requested
         if tally.steps:
             result.tokens_per_s = tally.tokens_per_s()
             if not result.stopped and tally.eval_step != self.opt.inner_steps_total:

@@ -1,5 +1,6 @@
 """The library's swarm path end to end: real DHT, real p2p all-reduce, separate processes."""
 
+import signal
 import time
 
 import pytest
@@ -97,5 +98,38 @@ def test_streaming_fragments_average_in_the_background_and_replicas_agree(swarm)
     for k in range(1, 7):
         assert {syncs[n][k]["group_size"] for n in names} == {3}
         assert len({syncs[n][k]["global_hash"] for n in names}) == 1, f"event {k}"
-    # The round landed while training went on: the worker had taken its overlap step first.
-    assert all(syncs["w0"][k]["inner_steps_total"] == 3 * k + 1 for k in range(1, 7))
+    # The round landed while training went on: the worker had taken its overlap step first. Workers
+    # that joined by download took the group's position, so this holds for all of them.
+    for n in names:
+        assert [syncs[n][k]["inner_steps_total"] for k in range(1, 7)] == [3 * k + 1 for k in range(1, 7)], n
+
+
+def test_streaming_peers_still_applying_their_last_round_are_waited_for(swarm):
+    """No quorum asked for: a worker that starts round k while a slower peer is still inside its
+    overlap for round k-1 must wait for it (the peer publishes that it heads for round k), not
+    average alone."""
+    swarm.bootstrap()
+    names = ["w0", "w1", "w2"]
+    opts = dict(run_until_stopped=True, local_steps=8, fragments=2, overlap=3, min_group_size=1, straggler_wait=3)
+    procs = [swarm.worker(n, seed=i + 1, step_delay=delay, **opts)
+             for i, (n, delay) in enumerate(zip(names, (0.02, 0.02, 0.06)))]
+
+    def together():
+        return [k for k, r in by_step(swarm.records("w2")).items() if r["group_size"] == 3]
+
+    deadline = time.monotonic() + 150
+    while len(together()) < 5:
+        assert time.monotonic() < deadline, [swarm.log(n) for n in names]
+        time.sleep(0.2)
+    stopped_at = time.time()  # what happens while the workers leave is not what this test is about
+    for proc in procs:
+        proc.send_signal(signal.SIGTERM)
+    swarm.wait(procs, timeout=60)
+    first = min(together())
+    for n in names:
+        later = [r for r in swarm.records(n) if r["outer_step"] > first and r["time"] < stopped_at]
+        assert later and all(r["ok"] and r["group_size"] == 3 for r in later), (n, later)
+        assert all(r["dropped"] == 0 for r in later)
+    steps = sorted(k for k in by_step(swarm.records("w2")) if k > first)
+    for k in steps:
+        assert len({by_step(swarm.records(n))[k]["global_hash"] for n in names}) == 1

@@ -32,6 +32,9 @@ def test_records_with_bad_numbers_are_ignored():
     assert WorkerRecord.from_value("p", {"outer_step": 1, "work_rate": float("nan")}) is None
     assert WorkerRecord.from_value("p", {"outer_step": 1, "round_work": -3}) is None
     assert WorkerRecord.from_value("p", {"outer_step": 1, "ready_at": float("inf")}) is None
+    assert WorkerRecord.from_value("p", {"outer_step": 1, "contributed_steps": float("inf")}) is None
+    assert WorkerRecord.from_value("p", {"outer_step": 1, "global_hash": ["not", "a", "hash"]}) is None
+    assert WorkerRecord.from_value("p", {"outer_step": 1, "loss": "low"}) is None
     rec = WorkerRecord.from_value("p", {"outer_step": 1, "round_work": 7, "work_rate": 2.5, "ready": 1})
     assert rec.pace().work == 7.0 and rec.pace().rate == 2.5 and rec.ready is True
 
@@ -44,3 +47,8 @@ def test_status_shows_rate_and_contribution_per_worker():
     assert "steps/s" in header and "contributed" in header and "dropped" in header
     assert "4.00" in fast and "90 (100%)" in fast
     assert "1.00" in slow and "27 (90%)" in slow and "waiting" in slow
+
+
+def test_a_peer_with_a_streamed_round_in_flight_is_heading_for_the_next_round():
+    assert WorkerRecord("p", outer_step=4).heading == 4
+    assert WorkerRecord("p", outer_step=4, next_round=5).heading == 5
