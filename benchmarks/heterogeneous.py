@@ -194,14 +194,18 @@ def main(argv=None) -> int:
 def table(out: dict) -> str:
     """The markdown table of docs/benchmarks.md: one row per run, ratios against runs of the same size."""
     rows = ["| workers | run | outer steps with every worker | useful compute, lowest | utilisation, lowest | "
-            "held-out loss at equal wall time | vs equal-speed swarm | vs without the slow worker |",
-            "|---|---|---|---|---|---|---|---|"]
+            "held-out loss at equal wall time | vs equal-speed swarm | vs without the slow worker | "
+            "mean loss, last third | vs equal-speed | vs without the slow worker |",
+            "|---|---|---|---|---|---|---|---|---|---|---|"]
     for n, runs in out["runs"].items():
         for name, r in runs.items():
             k = name.split("-k")[-1] if "-k" in name else None
             equal = runs.get("swarm-k1" if k == "1" else f"equal-k{k}", {}).get("loss_at_wall")
             base = runs.get("without-slow", {}).get("loss_at_wall")
             loss = r["loss_at_wall"]
+            late = late_loss(r, out["wall_s"])
+            late_equal = late_loss(runs.get("swarm-k1" if k == "1" else f"equal-k{k}"), out["wall_s"])
+            late_base = late_loss(runs.get("without-slow"), out["wall_s"])
             useful = [w["useful"] for w in r["per_worker"] if w["useful"] is not None]
             util = [w["utilisation"] for w in r["per_worker"] if w["utilisation"] is not None]
             compared = name.startswith(("swarm", "fixed"))
@@ -210,8 +214,20 @@ def table(out: dict) -> str:
                 f"{min(useful):.1%}" if useful else "-", f"{min(util):.1%}" if util else "-",
                 f"{loss:.4f}" if loss else "-",
                 f"{loss / equal:.3f}x" if compared and loss and equal and k != "1" else "-",
-                f"{loss / base:.3f}x |" if compared and loss and base else "- |"]))
+                f"{loss / base:.3f}x" if compared and loss and base else "-",
+                f"{late:.4f}" if late else "-",
+                f"{late / late_equal:.3f}x" if compared and late and late_equal and k != "1" else "-",
+                f"{late / late_base:.3f}x |" if compared and late and late_base else "- |"]))
     return "\n".join(rows)
+
+
+def late_loss(run: dict | None, wall: float) -> float | None:
+    """Mean held-out loss over the last third of the wall time: less sensitive to where the last
+    outer step falls than the value at one instant."""
+    if not run:
+        return None
+    late = [loss for t, loss in run["evals"] if 2 * wall / 3 <= t <= wall]
+    return sum(late) / len(late) if late else None
 
 
 def plot(out: dict, path: Path) -> None:
