@@ -33,15 +33,20 @@ from .suite import PLANS, Suite
 PLAIN = ["--optim.pace", "fixed"]
 
 
-def streamed(fragments: int, overlap: int, mix: float) -> list[str]:
-    return [*PLAIN, "--optim.fragments", str(fragments), "--optim.overlap", str(overlap), "--optim.mix", str(mix)]
+def streamed(fragments: int, overlap: int, mix: float, pace: str = "fixed") -> list[str]:
+    return ["--optim.pace", pace, "--optim.fragments", str(fragments), "--optim.overlap", str(overlap),
+            "--optim.mix", str(mix)]
 
 
 def figures(run: dict) -> dict:
     recs = run["records"]
     rounds = [analysis.rounds(r) for r in recs]
     steady = [analysis.steady_utilisation(r) for r in recs]
+    # The same window without the last outer step: at a run's end a streamed round still in flight
+    # is landed at once (a one-off per run, not per round), so this is the per-round figure.
+    before_end = [analysis.steady_utilisation(without_last_round(r)) for r in recs]
     return {
+        "utilisation_per_round_median": analysis.median_or_none(before_end),
         "utilisation_steady_median": analysis.median_or_none(steady),
         "utilisation_steady": steady,
         "utilisation_whole": [analysis.whole_run_utilisation(r) for r in recs],
@@ -59,14 +64,22 @@ def figures(run: dict) -> dict:
     }
 
 
+def without_last_round(records: list[dict]) -> list[dict]:
+    last = max((i for i, r in enumerate(records) if r.get("event") == "outer_step"), default=None)
+    return [r for i, r in enumerate(records) if i != last]
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--work", type=Path, default=Path("runs/streaming"))
     p.add_argument("--fragments", type=int, default=4)
     p.add_argument("--overlap", type=int, default=5)
+    p.add_argument("--util-overlap", type=int, default=None, help="overlap for the utilisation runs "
+                   "(default --overlap)")
     p.add_argument("--mixes", default="0.5,0", help="mix values for the loss comparison (the first is used for "
                                                      "utilisation)")
     p.add_argument("--phases", default="utilisation,loss")
+    p.add_argument("--skip-long-fixed", action="store_true", help="no streaming-fixed run at H=500 (5 minutes)")
     p.add_argument("--results", type=Path, default=None)
     p.add_argument("--report-only", action="store_true")
     args = p.parse_args(argv)
@@ -81,19 +94,26 @@ def main(argv=None) -> int:
     plan = PLANS["full"]
     suite = Suite(plan, args.work, use_netns=True)
     mixes = [float(m) for m in args.mixes.split(",")]
-    out = {"fragments": args.fragments, "overlap": args.overlap, "mixes": mixes, "link_mbit": plan.link_mbit,
-           "workers": plan.workers, "runs": {}, "command": " ".join(["python -m benchmarks.streaming",
-                                                                      *(argv or sys.argv[1:])])}
+    out = {"fragments": args.fragments, "overlap": args.overlap, "util_overlap": args.util_overlap, "mixes": mixes,
+           "link_mbit": plan.link_mbit, "workers": plan.workers, "runs": {},
+           "command": " ".join(["python -m benchmarks.streaming", *(argv or sys.argv[1:])])}
     started = time.monotonic()
     phases = args.phases.split(",")
     if "utilisation" in phases:
         quiet = ["--train.eval-batches", "0"]
         net = Namespaces(plan.workers + 1, link_mbit=plan.link_mbit)
         try:
+            tau = args.util_overlap if args.util_overlap is not None else args.overlap
             for h in plan.util_hs:
                 steps = h * plan.util_rounds.get(h, 2)
-                for name, extra in (("plain", PLAIN), ("streaming", streamed(args.fragments, args.overlap,
-                                                                              mixes[0]))):
+                # Streaming under both paces: "fixed" takes exactly the steps plain DiLoCo takes; "swarm"
+                # (the trainer's default) lets every worker start each event when the group's work is
+                # done, so no worker waits for a slower one.
+                configs = {"plain": PLAIN, "streaming-fixed": streamed(args.fragments, tau, mixes[0]),
+                           "streaming-swarm": streamed(args.fragments, tau, mixes[0], "swarm")}
+                for name, extra in configs.items():
+                    if h >= 500 and name == "streaming-fixed" and args.skip_long_fixed:
+                        continue
                     run = suite.diloco(f"util-H{h}-{name}", net, h, steps, plan.util_batch, [*quiet, *extra])
                     out["runs"][f"util-H{h}-{name}"] = {"H": h, "link": plan.link_mbit, **figures(run)}
                     print(f"    {out['runs'][f'util-H{h}-{name}']['utilisation_steady_median']}", flush=True)
@@ -119,8 +139,9 @@ def main(argv=None) -> int:
 
 def table(out: dict) -> str:
     runs = out["runs"]
-    rows = ["| run | link | steady utilisation (median of workers) | outer step, blocking part (median) | "
-            "peak bytes per sync event | vs plain | held-out loss | vs plain |", "|---|---|---|---|---|---|---|---|"]
+    rows = ["| run | link | steady utilisation (median of workers) | same, last outer step left out | "
+            "outer step, blocking part (median) | peak bytes per sync event | vs plain | held-out loss | vs plain |",
+            "|---|---|---|---|---|---|---|---|---|"]
     for name, r in runs.items():
         kind, h, method = name.split("-", 2)
         plain = runs.get(f"{kind}-{h}-plain", {})
@@ -132,6 +153,7 @@ def table(out: dict) -> str:
         loss_ratio = loss / plain["final_eval_loss"] if loss and plain.get("final_eval_loss") else None
         rows.append(" | ".join([
             f"| {h} {method}", link, f"{util:.1%}" if util else "-",
+            f"{r['utilisation_per_round_median']:.1%}" if r.get("utilisation_per_round_median") else "-",
             f"{r['sync_s_median']:.3f} s" if r["sync_s_median"] is not None else "-",
             f"{r['peak_bytes_per_sync'] / 1e6:.2f} MB", f"{peak_ratio:.3f}x" if peak_ratio else "-",
             f"{loss:.4f}" if loss else "-", f"{loss_ratio:.4f}x |" if loss_ratio else "- |"]))

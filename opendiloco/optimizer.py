@@ -16,7 +16,7 @@ from .comm.base import Communicator, CompletedWork, RoundKey, Work
 from .comm.buffers import FlatBuffer, all_finite, unflatten
 from .comm.local import SingleWorker
 from .errors import AveragingError, BehindError, DriftError
-from .outer import OptimizerFactory, OuterState, tensors_hash, validate_tensors
+from .outer import OptimizerFactory, OuterState, fragmented_hash, validate_tensors
 from .pacing import PACES, Pace, round_due, seconds_to_target
 from .staging import DeviceSnapshot
 from .streaming import check_schedule, event_gap, event_start, fragment_of, fragments_from_groups, split_evenly
@@ -167,6 +167,11 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         self._pending: _Round | None = None
         self._snapshot: DeviceSnapshot | None = None
         self._schedule_high = 0
+        self.blocked_s = 0.0
+        """Seconds the last ``step()`` spent on outer-step work (starting or landing a round, waiting
+        for one) after the inner step: what a loop should count as time not training."""
+        self._digests: list[str | None] = [None] * len(self.fragments)
+        """Per fragment, the digest of its θ_global (None: to compute); see ``fragmented_hash``."""
         self.communicator.attach_state_provider(self.shareable_state)
         self._global_changed()  # the swarm learns our outer step (and θ_global hash) at once
 
@@ -227,13 +232,15 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         """Short hash of θ_global's exact bytes (cached; recomputed after each change)."""
         if self._hash is None:
             with self._state_lock:
-                self._hash = self.outer.global_hash()
+                self._hash = fragmented_hash(self.outer.global_params, self.fragments, self._digests)
         return self._hash
 
-    def _global_changed(self) -> None:
-        """θ_global moved: the swarm learns the new outer step, hash and this worker's fresh pace in
-        one record, published at once."""
+    def _global_changed(self, fragment: int | None = None) -> None:
+        """θ_global moved (one fragment of it, or all): the swarm learns the new outer step, hash and
+        this worker's fresh pace in one record, published at once."""
         self._hash = None
+        for f in range(self.num_fragments) if fragment is None else [fragment]:
+            self._digests[f] = None
         self.communicator.report_progress(outer_step=self._outer_step, global_hash=self.global_hash(),
                                           **self._pace_fields())
 
@@ -270,6 +277,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
                 finished = True
         elif not finished:
             self._publish_pace()
+        self.blocked_s = time.perf_counter() - now
         # The next interval holds whatever the loop does after an outer step (an eval, a checkpoint).
         self._last_step_end = None if finished else now
         return loss
@@ -401,7 +409,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
             self._contributed_steps += self._uncommitted_steps
             self._uncommitted_steps = 0
             self._fragment_work[fragment] = 0.0
-            self._global_changed()  # publishes the fresh pace with the new outer step
+            self._global_changed(fragment)  # publishes the fresh pace with the new outer step
             report.global_hash = self.global_hash()
         if not report.ok:
             self._publish_pace()
@@ -554,7 +562,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         if not isinstance(outer, dict) or not {"global_params", "optimizer"} <= outer.keys():
             raise ValueError("peer state's outer part needs 'global_params' and 'optimizer'")
         validate_tensors(outer["global_params"], self.outer.global_params, "global_params")
-        if expected_hash is not None and tensors_hash(outer["global_params"]) != expected_hash:
+        if expected_hash is not None and fragmented_hash(outer["global_params"], self.fragments) != expected_hash:
             raise ValueError(f"peer state's θ_global is not the majority's {expected_hash}")
         buffers = state.get("buffers", [])
         validate_tensors(buffers, self.outer.buffer_values(), "buffers")

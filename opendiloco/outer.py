@@ -6,7 +6,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from .fingerprint import fingerprint
+from .fingerprint import fingerprint, new_hasher
 
 OptimizerFactory = Callable[..., torch.optim.Optimizer]
 
@@ -14,6 +14,25 @@ OptimizerFactory = Callable[..., torch.optim.Optimizer]
 def tensors_hash(tensors: Sequence[torch.Tensor], length: int = 16) -> str:
     """A short hex digest of the exact bytes of ``tensors`` (equal iff bit-identical)."""
     return fingerprint(tensors, length)
+
+
+def fragmented_hash(tensors: Sequence[torch.Tensor], fragments: Sequence[Sequence[int]],
+                    digests: list[str | None] | None = None, length: int = 16) -> str:
+    """θ_global's hash when it is kept in fragments: a digest of the fragments' full digests.
+
+    ``digests`` caches one digest per fragment (None: stale); a streamed outer step changes one
+    fragment, so only that one is hashed again. One fragment is the plain ``tensors_hash``.
+    """
+    if len(fragments) == 1:
+        return tensors_hash(tensors, length)
+    digests = digests if digests is not None else [None] * len(fragments)
+    for f, ids in enumerate(fragments):
+        if digests[f] is None:
+            digests[f] = fingerprint([tensors[i] for i in ids], 64)
+    h = new_hasher()
+    for d in digests:
+        h.update(d.encode())
+    return h.hexdigest()[:length]
 
 
 class OuterState:

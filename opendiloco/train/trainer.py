@@ -363,7 +363,7 @@ class Trainer:
             prev_sync = self.opt.last_sync
             loss, grad_norm = self._train_step()
             synced = self.opt.last_sync is not prev_sync
-            tally.add(loss, time.perf_counter() - t0, sync_s=self.opt.last_sync.seconds if synced else 0.0)
+            tally.add(loss, time.perf_counter() - t0, sync_s=self.opt.blocked_s)
             result.losses.append(loss)
             evaluated = self._maybe_evaluate(synced, tally)
             self._log_train(tally, grad_norm)
