@@ -81,11 +81,17 @@ def main(argv=None) -> int:
     p.add_argument("--phases", default="utilisation,loss")
     p.add_argument("--skip-long-fixed", action="store_true", help="no streaming-fixed run at H=500 (5 minutes)")
     p.add_argument("--results", type=Path, default=None)
-    p.add_argument("--report-only", action="store_true")
+    p.add_argument("--report-only", nargs="*", type=Path, default=None, metavar="RESULTS",
+                   help="only print the tables (and --plot) of these results files")
+    p.add_argument("--plot", type=Path, default=None, help="write a png of utilisation and loss curves here")
     args = p.parse_args(argv)
     results_path = args.results or args.work / "results.json"
-    if args.report_only:
-        print(table(json.loads(results_path.read_text())))
+    if args.report_only is not None:
+        outs = [json.loads(f.read_text()) for f in args.report_only or [results_path]]
+        for out in outs:
+            print(table(out))
+        if args.plot:
+            plot(outs, args.plot)
         return 0
     reason = unavailable_reason()
     if reason:
@@ -135,6 +141,38 @@ def main(argv=None) -> int:
     print(f"results: {results_path}")
     print(table(out))
     return 0
+
+
+def plot(outs: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = {name: r for out in reversed(outs) for name, r in out["runs"].items()}  # the first file wins
+
+    def per_round(r):
+        return r.get("utilisation_per_round_median") or r["utilisation_steady_median"]
+
+    util = {n: r for n, r in runs.items() if n.startswith("util") and per_round(r)}
+    loss = {n: r for n, r in runs.items() if n.startswith("loss") and r["eval_curve"]}
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4), dpi=120)
+    names = list(util)
+    bars = a.barh([n.removeprefix("util-") for n in names], [100 * per_round(util[n]) for n in names],
+                  color=["C3" if n.endswith("plain") else "C2" for n in names])
+    a.bar_label(bars, fmt="%.1f%%", fontsize=8)
+    a.set_xlim(0, 110)
+    a.set_xlabel("compute utilisation per round, 100 Mbit/s links (%)")
+    for i, (n, r) in enumerate(loss.items()):
+        steps, values = zip(*r["eval_curve"])
+        b.plot(steps, values, marker="o", ms=2.5, color=f"C{i}", label=n.removeprefix("loss-"))
+    b.set_xlabel("inner steps per worker")
+    b.set_ylabel("held-out loss")
+    b.grid(alpha=0.3)
+    b.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
 
 
 def table(out: dict) -> str:
