@@ -76,8 +76,9 @@ def test_a_run_ending_with_a_round_in_flight_applies_it_before_its_last_eval(tmp
     records = read_metrics(tmp_path / "metrics.jsonl")
     last = [r for r in records if r["event"] == "outer_step"][-1]
     assert last["outer_step"] == 6 and last["inner_step"] == 12 and last["ok"]
-    final_eval = [r for r in records if r["event"] == "eval"][-1]
-    assert final_eval["outer_step"] == 6  # evaluated after the last round landed
+    evals = [r for r in records if r["event"] == "eval"]
+    assert evals[-1]["outer_step"] == 6  # evaluated after the last round landed
+    assert [r["outer_step"] for r in evals] == [2, 4, 6]  # after every whole-model sync, not every fragment
 
 
 def test_loss_goes_down_and_metrics_are_written(tmp_path):

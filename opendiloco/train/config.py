@@ -159,7 +159,7 @@ class TrainConfig(Section):
     threads: int = Field(0, ge=0)
     """torch CPU threads; 0 uses every core this process may run on."""
     eval_every: int = Field(0, ge=0)
-    """Inner steps between evals; 0 evaluates after every outer step."""
+    """Inner steps between evals; 0 evaluates after every outer step (every whole-model sync when streaming)."""
     eval_batches: int = Field(8, ge=0)
     seed: int = 0
     throttle: float = Field(0.0, ge=0)

@@ -411,7 +411,9 @@ class Trainer:
 
     def _maybe_evaluate(self, synced: bool, tally: _Tally) -> bool:
         every, step = self.cfg.train.eval_every, self.opt.inner_steps_total
-        due = synced if every == 0 else step % every == 0 and tally.eval_step != step
+        # 0: after every whole-model sync (with streaming, every P-th outer step)
+        whole = synced and self.opt.outer_step % self.opt.num_fragments == 0
+        due = whole if every == 0 else step % every == 0 and tally.eval_step != step
         return self._evaluate_and_log(tally) if due else False
 
     def _log_train(self, tally: _Tally, grad_norm: float | None) -> None:
