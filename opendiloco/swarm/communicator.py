@@ -200,7 +200,7 @@ class SwarmCommunicator(Communicator):
 
     async def _refresh_workers(self) -> None:
         """Keeps a snapshot of the run's records for ``peer_paces`` (asked after every inner step)."""
-        interval = max(0.2, self.settings.heartbeat_interval / 4)
+        interval = min(0.5, max(0.1, self.settings.heartbeat_interval / 8))  # 0.25 s by default
         key = records.workers_key(self.settings.run_id)
         while True:
             try:
