@@ -112,15 +112,17 @@ def test_peer_lost_mid_allreduce_survivors_finish_and_it_catches_up(swarm, fault
 
 def test_drift_is_detected_and_healed(swarm):
     swarm.bootstrap()
-    opts = dict(outer_steps=5, local_steps=5, step_delay=0.02, min_group_size=3, **FAST)
+    last = 7  # slack: a round that fails on a busy machine only postpones the corruption
+    opts = dict(outer_steps=last, local_steps=5, step_delay=0.02, min_group_size=3, **FAST)
     procs = [swarm.worker(f"w{i}", seed=i + 1, **opts) for i in range(2)]
     procs.append(swarm.worker("drifter", seed=7, corrupt_at=2, **opts))
     swarm.wait(procs, timeout=180)
     drifter = swarm.records("drifter")
     assert any("drift" in r["reason"] for r in drifter), drifter
-    healed = [r for r in drifter if r["outer_step"] == 5]
-    assert healed and healed[-1]["global_hash"] == ok_syncs(swarm, "w0")[5]["global_hash"]
-    assert_hashes_agree(swarm, ["w0", "w1"], range(1, 6))
+    final = {n: [r for r in swarm.records(n, "sync") if r["outer_step"] == last] for n in ("drifter", "w0")}
+    assert final["drifter"] and final["w0"], final  # healed: it ends on the others' θ_global
+    assert final["drifter"][-1]["global_hash"] == final["w0"][-1]["global_hash"]
+    assert_hashes_agree(swarm, ["w0", "w1"], sorted(ok_syncs(swarm, "w0")))
 
 
 def test_non_finite_pseudo_gradient_is_not_sent(swarm):

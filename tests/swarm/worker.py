@@ -62,7 +62,7 @@ def main():
     p.add_argument("--stall-in-allreduce", nargs=2, type=float, default=None, metavar=("OUTER_STEP", "SECONDS"),
                    help="sleep inside the all-reduce of that outer step (the test kills or stops us there)")
     p.add_argument("--poison-at", type=int, default=None, help="make the pseudo-gradient of this outer step NaN")
-    p.add_argument("--corrupt-at", type=int, default=None, help="perturb θ_global after this outer step")
+    p.add_argument("--corrupt-at", type=int, default=None, help="perturb θ_global after the first ok sync at or after this outer step")
     p.add_argument("--join-timeout", type=float, default=30.0)
     p.add_argument("--matchmaking-timeout", type=float, default=30.0)
     p.add_argument("--pace", default="fixed", choices=["fixed", "swarm"])
@@ -109,6 +109,7 @@ def main():
                           "numel": sum(p.numel() for p in model.parameters())}) + "\n")
     out.flush()
     last_reported = None
+    corrupted = False
     try:
         while (args.run_until_stopped or opt.outer_step < args.outer_steps) and not stop:
             x = torch.randn(64, 16, generator=gen)
@@ -128,7 +129,8 @@ def main():
                 time.sleep(args.step_delay)
             if opt.last_sync is not None and opt.last_sync is not last_reported:
                 s = last_reported = opt.last_sync
-                if args.corrupt_at is not None and s.ok and opt.outer_step == args.corrupt_at:
+                if args.corrupt_at is not None and s.ok and opt.outer_step >= args.corrupt_at and not corrupted:
+                    corrupted = True  # the first successful sync from corrupt_at on (a busy machine may fail one)
                     with torch.no_grad():  # a silent divergence (e.g. a bit flip) that the swarm must heal
                         opt.outer.global_params[0].add_(1e-3)
                         opt.outer.reset_local()
