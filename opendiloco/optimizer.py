@@ -96,6 +96,11 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
     in the background for ``overlap`` inner steps before it is applied, and ``mix`` keeps that share
     of the local weights when it is (0 takes θ_global). ``fragments=1, overlap=0`` is plain DiLoCo.
     An outer step is then one fragment's sync.
+
+    ``error_feedback``: what the communicator's wire format loses of this worker's pseudo-gradient
+    (quantisation error, with 8- and 4-bit codecs) is kept and added to its next contribution of
+    the same fragment. The residual is this worker's own: saved in ``state_dict``, never shared
+    with joiners, reset when state is downloaded. It costs two fp32 copies of the model on the host.
     """
 
     def __init__(
@@ -113,6 +118,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         fragments=1,
         overlap: int = 0,
         mix: float = 0.0,
+        error_feedback: bool = False,
     ):
         if not isinstance(local_steps, int) or isinstance(local_steps, bool) or local_steps < 1:
             raise ValueError(f"local_steps must be a positive integer, got {local_steps!r}")
@@ -137,6 +143,10 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
             self.fragments = fragments_from_groups(trainable, fragments)
             check_schedule(local_steps, len(self.fragments), overlap, mix)
         self.overlap, self.mix = overlap, float(mix)
+        self.error_feedback = bool(error_feedback)
+        self._residuals: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        """Per fragment (error feedback): [residual owed to the next contribution, the error of the
+        round in flight]; they swap when that round succeeds."""
         self.local_steps = local_steps
         self.communicator = communicator if communicator is not None else SingleWorker()
         self.weight_by_samples = weight_by_samples or pace == "swarm"
@@ -352,8 +362,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
                 ready()
                 round_.weight, round_.own_finite = self._finish_contribution(
                     fragment, contribution, weight, from_snapshot=True, buffer_values=buffers)
-                round_.work = self.communicator.start(contribution.flat, weight=round_.weight, key=round_.key,
-                                                      out=result.flat)
+                round_.work = self._start(round_, contribution, result)
 
             round_.prepared = self._snapshot.executor.submit(prepare)
         else:
@@ -362,14 +371,21 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
                 self.outer.buffer_values_into(contribution.views[n:])
             round_.weight, round_.own_finite = self._finish_contribution(fragment, contribution, weight)
             try:
-                round_.work = self.communicator.start(contribution.flat, weight=round_.weight, key=round_.key,
-                                                      out=result.flat)
+                round_.work = self._start(round_, contribution, result)
             except AveragingError as e:
                 round_.work = CompletedWork(error=e)
         round_.blocked_s = time.perf_counter() - began
         self._pending = round_
         self._local_step = 0
         self._pace_work = 0.0
+
+    def _start(self, round_: _Round, contribution: FlatBuffer, result: FlatBuffer) -> Work:
+        """Hands the contribution to the communicator (with error feedback, where its error goes)."""
+        extra = {}
+        if self.error_feedback:
+            extra["error_out"] = self._fragment_residuals(round_.fragment)[1]
+        return self.communicator.start(contribution.flat, weight=round_.weight, key=round_.key, out=result.flat,
+                                       **extra)
 
     def _finish_round(self) -> SyncReport:
         """Waits for the round in flight and applies it to its fragment (or handles its failure)."""
@@ -409,6 +425,9 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
             self._contributed_steps += self._uncommitted_steps
             self._uncommitted_steps = 0
             self._fragment_work[fragment] = 0.0
+            if self.error_feedback and round_.own_finite:  # what this round lost is owed to the next one
+                owed, error = self._residuals[fragment]
+                self._residuals[fragment] = (error, owed)
             self._global_changed(fragment)  # publishes the fresh pace with the new outer step
             report.global_hash = self.global_hash()
         if not report.ok:
@@ -442,6 +461,26 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
             self._buffers[fragment] = (FlatBuffer(like), FlatBuffer(like, pin=False))  # contribution pinned for CUDA
         return self._buffers[fragment]
 
+    def _fragment_residuals(self, fragment: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Error feedback's [residual, error of the round in flight], shaped like the contribution."""
+        if fragment not in self._residuals:
+            numel = self._fragment_buffers(fragment)[0].numel
+            self._residuals[fragment] = (torch.zeros(numel), torch.zeros(numel))
+        return self._residuals[fragment]
+
+    def _param_numel(self, fragment: int) -> int:
+        """Values of the fragment's parameters at the head of its contribution (buffers follow)."""
+        return sum(p.numel() for p in self.outer.select(self._indices(fragment))[0])
+
+    def error_residual(self, fragment: int = 0) -> torch.Tensor | None:
+        """Error feedback: what the wire format has lost so far of this fragment's contributions, owed
+        to its next one (flat, parameters then buffers; None before the fragment's first round)."""
+        return self._residuals[fragment][0] if fragment in self._residuals else None
+
+    def _reset_residuals(self) -> None:
+        for owed, _ in self._residuals.values():
+            owed.zero_()
+
     def _finish_contribution(self, fragment: int, contribution: FlatBuffer, weight: float, *,
                              from_snapshot: bool = False, buffer_values=()) -> tuple[float, bool]:
         """Completes the contribution in place (Δ from a snapshot, buffers) and refuses a non-finite one:
@@ -460,6 +499,9 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
                         self._outer_step)
             flat.zero_()
             weight = 0.0
+        elif self.error_feedback:  # buffers are values, not updates: no feedback for them
+            m = self._param_numel(fragment)
+            flat[:m].add_(self._fragment_residuals(fragment)[0][:m])
         return weight, own_finite
 
     def _round_failed(self, reason: str, seconds: float, own_finite: bool) -> SyncReport:
@@ -585,6 +627,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
                 self._local_step = min(peer_local, gap - 1) if self.pace == "fixed" else 0
                 self._inner_steps_total = state["inner_steps_total"] + self._local_step
             self._pace_work = 0.0
+            self._reset_residuals()  # owed against the θ_global this worker no longer holds
         self._global_changed()
 
     # -- checkpoints -------------------------------------------------------------------------
@@ -622,6 +665,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
             "uncommitted_steps": self._uncommitted_steps,
             "contributed_steps": self._contributed_steps,
             "dropped_steps": self._dropped_steps,
+            "error_feedback": {f: owed.clone() for f, (owed, _) in self._residuals.items()},
         }
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -641,6 +685,12 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         if pending is not None:
             contribution, _ = self._fragment_buffers(int(pending["fragment"]))
             validate_tensors([pending["contribution"]], [contribution.flat], "pending contribution")
+        residuals = state_dict.get("error_feedback") or {}
+        if not isinstance(residuals, dict) or not all(
+                isinstance(f, int) and 0 <= f < self.num_fragments for f in residuals):
+            raise ValueError("DiLoCoOptimizer state_dict['error_feedback'] must map fragments to residuals")
+        for f, owed in residuals.items():
+            validate_tensors([owed], [self._fragment_buffers(f)[0].flat], f"error_feedback[{f}]")
         self._wait_pending()
         inner_backup = self.inner.state_dict()
         self.inner.load_state_dict(state_dict["inner"])
@@ -662,6 +712,10 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         self._uncommitted_steps = int(state_dict.get("uncommitted_steps", self._local_step))
         self._contributed_steps = int(state_dict.get("contributed_steps", 0))
         self._dropped_steps = int(state_dict.get("dropped_steps", 0))
+        self._reset_residuals()
+        if self.error_feedback:
+            for f, owed in residuals.items():
+                self._fragment_residuals(f)[0].copy_(owed)
         self._global_changed()  # θ_global was replaced: drop the cached hash
         if pending is not None:  # the round that was in flight starts again, under the same key
             fragment = int(pending["fragment"])
@@ -671,8 +725,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
                             began=time.perf_counter(), weight=float(pending["weight"]),
                             own_finite=bool(pending["own_finite"]))
             try:
-                round_.work = self.communicator.start(contribution.flat, weight=round_.weight, key=round_.key,
-                                                      out=result.flat)
+                round_.work = self._start(round_, contribution, result)
             except AveragingError as e:
                 round_.work = CompletedWork(error=e)
             self._pending = round_

@@ -33,9 +33,10 @@ def run(coro, timeout: float = 30.0):
     return asyncio.run(bounded())
 
 
-def reference(flats, weights, codec_name):
+def reference(flats, weights, codec_name, result_name=None):
     """The owner's computation, shard by shard and part by part: what every member must end with."""
     codec = get_codec(codec_name)
+    result_codec = get_codec(result_name or codec_name)
     n, total = flats[0].numel(), sum(weights)
     out = torch.empty(n)
     for a, b in shard_bounds(n, len(flats)):
@@ -44,18 +45,21 @@ def reference(flats, weights, codec_name):
             for f, w in zip(flats, weights):
                 if w:
                     acc.add_(codec.roundtrip(f[a + pa : a + pb]), alpha=w / total)
-            out[a + pa : a + pb] = codec.roundtrip(acc)
+            out[a + pa : a + pb] = result_codec.roundtrip(acc)
     return out
 
 
-async def honest_round(members, flats, weights, codec="fp16", net=None, group_id="g1", **kw):
+async def honest_round(members, flats, weights, codec="fp16", net=None, group_id="g1", result=None, errors=None,
+                       **kw):
     net = net or MemoryNetwork()
     for m in members:
         if m not in net.rounds:
             net.add(m)
     group = Group(group_id, tuple(members), RoundKey(3))
-    runners = [RoundRunner(group, m, f, w, get_codec(codec), part_numel=PART, **kw)
-               for m, f, w in zip(members, flats, weights)]
+    errors = errors or [None] * len(members)
+    runners = [RoundRunner(group, m, f, w, get_codec(codec), part_numel=PART,
+                           result_codec=get_codec(result) if result else None, error_out=e, **kw)
+               for m, f, w, e in zip(members, flats, weights, errors)]
     for m, r in zip(members, runners):
         await net.rounds[m].register(r)
     try:
@@ -66,16 +70,24 @@ async def honest_round(members, flats, weights, codec="fp16", net=None, group_id
             net.rounds[m].finish(group_id)
 
 
-@pytest.mark.parametrize("codec", ["none", "fp16", "scaled-fp16", "int8"])
+@pytest.mark.parametrize("codec", ["none", "fp16", "scaled-fp16", "int8", "int4", "e2m1", "e3m0", "int4/int8",
+                                   "e2m1/fp16"])
 @pytest.mark.parametrize("size", [3, 4])
 def test_members_end_bit_identical_with_the_owners_average(codec, size):
+    codec, _, result = codec.partition("/")
     n = 10_007
     g = torch.Generator().manual_seed(size)
     flats = [torch.randn(n, generator=g) * (i + 1) for i in range(size)]
     weights = [1.0, 3.0, 0.0, 2.0][:size]
     members = [f"peer-{i}" for i in range(size)]
-    outcomes = run(honest_round(members, flats, weights, codec))
-    want = reference(flats, weights, codec)
+    errors = [torch.full((n,), float("nan")) for _ in range(size)]
+    outcomes = run(honest_round(members, flats, weights, codec, result=result or None, errors=errors))
+    want = reference(flats, weights, codec, result or None)
+    c = get_codec(codec)
+    for f, e in zip(flats, errors):  # each member learns exactly what its contribution lost on the wire
+        sent = torch.cat([c.roundtrip(f[a + pa : a + pb]) for a, b in shard_bounds(n, size)
+                          for pa, pb in part_bounds(b - a, PART)])
+        assert torch.equal(e, f - sent)
     for o in outcomes:
         assert not isinstance(o, Exception), o
         assert torch.equal(o.flat, want)
@@ -91,6 +103,41 @@ def test_bytes_sent_are_bandwidth_optimal():
     outcomes = run(honest_round([f"p{i}" for i in range(size)], flats, [1.0] * size, "fp16"))
     for o in outcomes:
         assert o.bytes_sent == 2 * (size - 1) / size * n * 2  # reduce-scatter + all-gather, fp16
+
+
+@pytest.mark.parametrize("codec,result", [("int4", None), ("int4", "int8"), ("e2m1", "fp16")])
+def test_bytes_sent_follow_both_wire_formats(codec, result):
+    n, size = 12_800, 4  # shards of 3200 values: whole 64-value blocks, parts of 1000 pad
+    flats = [torch.randn(n) for _ in range(size)]
+    outcomes = run(honest_round([f"p{i}" for i in range(size)], flats, [1.0] * size, codec, result=result))
+    c, r = get_codec(codec), get_codec(result or codec)
+    parts = part_bounds(n // size, PART)
+    # a member sends its contributions to the others' shards and its shard's averages to them
+    want = (size - 1) * sum(c.wire_bytes(b - a) + r.wire_bytes(b - a) for a, b in parts)
+    for o in outcomes:
+        assert o.bytes_sent == want
+
+
+def test_members_disagreeing_on_the_result_format_are_refused():
+    n = 4 * PART
+    flats = [torch.randn(n), torch.randn(n)]
+    net = MemoryNetwork(wait_for_group=0.5)
+    for m in ("a", "b"):
+        net.add(m)
+    group = Group("g", ("a", "b"), RoundKey(0))
+
+    async def scenario():
+        runners = [RoundRunner(group, "a", flats[0], 1.0, get_codec("int4"), part_numel=PART, timeout=2,
+                               result_codec=get_codec("int8")),
+                   RoundRunner(group, "b", flats[1], 1.0, get_codec("int4"), part_numel=PART, timeout=2)]
+        for m, r in zip("ab", runners):
+            await net.rounds[m].register(r)
+        return await asyncio.gather(*[r.run(net.connector(m)) for m, r in zip("ab", runners)],
+                                    return_exceptions=True)
+
+    outcomes = run(scenario())
+    assert all(isinstance(o, AveragingError) for o in outcomes), outcomes
+    assert any("int4/int8" in str(o) for o in outcomes)
 
 
 def test_owner_streams_averaged_parts_before_the_last_contribution_arrives():
@@ -129,9 +176,9 @@ N = 4 * PART
 OPENING = {"group_id": "g", "sender": "b", "weight": 1.0, "numel": 2 * PART, "parts": 2, "codec": "fp16"}
 
 
-def attack(script, *, group_id="g", timeout=1.0, b_serves=None):
+def attack(script, *, group_id="g", timeout=1.0, b_serves=None, codec="fp16"):
     """Runs honest a against ``script(stream_to_a)``; returns (a's exception or outcome, script's result)."""
-    codec = get_codec("fp16")
+    codec = get_codec(codec)
 
     async def scenario():
         net = MemoryNetwork(wait_for_group=0.5)
@@ -280,6 +327,26 @@ def test_non_finite_values_are_refused(bad):
     assert isinstance(outcome, PeerFailure) and outcome.peers == {"b"}
 
 
+@pytest.mark.parametrize("scale", [float("nan"), float("inf"), 3.0e38])
+def test_a_forged_block_scale_is_refused(scale):
+    """4-bit values are always finite; a scale is where an attacker can put NaN, inf, or a value
+    that overflows once multiplied by the largest code."""
+
+    async def script(stream):
+        c = get_codec("int4")
+        fields = c.encode(torch.randn(PART))
+        fields["scale"][3] = scale
+        fields["values"][3 * 32 : 4 * 32] = 0x77  # code 7 (the largest magnitude) in both nibbles
+        payload = fields["scale"].numpy().tobytes() + fields["values"].numpy().tobytes()
+        await stream.send(Code.CONTRIBUTE, {**OPENING, "codec": "int4"})
+        await stream.send(Code.PART, {"i": 0}, payload)
+        return await read_refusal(stream)
+
+    outcome, refusal = attack(script, codec="int4")
+    assert isinstance(refusal, Refused) and "non-finite" in str(refusal)
+    assert isinstance(outcome, PeerFailure) and outcome.peers == {"b"}
+
+
 def test_duplicate_or_out_of_order_part_is_refused():
     async def script(stream):
         await stream.send(Code.CONTRIBUTE, OPENING)
@@ -413,7 +480,7 @@ def test_prefix_layout_is_fixed():
     assert PREFIX.size == 9 and PREFIX.format == struct.Struct("!BII").format
 
 
-@pytest.mark.parametrize("codec", ["none", "fp16", "scaled-fp16", "int8"])
+@pytest.mark.parametrize("codec", ["none", "fp16", "scaled-fp16", "int8", "int4"])
 def test_an_averaged_part_keeps_its_bytes_while_later_parts_are_reduced(codec):
     """The transport may read a payload after later parts were reduced: results must never share memory."""
     c = get_codec(codec)

@@ -120,7 +120,8 @@ class Communicator(ABC):
     def peer_id(self) -> str: ...
 
     @abstractmethod
-    def start(self, flat: torch.Tensor, *, weight: float, key: RoundKey, out: torch.Tensor | None = None) -> Work:
+    def start(self, flat: torch.Tensor, *, weight: float, key: RoundKey, out: torch.Tensor | None = None,
+              error_out: torch.Tensor | None = None) -> Work:
         """Starts the weighted average of ``flat`` (1-D fp32 on CPU) over the group for ``key``.
 
         The average is written into ``out`` when given (a reused buffer saves allocating and
@@ -129,6 +130,10 @@ class Communicator(ABC):
         and identical on every member, or ``wait`` raises ``AveragingError`` and nothing was
         applied. A zero ``weight`` means "take part but contribute nothing" (e.g. a worker whose
         own pseudo-gradient is not finite).
+
+        ``error_out`` (shaped like ``flat``), when given, receives what the wire format lost of this
+        worker's contribution: ``flat`` minus the values the group averaged. It is complete once
+        the round has succeeded (error feedback adds it to the next contribution).
         """
 
     def average(self, tensors: Sequence[torch.Tensor], *, weight: float = 1.0, outer_step: int = 0) -> AverageResult:

@@ -1,5 +1,11 @@
 """Wire codecs for pseudo-gradients, in plain torch.
 
+Three kinds: ``none`` (fp32), ``fp16`` (saturating), and the block-scaled family: each block of
+values is divided by one fp32 scale (its absolute maximum over the format's largest magnitude)
+and rounded to a small format: scaled fp16 (``scaled-fp16``), 8-bit integers (``int8``), 4-bit
+integers (``int4``) or 4-bit floats (``e2m1``, ``e3m0``). The small formats are
+sign-magnitude codes over a table of magnitudes, rounded to the nearest entry.
+
 Every codec is deterministic: encoding the same fp32 tensor gives the same bytes on every
 machine, and decoding the same bytes gives the same fp32 tensor. That is what lets all
 workers of a group end a round with bit-identical averages (DESIGN.md invariant 7): the
@@ -57,6 +63,14 @@ class Codec(ABC):
 
     def wire_bytes(self, numel: int) -> int:
         return sum(torch.empty(0, dtype=dt).element_size() * n for dt, n in self.expected_fields(numel).values())
+
+    def to_bytes_with_error(self, flat: torch.Tensor, error_out: torch.Tensor) -> memoryview | bytes:
+        """``to_bytes``, and ``error_out[:] = flat - decoded payload``: what this encoding lost (error
+        feedback adds it to the next contribution)."""
+        payload = self.to_bytes(flat)
+        self.decode_into(payload, error_out)
+        torch.sub(flat, error_out, out=error_out)
+        return payload
 
     def to_bytes(self, flat: torch.Tensor) -> memoryview | bytes:
         """``encode`` as one payload: the fields' bytes in name order (no copy for one-field codecs)."""
@@ -124,8 +138,10 @@ class Float16Compression(Codec):
         flat = flat.detach()
         half = flat.to(torch.float16)
         if flat.numel() and flat.is_floating_point():
-            lo, hi = torch.aminmax(flat)
-            if not (-FP16_MAX <= float(lo) and float(hi) <= FP16_MAX):
+            lo, hi = (float(v) for v in torch.aminmax(flat))
+            if not (math.isfinite(lo) and math.isfinite(hi)):
+                raise ValueError("refusing to encode non-finite values")
+            if not (-FP16_MAX <= lo and hi <= FP16_MAX):
                 half.clamp_(-FP16_MAX, FP16_MAX)
         return {"values": half}
 
@@ -139,65 +155,141 @@ class Float16Compression(Codec):
         return self._fields(payload, numel)["values"]
 
 
-class _Blockwise(Codec):
-    """Base for codecs that scale each block of ``block_size`` elements separately."""
+class BlockScaled(Codec):
+    """Values in blocks of ``block_size``, each divided by one fp32 scale and stored in a small format.
 
-    block_size = 1024
+    The scale maps the block's absolute maximum onto the format's largest magnitude ``top``, and
+    is clamped so that no finite input decodes to inf (and an all-zero block to a normal number).
+    Non-finite input is refused. Fields: ``scale`` (fp32, one per block) and ``values``.
+    """
 
-    def _blocks(self, flat: torch.Tensor) -> torch.Tensor:
-        flat = flat.detach().float()
+    block_size: int
+    top: float
+    """The largest magnitude the format holds: a block's absmax maps onto it."""
+    values_dtype: torch.dtype = torch.uint8
+    bits: int = 8
+
+    def _num_blocks(self, numel: int) -> int:
+        return math.ceil(numel / self.block_size)
+
+    def expected_fields(self, numel):
+        nb = self._num_blocks(numel)
+        count = nb * self.block_size * self.bits // (8 * torch.empty(0, dtype=self.values_dtype).element_size())
+        return {"values": (self.values_dtype, count), "scale": (torch.float32, nb)}
+
+    def encode(self, flat):
+        flat = flat.detach().float().reshape(-1)
         pad = (-flat.numel()) % self.block_size
         if pad:
             flat = torch.cat([flat, flat.new_zeros(pad)])
-        return flat.view(-1, self.block_size)
-
-    def _num_blocks(self, numel: int) -> int:
-        return max(1, math.ceil(numel / self.block_size)) if numel else 0
-
-
-class ScaledFloat16Compression(_Blockwise):
-    """fp16 after dividing each block by its absolute maximum: keeps tiny and huge values representable."""
-
-    name = "scaled-fp16"
-
-    def encode(self, flat):
-        blocks = self._blocks(flat)
-        scale = blocks.abs().amax(dim=1).clamp_min(torch.finfo(torch.float32).tiny)
-        values = (blocks / scale[:, None]).to(torch.float16)
-        return {"values": values.flatten(), "scale": scale}
+        blocks = flat.view(-1, self.block_size)
+        scale = blocks.abs().amax(dim=1)
+        if not bool(torch.isfinite(scale).all()):
+            raise ValueError("refusing to encode non-finite values")
+        scale = scale.div_(self.top).clamp_(_TINY, _FP32_MAX / (self.top * (1 + 2.0**-10)))
+        return {"values": self._quantize(blocks / scale[:, None]).reshape(-1), "scale": scale}
 
     def decode(self, encoded, numel):
-        blocks = encoded["values"].to(torch.float32).view(-1, self.block_size)
-        return (blocks * encoded["scale"][:, None]).flatten()[:numel]
+        scale = encoded["scale"]
+        blocks = self._dequantize(encoded["values"]).view(scale.numel(), self.block_size)
+        return blocks.mul_(scale[:, None]).reshape(-1)[:numel]
 
-    def expected_fields(self, numel):
-        nb = self._num_blocks(numel)
-        return {"values": (torch.float16, nb * self.block_size), "scale": (torch.float32, nb)}
+    def _quantize(self, normalized: torch.Tensor) -> torch.Tensor:
+        """Values in [-top, top] (shape blocks x block_size) to the stored format."""
+        raise NotImplementedError
 
-
-class Int8Compression(_Blockwise):
-    """Symmetric 8-bit quantisation with one fp32 absmax scale per block (about 4x smaller than fp32)."""
-
-    name = "int8"
-
-    def encode(self, flat):
-        blocks = self._blocks(flat)
-        scale = blocks.abs().amax(dim=1).clamp_min(torch.finfo(torch.float32).tiny) / 127.0
-        values = torch.round(blocks / scale[:, None]).clamp_(-127, 127).to(torch.int8)
-        return {"values": values.flatten(), "scale": scale}
-
-    def decode(self, encoded, numel):
-        blocks = encoded["values"].to(torch.float32).view(-1, self.block_size)
-        return (blocks * encoded["scale"][:, None]).flatten()[:numel]
-
-    def expected_fields(self, numel):
-        nb = self._num_blocks(numel)
-        return {"values": (torch.int8, nb * self.block_size), "scale": (torch.float32, nb)}
+    def _dequantize(self, values: torch.Tensor) -> torch.Tensor:
+        """The stored format back to fp32 values in [-top, top] (a fresh tensor)."""
+        raise NotImplementedError
 
 
-CODECS: dict[str, type[Codec]] = {
-    c.name: c for c in (NoCompression, Float16Compression, ScaledFloat16Compression, Int8Compression)
+_TINY = float(torch.finfo(torch.float32).tiny)
+_FP32_MAX = float(torch.finfo(torch.float32).max)
+
+
+class ScaledFloat16Compression(BlockScaled):
+    """fp16 of each block divided by its absolute maximum: keeps tiny and huge values representable."""
+
+    name, block_size, top, values_dtype, bits = "scaled-fp16", 1024, 1.0, torch.float16, 16
+
+    def _quantize(self, normalized):
+        return normalized.to(torch.float16)
+
+    def _dequantize(self, values):
+        return values.to(torch.float32)
+
+
+class SignMagnitude(BlockScaled):
+    """``bits``-bit codes: one sign bit and the index of the nearest entry of ``magnitudes``.
+
+    Integer formats have evenly spaced magnitudes (rounding is then ``round``); small floats
+    have the magnitudes of their exponent/mantissa grid (rounding is a search over midpoints,
+    ties to the larger magnitude). Two 4-bit codes share a byte, the first in the low nibble.
+    """
+
+    def __init__(self, name: str, bits: int, magnitudes: list[float], block_size: int):
+        if bits not in (4, 8) or len(magnitudes) != 1 << (bits - 1) or magnitudes[0] != 0:
+            raise ValueError("magnitudes: 2**(bits-1) ascending values from 0")
+        self.name, self.bits, self.block_size = name, bits, block_size
+        self.magnitudes = torch.tensor(magnitudes, dtype=torch.float32)
+        self.top = float(self.magnitudes[-1])
+        self._uniform = torch.equal(self.magnitudes, torch.arange(len(magnitudes), dtype=torch.float32))
+        self._midpoints = (self.magnitudes[1:] + self.magnitudes[:-1]) / 2
+        signed = torch.cat([self.magnitudes, -self.magnitudes])  # code = sign << (bits-1) | index
+        # 4-bit: one lookup per byte yields both of its values.
+        self._table = signed if bits == 8 else torch.stack([signed.repeat(16), signed.repeat_interleave(16)], 1)
+
+    def _quantize(self, normalized):
+        mag = normalized.abs()
+        if self._uniform:
+            index = mag.round_().clamp_(max=self.top).to(torch.uint8)
+        else:
+            index = torch.bucketize(mag, self._midpoints, right=True).to(torch.uint8)
+        codes = index.bitwise_or_(torch.signbit(normalized).to(torch.uint8) << (self.bits - 1))
+        if self.bits == 8:
+            return codes
+        pairs = codes.view(-1, 2)
+        return pairs[:, 0].bitwise_or(pairs[:, 1] << 4)
+
+    def _dequantize(self, values):
+        return self._table[values.long()].reshape(-1)
+
+
+def _float_magnitudes(exponent_bits: int, mantissa_bits: int, bias: int, count: int) -> list[float]:
+    """The non-negative values of a small float format (subnormals included, no inf/NaN), ascending."""
+    out = []
+    for code in range(count):
+        e, m = code >> mantissa_bits, code & ((1 << mantissa_bits) - 1)
+        if e == 0:
+            out.append(m / (1 << mantissa_bits) * 2.0 ** (1 - bias))
+        else:
+            out.append((1 + m / (1 << mantissa_bits)) * 2.0 ** (e - bias))
+    return out
+
+
+def _int8():
+    return SignMagnitude("int8", 8, [float(i) for i in range(128)], block_size=256)
+
+
+def _int4():
+    return SignMagnitude("int4", 4, [float(i) for i in range(8)], block_size=64)
+
+
+def _e2m1():  # OCP MX FP4: 0, 0.5, 1, 1.5, 2, 3, 4, 6
+    return SignMagnitude("e2m1", 4, _float_magnitudes(2, 1, 1, 8), block_size=64)
+
+
+def _e3m0():  # powers of two, 2^-6 .. 2^0, and zero
+    return SignMagnitude("e3m0", 4, [0.0] + [2.0**-k for k in range(6, -1, -1)], block_size=64)
+
+
+CODECS: dict[str, object] = {
+    "none": NoCompression, "fp16": Float16Compression, "scaled-fp16": ScaledFloat16Compression,
+    "int8": _int8, "int4": _int4, "e2m1": _e2m1, "e3m0": _e3m0,
 }
+"""Codec name -> a callable that makes one."""
+QUANTIZED = frozenset({"int8", "int4", "e2m1", "e3m0"})
+"""The formats coarse enough for error feedback to pay (on by default in the trainer)."""
 
 
 def get_codec(name: str) -> Codec:
@@ -205,3 +297,10 @@ def get_codec(name: str) -> Codec:
         return CODECS[name]()
     except KeyError:
         raise ValueError(f"unknown compression {name!r}; choose one of {sorted(CODECS)}") from None
+
+
+def codec_label(codec: Codec, result_codec: Codec | None = None) -> str:
+    """How a group names its wire formats: ``int4``, or ``int4/int8`` when averages travel wider."""
+    if result_codec is None or result_codec.name == codec.name:
+        return codec.name
+    return f"{codec.name}/{result_codec.name}"

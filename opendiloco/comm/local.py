@@ -10,7 +10,7 @@ import torch
 
 from ..errors import AveragingError
 from .base import AverageResult, Communicator, CompletedWork, FutureWork, RoundKey, Work
-from .compression import Codec, get_codec
+from .compression import Codec, codec_label, get_codec
 
 
 class SingleWorker(Communicator):
@@ -24,12 +24,17 @@ class SingleWorker(Communicator):
     def peer_id(self) -> str:
         return self._peer_id
 
-    def start(self, flat, *, weight, key, out=None):
+    def start(self, flat, *, weight, key, out=None, error_out=None):
         began = time.perf_counter()
         if weight <= 0:
             return CompletedWork(error=AveragingError("alone in the group and contributing weight 0"))
         out = out if out is not None else torch.empty_like(flat)
-        self.codec.roundtrip_into(flat, out)
+        try:
+            self.codec.roundtrip_into(flat, out)
+        except ValueError as e:  # a codec refuses non-finite values
+            return CompletedWork(error=AveragingError(str(e)))
+        if error_out is not None:
+            torch.sub(flat, out, out=error_out)
         return CompletedWork(AverageResult(out, (self._peer_id,), float(weight), time.perf_counter() - began))
 
 
@@ -41,11 +46,14 @@ class InProcessGroup:
     by key: members that start the same ``RoundKey`` average together.
     """
 
-    def __init__(self, size: int, compression: str = "none", timeout: float = 60.0):
+    def __init__(self, size: int, compression: str = "none", timeout: float = 60.0,
+                 result_compression: str | None = None):
         if size < 1:
             raise ValueError("group size must be >= 1")
         self.size = size
         self.codec = get_codec(compression)
+        self.result_codec = get_codec(result_compression) if result_compression else self.codec
+        self.codec_label = codec_label(self.codec, self.result_codec)
         self.timeout = timeout
         self._cond = threading.Condition()
         self._pending: dict[RoundKey, dict[int, tuple[torch.Tensor, float]]] = {}
@@ -53,10 +61,14 @@ class InProcessGroup:
         self.rounds = 0
         self.members = [_GroupMember(self, rank) for rank in range(size)]
 
-    def _average(self, rank: int, flat: torch.Tensor, weight: float, key: RoundKey):
+    def _average(self, rank: int, flat: torch.Tensor, weight: float, key: RoundKey,
+                 error_out: torch.Tensor | None = None):
+        sent = self.codec.roundtrip(flat)
+        if error_out is not None:
+            torch.sub(flat, sent, out=error_out)
         with self._cond:
             contrib = self._pending.setdefault(key, {})
-            contrib[rank] = (self.codec.roundtrip(flat), float(weight))
+            contrib[rank] = (sent, float(weight))
             if len(contrib) == self.size:
                 del self._pending[key]
                 total = sum(w for _, w in contrib.values())
@@ -65,7 +77,7 @@ class InProcessGroup:
                     t, w = contrib[r]
                     if w:
                         acc.add_(t, alpha=w / total)
-                result = self.codec.roundtrip(acc) if total > 0 else None
+                result = self.result_codec.roundtrip(acc) if total > 0 else None
                 self._results[key] = (result, total, self.size)
                 self.rounds += 1
                 self._cond.notify_all()
@@ -93,12 +105,15 @@ class _GroupMember(Communicator):
     def peer_id(self) -> str:
         return f"replica-{self.rank}"
 
-    def start(self, flat, *, weight, key, out=None) -> Work:
+    def start(self, flat, *, weight, key, out=None, error_out=None) -> Work:
         flat = flat.detach().to(torch.float32)
 
         def run():
             began = time.perf_counter()
-            averaged, total = self.group._average(self.rank, flat, weight, key)
+            try:
+                averaged, total = self.group._average(self.rank, flat, weight, key, error_out)
+            except ValueError as e:  # a codec refuses non-finite values
+                raise AveragingError(str(e)) from None
             if out is not None:
                 averaged = out.copy_(averaged)
             peers = tuple(f"replica-{r}" for r in range(self.group.size))

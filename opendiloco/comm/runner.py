@@ -33,7 +33,7 @@ from ..errors import AveragingError, PeerFailure, ProtocolError
 from ..fingerprint import new_hasher
 from .base import RoundKey
 from .buffers import all_finite
-from .compression import Codec
+from .compression import Codec, codec_label
 from .wire import ByteStream, Code, Refused, StreamClosed, payload_size
 from .wire import field as meta_field
 
@@ -96,8 +96,11 @@ class ShardReducer:
     completed; ``results[i]`` then holds the encoded average of part i.
     """
 
-    def __init__(self, codec: Codec, numel: int, members: Sequence[str], part_numel: int):
+    def __init__(self, codec: Codec, numel: int, members: Sequence[str], part_numel: int,
+                 result_codec: Codec | None = None):
         self.codec, self.numel, self.members = codec, numel, tuple(members)
+        self.result_codec = result_codec or codec
+        """The averages go out in this codec (it may be wider than the contributions')."""
         self.parts = part_bounds(numel, part_numel)
         self.weights: dict[str, float] = {}
         self._next_part: dict[str, int] = {}
@@ -108,6 +111,7 @@ class ShardReducer:
         self.total_weight: float | None = None
 
     def part_bytes(self, i: int) -> int:
+        """The size of member contributions' part i."""
         a, b = self.parts[i]
         return self.codec.wire_bytes(b - a)
 
@@ -163,7 +167,7 @@ class ShardReducer:
             bad = [m for m in self.members if not all_finite(contributions[m])] or list(self.members)
             raise PeerFailure(f"{', '.join(m[-8:] for m in bad)} sent non-finite values", bad)
         self._pending[i] = {}
-        encoded = self.codec.to_bytes(acc)
+        encoded = self.result_codec.to_bytes(acc)
         self.results[i] = encoded
         self._hasher.update(encoded)
         if i == len(self.parts) - 1:
@@ -180,12 +184,17 @@ class RoundRunner:
 
     def __init__(self, group: Group, me: str, flat: torch.Tensor, weight: float, codec: Codec, *,
                  out: torch.Tensor | None = None, part_numel: int = DEFAULT_PART_NUMEL,
-                 timeout: float = 60.0, confirm_timeout: float = 5.0):
+                 timeout: float = 60.0, confirm_timeout: float = 5.0, result_codec: Codec | None = None,
+                 error_out: torch.Tensor | None = None):
+        """``error_out`` (shaped like ``flat``) receives what encoding lost of this worker's contribution:
+        ``flat`` minus the values the owners received (for error feedback)."""
         if me not in group.members:
             raise ValueError("this worker is not a member of the group")
         if not isinstance(part_numel, int) or part_numel < 1:
             raise ValueError(f"part_numel must be a positive int, got {part_numel!r}")
         self.group, self.me, self.codec = group, me, codec
+        self.result_codec = result_codec or codec
+        self.error_out = error_out
         self.members = group.members
         self.my_index = self.members.index(me)
         self.flat = flat
@@ -195,7 +204,7 @@ class RoundRunner:
         self.timeout, self.confirm_timeout = timeout, confirm_timeout
         self.bounds = shard_bounds(flat.numel(), len(self.members))
         a, b = self.bounds[self.my_index]
-        self.reducer = ShardReducer(codec, b - a, self.members, part_numel)
+        self.reducer = ShardReducer(codec, b - a, self.members, part_numel, self.result_codec)
         self.bytes_sent = 0
         self.error: Exception | None = None
         self._changed = asyncio.Condition()
@@ -254,11 +263,11 @@ class RoundRunner:
             stream = await connect(peer)
             await stream.send(Code.CONTRIBUTE, {"group_id": self.group.group_id, "sender": self.me,
                                                 "weight": self.weight, "numel": b - a, "parts": len(parts),
-                                                "codec": self.codec.name})
+                                                "codec": self.codec_label})
 
             async def send_parts():
                 for i, (pa, pb) in enumerate(parts):
-                    payload = self.codec.to_bytes(self.flat[a + pa : a + pb])
+                    payload = self._encode(a + pa, a + pb)
                     await stream.send(Code.PART, {"i": i}, payload)
                     self.bytes_sent += payload_size(payload)
 
@@ -269,11 +278,12 @@ class RoundRunner:
                     raise ProtocolError(f"invalid total weight {total!r}")
                 hasher = new_hasher()
                 for i, (pa, pb) in enumerate(parts):
-                    frame = await stream.recv(max_payload=self.codec.wire_bytes(pb - pa), expect=Code.RESULT_PART)
+                    frame = await stream.recv(max_payload=self.result_codec.wire_bytes(pb - pa),
+                                              expect=Code.RESULT_PART)
                     if meta_field(frame.meta, "i", int) != i:
                         raise ProtocolError(f"result part {frame.meta.get('i')!r} where part {i} was due")
                     target = self.out[a + pa : a + pb]
-                    self.codec.decode_into(frame.payload, target)
+                    self.result_codec.decode_into(frame.payload, target)
                     if not all_finite(target):
                         raise ProtocolError("averaged part is not finite")
                     hasher.update(frame.payload)
@@ -310,15 +320,25 @@ class RoundRunner:
         await self._begin(self.me, self.weight)
         a, b = self.bounds[self.my_index]
         for i, (pa, pb) in enumerate(self.reducer.parts):
-            payload = self.codec.to_bytes(self.flat[a + pa : a + pb])
-            await self._add_part(self.me, i, payload)
+            await self._add_part(self.me, i, self._encode(a + pa, a + pb))
             await asyncio.sleep(0)  # let the streams move while we encode
         for i, (pa, pb) in enumerate(self.reducer.parts):
-            self.codec.decode_into(await self._result(i), self.out[a + pa : a + pb])
+            self.result_codec.decode_into(await self._result(i), self.out[a + pa : a + pb])
         async with self._changed:
             self._shard_digests[self.my_index] = self.reducer.digest
             self._shard_totals[self.my_index] = self.reducer.total_weight
             self._changed.notify_all()
+
+    @property
+    def codec_label(self) -> str:
+        """The wire formats, as the group agrees on them: ``contribution`` or ``contribution/result``."""
+        return codec_label(self.codec, self.result_codec)
+
+    def _encode(self, a: int, b: int) -> memoryview | bytes:
+        """Our contribution's values [a, b) as a payload (their quantisation error into ``error_out``)."""
+        if self.error_out is None:
+            return self.codec.to_bytes(self.flat[a:b])
+        return self.codec.to_bytes_with_error(self.flat[a:b], self.error_out[a:b])
 
     async def _verify(self, digest: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
         """Tells every member our digest and waits for theirs; a different one refuses the round."""
@@ -363,8 +383,8 @@ class RoundRunner:
             if numel != b - a or parts != len(self.reducer.parts):
                 raise ProtocolError(f"contribution of {opening.get('numel')!r} values in {opening.get('parts')!r} "
                                     f"parts; this shard has {b - a} in {len(self.reducer.parts)}")
-            if meta_field(opening, "codec", str) != self.codec.name:
-                raise ProtocolError(f"codec {opening.get('codec')!r}, the group uses {self.codec.name!r}")
+            if meta_field(opening, "codec", str) != self.codec_label:
+                raise ProtocolError(f"codec {opening.get('codec')!r}, the group uses {self.codec_label!r}")
             await self._begin(sender, meta_field(opening, "weight", (int, float)))
             writer = asyncio.create_task(self._send_results(stream))
             for i in range(len(self.reducer.parts)):

@@ -33,7 +33,7 @@ import uvloop
 from hivemind.utils.timed_storage import get_dht_time
 
 from ..comm.base import AverageResult, Communicator, FutureWork, RoundKey, StateProvider, Work
-from ..comm.compression import get_codec
+from ..comm.compression import codec_label, get_codec
 from ..comm.runner import DEFAULT_PART_NUMEL, Group, RoundOutcome, RoundRunner, Rounds
 from ..comm.wire import ByteStream, Code
 from ..comm.wire import field as meta_field
@@ -53,6 +53,8 @@ log = logging.getLogger(__name__)
 class SwarmSettings:
     run_id: str = "opendiloco"
     compression: str = "fp16"
+    result_compression: str | None = None
+    """The averaged shards' codec; None: the same as the contributions'."""
     min_group_size: int = 1
     matchmaking_timeout: float = 30.0
     allreduce_timeout: float = 60.0
@@ -92,6 +94,7 @@ class SwarmCommunicator(Communicator):
         if not isinstance(s.part_numel, int) or s.part_numel < 1024 or s.part_numel % 1024:
             raise ValueError("part_numel must be a positive multiple of 1024 (every codec's block)")
         self.codec = get_codec(s.compression)
+        self.result_codec = get_codec(s.result_compression) if s.result_compression else self.codec
         self._own_dht = own_dht
         self._peer_id = dht.peer_id.to_base58()
         self._closed = False
@@ -110,7 +113,8 @@ class SwarmCommunicator(Communicator):
             run_id=s.run_id, min_group_size=s.min_group_size, matchmaking_timeout=s.matchmaking_timeout,
             straggler_wait=s.straggler_wait, max_wait=s.max_wait,
             record_ttl=s.max_wait + s.matchmaking_timeout + s.allreduce_timeout,
-            poll_interval=s.poll_interval, part_numel=s.part_numel), self.codec.name, self._interrupted,
+            poll_interval=s.poll_interval, part_numel=s.part_numel), codec_label(self.codec, self.result_codec),
+            self._interrupted,
             doorbell=self.doorbell, ring_members=self._ring_members)
         self._workers_snapshot: dict[str, records.WorkerRecord] = {}
         self._pace_refresh = asyncio.run_coroutine_threadsafe(self._refresh_workers(), self._loop)
@@ -215,7 +219,7 @@ class SwarmCommunicator(Communicator):
         return [r.pace() for p, r in snapshot.items() if p != self._peer_id and r.heading == outer_step]
 
     # -- a round -------------------------------------------------------------------------------
-    def start(self, flat, *, weight, key, out=None) -> Work:
+    def start(self, flat, *, weight, key, out=None, error_out=None) -> Work:
         if self._closed:
             raise AveragingError("the communicator is closed")
         flat = flat.detach()
@@ -225,9 +229,12 @@ class SwarmCommunicator(Communicator):
             out = torch.empty_like(flat)
         elif out.shape != flat.shape or out.dtype != torch.float32 or out.device.type != "cpu":
             raise ValueError("out must be a flat fp32 CPU tensor of the same size as flat")
-        return FutureWork(self._rounds_thread.submit(self._round, flat, float(weight), key, out))
+        if error_out is not None and (error_out.shape != flat.shape or error_out.dtype != torch.float32):
+            raise ValueError("error_out must be a flat fp32 tensor of the same size as flat")
+        return FutureWork(self._rounds_thread.submit(self._round, flat, float(weight), key, out, error_out))
 
-    def _round(self, flat: torch.Tensor, weight: float, key: RoundKey, out: torch.Tensor) -> AverageResult:
+    def _round(self, flat: torch.Tensor, weight: float, key: RoundKey, out: torch.Tensor,
+               error_out: torch.Tensor | None = None) -> AverageResult:
         """One round, from announcement to a verified average (runs on the round thread)."""
         s = self.settings
         began, entered_at = time.perf_counter(), time.time()
@@ -251,7 +258,7 @@ class SwarmCommunicator(Communicator):
                 raise
             mm_s = time.perf_counter() - began
             try:
-                outcome = self._exchange(group, flat, weight, out)
+                outcome = self._exchange(group, flat, weight, out, error_out)
             except AveragingError as e:
                 if isinstance(e, PeerFailure):
                     suspects |= e.peers - {self._peer_id}
@@ -269,23 +276,31 @@ class SwarmCommunicator(Communicator):
         self.state = RoundState.FAILED
         raise AveragingError(f"round {key}: no complete round in {s.max_attempts} attempts: " + "; ".join(errors))
 
-    def _exchange(self, group: Group, flat: torch.Tensor, weight: float, out: torch.Tensor) -> RoundOutcome:
+    def _exchange(self, group: Group, flat: torch.Tensor, weight: float, out: torch.Tensor,
+                  error_out: torch.Tensor | None) -> RoundOutcome:
         s = self.settings
         self.state = RoundState.EXCHANGE
         if len(group.members) == 1:
             if weight <= 0:
                 raise AveragingError("alone in the group and contributing weight 0")
             t0 = time.perf_counter()
-            self.codec.roundtrip_into(flat, out, chunk=s.part_numel)
+            try:
+                self.codec.roundtrip_into(flat, out, chunk=s.part_numel)
+            except ValueError as e:  # a codec refuses non-finite values
+                raise AveragingError(str(e)) from None
+            if error_out is not None:
+                torch.sub(flat, out, out=error_out)
             return RoundOutcome(out, weight, "solo", 0, time.perf_counter() - t0)
-        return self._call(self._data_plane(group, flat, weight, out),
+        return self._call(self._data_plane(group, flat, weight, out, error_out),
                           timeout=s.allreduce_timeout + s.verify_timeout + 10)
 
-    async def _data_plane(self, group: Group, flat: torch.Tensor, weight: float, out: torch.Tensor) -> RoundOutcome:
+    async def _data_plane(self, group: Group, flat: torch.Tensor, weight: float, out: torch.Tensor,
+                          error_out: torch.Tensor | None = None) -> RoundOutcome:
         """The exchange and verification of one attempt, on the event loop."""
         s = self.settings
         runner = RoundRunner(group, self._peer_id, flat, weight, self.codec, out=out, part_numel=s.part_numel,
-                             timeout=s.allreduce_timeout, confirm_timeout=s.verify_timeout)
+                             timeout=s.allreduce_timeout, confirm_timeout=s.verify_timeout,
+                             result_codec=self.result_codec, error_out=error_out)
         await self.rounds.register(runner)
         try:
             return await runner.run(self.reduce_streams.connect)

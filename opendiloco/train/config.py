@@ -1,7 +1,7 @@
 """The trainer's configuration: typed sections, TOML loading, dotted command-line overrides.
 
-Deliberately free of torch and hivemind imports, so that a bad config is refused within a
-fraction of a second, before any work starts.
+Free of hivemind imports and of work, so that a bad config is refused within a second, before
+any work starts.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator, model_validator
 
+from opendiloco.comm.compression import CODECS, QUANTIZED
 from opendiloco.streaming import check_schedule
 
 if sys.version_info >= (3, 11):
@@ -187,7 +188,14 @@ class SwarmConfig(Section):
     identity_path: str | None = None
     client_mode: bool = False
     run_id: str = "opendiloco"
-    compression: Literal["none", "fp16", "scaled-fp16", "int8"] = "fp16"
+    compression: str = "fp16"
+    """The pseudo-gradients' wire format: none, fp16, scaled-fp16, int8, int4, e2m1 or e3m0."""
+    result_compression: str | None = None
+    """The averaged shards' wire format (a wider one than compression's protects the average from a
+    second rounding); unset: the same as compression."""
+    error_feedback: bool | None = None
+    """Add what the wire format lost of a contribution to the next one; unset: on for the 8- and
+    4-bit formats."""
     min_group_size: int = Field(1, ge=1)
     matchmaking_timeout: float = Field(30.0, gt=0)
     allreduce_timeout: float = Field(60.0, gt=0)
@@ -199,6 +207,19 @@ class SwarmConfig(Section):
     join_timeout: float = Field(30.0, ge=0)
     on_join_failure: Literal["start-fresh", "exit"] = "start-fresh"
     weight_by_samples: bool = False
+
+    @field_validator("compression", "result_compression")
+    @classmethod
+    def _codec(cls, v):
+        if v is not None and v not in CODECS:
+            raise ValueError(f"unknown format {v!r}; choose one of {', '.join(CODECS)}")
+        return v
+
+    @property
+    def uses_error_feedback(self) -> bool:
+        if self.error_feedback is not None:
+            return self.error_feedback
+        return self.compression in QUANTIZED
 
     @field_validator("initial_peers")
     @classmethod

@@ -39,7 +39,7 @@ class TrainError(RuntimeError):
 def make_communicator(cfg: Config, run_dir: Path) -> Communicator:
     """The one place that decides how this worker averages with others."""
     if not cfg.swarm.enabled:
-        return SingleWorker(compression=cfg.swarm.compression)
+        return SingleWorker(compression=cfg.swarm.compression)  # a lone worker's average is its own
     from opendiloco.swarm.communicator import SwarmCommunicator
 
     return SwarmCommunicator.from_config(cfg.swarm, run_dir=run_dir)
@@ -211,6 +211,7 @@ class Trainer:
             fragments=o.fragments,
             overlap=o.overlap,
             mix=o.mix,
+            error_feedback=cfg.swarm.uses_error_feedback,
         )
         schedule = functools.partial(lr_lambda, warmup=o.warmup_steps, total=cfg.train.total_steps,
                                      min_ratio=o.min_lr_ratio)

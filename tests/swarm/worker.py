@@ -62,7 +62,8 @@ def main():
     p.add_argument("--stall-in-allreduce", nargs=2, type=float, default=None, metavar=("OUTER_STEP", "SECONDS"),
                    help="sleep inside the all-reduce of that outer step (the test kills or stops us there)")
     p.add_argument("--poison-at", type=int, default=None, help="make the pseudo-gradient of this outer step NaN")
-    p.add_argument("--corrupt-at", type=int, default=None, help="perturb θ_global after the first ok sync at or after this outer step")
+    p.add_argument("--corrupt-at", type=int, default=None,
+                   help="perturb θ_global after the first ok sync at or after this outer step")
     p.add_argument("--join-timeout", type=float, default=30.0)
     p.add_argument("--matchmaking-timeout", type=float, default=30.0)
     p.add_argument("--pace", default="fixed", choices=["fixed", "swarm"])
