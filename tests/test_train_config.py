@@ -48,6 +48,8 @@ def test_bad_config_file_exits_2_with_one_line(tmp_path, capsys, toml, fragment)
     (["stray"], "unexpected argument 'stray'"),
     (["--optim.local-steps", "8", "--optim.fragments", "4", "--optim.overlap", "2"], "overlap 2 must be shorter"),
     (["--optim.mix", "2"], "optim.mix: must be <= 1"),
+    (["--swarm.compression", "fp4"], "swarm.compression: unknown format 'fp4'; choose one of none, fp16"),
+    (["--swarm.result-compression", "zip"], "swarm.result_compression: unknown format 'zip'"),
 ])
 def test_bad_override_exits_2(capsys, override, fragment):
     code, out, err = run_cli(capsys, "train", *override)
@@ -68,6 +70,18 @@ def test_overrides_are_parsed_by_field_type():
     assert cfg.swarm.enabled  # implied by initial peers
     assert cfg.optim.betas == [0.8, 0.99] and cfg.data.shard_seed is None
     assert cfg.model.hidden_size == 256  # untouched values come from the file
+
+
+@pytest.mark.parametrize("compression, explicit, expected", [
+    ("fp16", None, False), ("int8", None, True), ("int4", None, True), ("e2m1", None, True),
+    ("int4", "false", False), ("fp16", "true", True),
+])
+def test_error_feedback_defaults_to_on_for_the_small_formats(compression, explicit, expected):
+    overrides = ["--swarm.compression", compression]
+    if explicit is not None:
+        overrides += ["--swarm.error-feedback", explicit]
+    cfg = load_config(ROOT / "configs" / "tiny.toml", overrides)
+    assert cfg.swarm.uses_error_feedback is expected
 
 
 def test_print_config_round_trips(tmp_path, capsys):

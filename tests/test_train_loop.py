@@ -32,11 +32,13 @@ def small_config(run_dir, *extra):
     return load_config(None, [*SMALL, "--run.dir", str(run_dir), *extra])
 
 
-def test_resume_is_bit_exact(tmp_path):
-    whole = train(small_config(tmp_path / "whole", "--train.total-steps", "12"))
+@pytest.mark.parametrize("compression", ["fp16", "int4"])  # int4: error feedback on, its residual resumed
+def test_resume_is_bit_exact(tmp_path, compression):
+    wire = ["--swarm.compression", compression]
+    whole = train(small_config(tmp_path / "whole", "--train.total-steps", "12", *wire))
     assert len(whole.losses) == 12 and whole.outer_steps == 3
 
-    cfg = small_config(tmp_path / "split", "--train.total-steps", "12")
+    cfg = small_config(tmp_path / "split", "--train.total-steps", "12", *wire)
     first = train(cfg, stop_after=6)  # stops mid local round (local_steps 4)
     assert first.stopped and first.inner_steps == 6
     with pytest.raises(TrainError, match="--resume"):

@@ -133,3 +133,48 @@ def test_streaming_peers_still_applying_their_last_round_are_waited_for(swarm):
     steps = sorted(k for k in by_step(swarm.records("w2")) if k > first)
     for k in steps:
         assert len({by_step(swarm.records(n))[k]["global_hash"] for n in names}) == 1
+
+
+def test_four_bit_contributions_with_error_feedback_average_and_agree(swarm):
+    """int4 contributions and int8 averages over real p2p streams: the wire carries exactly what
+    the two formats say, every worker applies the same bits, and what each one lost on the wire
+    (its error feedback) is what separates its contribution from what the group averaged."""
+    from opendiloco.comm.compression import get_codec
+    from opendiloco.comm.runner import DEFAULT_PART_NUMEL, part_bounds, shard_bounds
+
+    swarm.bootstrap()
+    names = ["w0", "w1", "w2"]
+    procs = [swarm.worker(n, seed=i + 1, outer_steps=3, local_steps=4, dump=swarm.tmp, min_group_size=3,
+                          hidden=2048, compression="int4", result_compression="int8", error_feedback=True)
+             for i, n in enumerate(names)]
+    swarm.wait(procs, timeout=180)
+    syncs = {n: by_step(swarm.records(n)) for n in names}
+    for n in names:
+        assert sorted(syncs[n]) == [1, 2, 3], swarm.log(n)
+    for step in (1, 2, 3):
+        assert {syncs[n][step]["group_size"] for n in names} == {3}
+        assert len({syncs[n][step]["global_hash"] for n in names}) == 1, step
+
+    start = {r["peer_id"]: r for r in (swarm.records(n, "start")[0] for n in names)}
+    numel = next(iter(start.values()))["numel"]
+    int4, int8 = get_codec("int4"), get_codec("int8")
+    members = sorted(start)  # a group's members are ordered by peer id
+    shards = shard_bounds(numel, 3)
+    for n in names:
+        peer = swarm.records(n, "start")[0]["peer_id"]
+        mine = members.index(peer)
+        want = sum(int4.wire_bytes(b - a) for j, (lo, hi) in enumerate(shards) if j != mine
+                   for a, b in part_bounds(hi - lo, DEFAULT_PART_NUMEL))
+        lo, hi = shards[mine]
+        want += 2 * sum(int8.wire_bytes(b - a) for a, b in part_bounds(hi - lo, DEFAULT_PART_NUMEL))
+        assert all(syncs[n][s]["bytes_sent"] == want for s in (1, 2, 3)), (n, want)
+    assert want < 0.4 * (2 * 2 / 3 * numel * 2)  # against fp16 both ways
+
+    for step in range(3):
+        dumps = [torch.load(swarm.tmp / f"{peer}-{step}.pt") for peer in start]
+        received = sum(d["sent"][0] - d["error"][0] for d in dumps) / 3  # what the owners averaged
+        for d in dumps:
+            assert torch.equal(d["got"][0], dumps[0]["got"][0])
+            assert d["error"][0].abs().max() > 0
+        step_of_int8 = received.abs().max() / 127
+        assert (dumps[0]["got"][0] - received).abs().max() <= step_of_int8  # only the int8 rounding is left

@@ -28,20 +28,21 @@ class RecordingCommunicator(SwarmCommunicator):
     stall_at: tuple[int, float] | None = None
     marker = None
 
-    def _round(self, flat, weight, key, out):
+    def _round(self, flat, weight, key, out, error_out=None):
         sent = flat.clone()
-        result = super()._round(flat, weight, key, out)
+        result = super()._round(flat, weight, key, out, error_out)
         if self.dump_dir:
-            torch.save({"sent": [sent], "got": [result.flat.clone()], "peers": result.peers},
+            error = [error_out.clone()] if error_out is not None else []
+            torch.save({"sent": [sent], "got": [result.flat.clone()], "peers": result.peers, "error": error},
                        os.path.join(self.dump_dir, f"{self.peer_id}-{key.outer_step}.pt"))
         return result
 
-    async def _data_plane(self, group, flat, weight, out):
+    async def _data_plane(self, group, flat, weight, out, error_out=None):
         if self.stall_at and self.stall_at[0] == group.key.outer_step:
             with open(self.marker, "a") as f:  # tells the test we are inside the all-reduce
                 f.write(f"{group.key.outer_step} {time.time()}\n")
             await asyncio.sleep(self.stall_at[1])
-        return await super()._data_plane(group, flat, weight, out)
+        return await super()._data_plane(group, flat, weight, out, error_out)
 
 
 def main():
@@ -54,6 +55,8 @@ def main():
     p.add_argument("--out", required=True)
     p.add_argument("--dump", default=None)
     p.add_argument("--compression", default="fp16")
+    p.add_argument("--result-compression", default=None)
+    p.add_argument("--error-feedback", action="store_true")
     p.add_argument("--min-group-size", type=int, default=1)
     p.add_argument("--straggler-wait", type=float, default=8.0)
     p.add_argument("--allreduce-timeout", type=float, default=20.0)
@@ -78,6 +81,7 @@ def main():
     peers = open(args.peers_file).read().split()
     dht = start_dht(initial_peers=peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
     settings = SwarmSettings(run_id=args.run_id, compression=args.compression, min_group_size=args.min_group_size,
+                             result_compression=args.result_compression,
                              straggler_wait=args.straggler_wait, allreduce_timeout=args.allreduce_timeout,
                              matchmaking_timeout=args.matchmaking_timeout,
                              heartbeat_interval=1.0, record_ttl=4.0, verify_timeout=3.0)
@@ -94,7 +98,8 @@ def main():
     opt = DiLoCoOptimizer(model.parameters(), local_steps=args.local_steps, communicator=comm,
                           inner_optimizer=functools.partial(torch.optim.AdamW, lr=3e-2),
                           outer_optimizer=functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True),
-                          pace=args.pace, fragments=args.fragments, overlap=args.overlap, mix=args.mix)
+                          pace=args.pace, fragments=args.fragments, overlap=args.overlap, mix=args.mix,
+                          error_feedback=args.error_feedback)
     t0 = time.perf_counter()
     state = comm.download_state(timeout=args.join_timeout)
     download_s = time.perf_counter() - t0
@@ -141,7 +146,7 @@ def main():
                                       "allreduce_s": s.allreduce_s, "reason": s.reason, "steps": s.steps,
                                       "contributed": s.contributed_steps, "dropped": s.dropped_steps,
                                       "weight": s.weight, "inner_steps_total": opt.inner_steps_total,
-                                      "fragment": s.fragment,
+                                      "fragment": s.fragment, "bytes_sent": s.extra.get("bytes_sent"),
                                       "time": time.time()}) + "\n")
                 out.flush()
     finally:
