@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from opendiloco.comm.compression import CODECS, FP16_MAX, BlockScaled, SignMagnitude, codec_label, get_codec
+from opendiloco.comm.compression import CODECS, FP16_MAX, BlockScaled, SmallFormat, codec_label, get_codec
 
 SMALL = ["int8", "int4", "e2m1", "e3m0"]
 BLOCK_SCALED = ["scaled-fp16"] + SMALL
@@ -125,7 +125,7 @@ def test_small_formats_round_to_the_nearest_magnitude_of_each_block(name):
     """Each value lands on the magnitude nearest to it once its block is scaled to the format's
     range: the error is at most that distance (half the gap around it), and the block's
     absolute maximum survives."""
-    codec: SignMagnitude = get_codec(name)
+    codec: SmallFormat = get_codec(name)
     x = _data(5000, seed=2)
     y = codec.roundtrip(x)
     bs, mags = codec.block_size, codec.magnitudes

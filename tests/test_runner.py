@@ -336,7 +336,7 @@ def test_a_forged_block_scale_is_refused(scale):
         c = get_codec("int4")
         fields = c.encode(torch.randn(PART))
         fields["scale"][3] = scale
-        fields["values"][3 * 32 : 4 * 32] = 0x77  # code 7 (the largest magnitude) in both nibbles
+        fields["values"][3 * 32 : 4 * 32] = c.encode(torch.ones(64))["values"][0]  # the largest value, twice
         payload = fields["scale"].numpy().tobytes() + fields["values"].numpy().tobytes()
         await stream.send(Code.CONTRIBUTE, {**OPENING, "codec": "int4"})
         await stream.send(Code.PART, {"i": 0}, payload)
