@@ -60,3 +60,49 @@ def test_atomic_write_replaces_whole_file(tmp_path):
     atomic_write(target, lambda f: f.write(b"two"))
     assert target.read_bytes() == b"two"
     assert [p.name for p in target.parent.iterdir()] == ["f.bin"]
+
+
+def test_background_write_stores_the_state_as_it_was_when_saved(tmp_path):
+    import threading
+
+    mgr = CheckpointManager(tmp_path, keep=2)
+    w = torch.arange(1000, dtype=torch.float32)
+    release = threading.Event()
+    real_save = ckpt_mod.torch.save
+
+    def slow_save(obj, f):  # the write starts only after training has changed the tensors
+        release.wait(30)
+        real_save(obj, f)
+
+    ckpt_mod.torch.save = slow_save
+    try:
+        blocked = mgr.save_in_background({"step": 5, "w": w, "nested": [{"v": w[:3]}]}, 5)
+        w.mul_(-1)  # training goes on in place
+        release.set()
+        assert mgr.wait() is None
+    finally:
+        ckpt_mod.torch.save = real_save
+    assert blocked >= 0
+    state = mgr.load()
+    assert torch.equal(state["w"], torch.arange(1000, dtype=torch.float32))
+    assert torch.equal(state["nested"][0]["v"], torch.arange(3, dtype=torch.float32))
+    assert mgr.last_write["bytes"] == mgr.latest().stat().st_size
+    mgr.close()
+
+
+def test_a_failed_background_write_is_reported_and_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    mgr = CheckpointManager(tmp_path, keep=3)
+    mgr.save({"step": 1}, 1)
+
+    def disk_full(obj, f):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(ckpt_mod.torch, "save", disk_full)
+    mgr.save_in_background({"step": 2}, 2)
+    error = mgr.wait()
+    monkeypatch.undo()
+    assert isinstance(error, OSError) and mgr.failed_writes == 1
+    assert mgr.load()["step"] == 1
+    mgr.save_in_background({"step": 3}, 3)  # the next one is written as usual
+    mgr.close()
+    assert mgr.load()["step"] == 3

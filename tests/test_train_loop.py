@@ -53,6 +53,38 @@ def test_resume_is_bit_exact(tmp_path, compression):
     assert hashes[0] == hashes[1]
 
 
+def test_a_checkpoint_written_in_the_background_resumes_bit_exactly_and_stores_weights_once(tmp_path):
+    import torch
+
+    whole = train(small_config(tmp_path / "whole", "--train.total-steps", "12"))
+    cfg = small_config(tmp_path / "split", "--train.total-steps", "12")
+    train(cfg, stop_after=6)  # step 4: an outer step, written in the background; step 6: the final one
+    records = [r for r in read_metrics(tmp_path / "split" / "metrics.jsonl") if r["event"] == "checkpoint"]
+    assert [(r["inner_step"], r["background"]) for r in records] == [(4, True), (6, False)]
+    ckpt_dir = tmp_path / "split" / "checkpoints"
+    background = ckpt_dir / "step-000000004.pt"
+    state = torch.load(background, weights_only=True)
+    # θ_global equals θ_local right after an outer step: stored once, as the model's weights
+    glob = state["optimizer"]["outer"]["global_params"]
+    assert state["global_params_from_model"] == list(range(len(glob))) and all(g is None for g in glob)
+    params = sum(t.numel() for t in state["model"].values())
+
+    def tensor_bytes(obj):
+        if isinstance(obj, torch.Tensor):
+            return obj.numel() * obj.element_size()
+        if isinstance(obj, dict):
+            return sum(tensor_bytes(v) for v in obj.values())
+        return sum(tensor_bytes(v) for v in obj) if isinstance(obj, (list, tuple)) else 0
+
+    # weights, two AdamW moments, outer momentum: 16 bytes per parameter (and the RNG and step counters)
+    assert 16 * params <= tensor_bytes(state) < 16 * params + 8192
+    (ckpt_dir / "step-000000006.pt").unlink()
+    (ckpt_dir / "latest").unlink()  # resume from the background checkpoint
+    second = train(cfg, resume=True)
+    assert second.losses == whole.losses[4:]
+    assert second.eval_loss == whole.eval_loss
+
+
 def test_streaming_resume_is_bit_exact_and_records_each_fragment(tmp_path):
     # 2 fragments, each round lands 1 step after it starts; the cut (step 7) is mid flight: the
     # round of fragment 1 started at step 6... (H=4: events at 2, 4, 6, 8, ... land at 3, 5, 7, 9).

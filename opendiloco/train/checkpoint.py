@@ -4,16 +4,25 @@ Layout in ``<run_dir>/checkpoints/``: ``step-<inner step>.pt`` files and ``lates
 text file naming the newest one. Both are written to a temporary file in the same
 directory, fsynced, then renamed over the target (``os.replace`` is atomic on POSIX), so
 ``latest`` always names a complete file.
+
+``save_in_background`` takes a snapshot of the state (the only part the training loop waits
+for: a copy to host memory) and writes it on a thread. One write runs at a time: the next save
+waits for it. A failed write is logged and counted; the previous checkpoint stays ``latest``.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import logging
 import os
 import re
 import tempfile
+import time
 from pathlib import Path
 
 import torch
+
+log = logging.getLogger(__name__)
 
 LATEST = "latest"
 _NAME = re.compile(r"^step-(\d+)\.pt$")
@@ -49,10 +58,64 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def snapshot(obj):
+    """A copy of a nested state (dicts, lists, tuples, tensors, plain values) whose tensors are
+    fresh contiguous CPU tensors, so training can go on changing the originals."""
+    if isinstance(obj, torch.Tensor):
+        obj = obj.detach()
+        return obj.to("cpu", copy=True).contiguous() if obj.device.type != "cpu" else obj.clone().contiguous()
+    if isinstance(obj, dict):
+        return {k: snapshot(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(snapshot(v) for v in obj)
+    return obj
+
+
 class CheckpointManager:
     def __init__(self, run_dir: Path, keep: int = 3):
         self.dir = Path(run_dir) / "checkpoints"
         self.keep = keep
+        self._writer: concurrent.futures.ThreadPoolExecutor | None = None
+        self._pending: concurrent.futures.Future | None = None
+        self.last_write: dict | None = None
+        """The last completed write: path, bytes, write seconds."""
+        self.failed_writes = 0
+
+    def save_in_background(self, state: dict, step: int) -> float:
+        """Snapshots ``state`` and writes it on a thread; returns the seconds the caller was held
+        (waiting for the previous write, if it still runs, and the snapshot)."""
+        began = time.perf_counter()
+        self.wait()
+        frozen = snapshot(state)
+        self._writer = self._writer or concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="checkpoint")
+        self._pending = self._writer.submit(self._write, frozen, step)
+        return time.perf_counter() - began
+
+    def wait(self) -> BaseException | None:
+        """Blocks until the write in progress (if any) is done; returns (and logs) what made it fail.
+
+        A failed write loses that checkpoint only: the previous one stays ``latest``, training goes on.
+        """
+        pending, self._pending = self._pending, None
+        error = pending.exception() if pending is not None else None
+        if error is not None:
+            self.failed_writes += 1
+            log.error("writing a checkpoint failed (the previous one stays latest): %s: %s",
+                      type(error).__name__, error)
+        return error
+
+    def close(self) -> None:
+        self.wait()
+        if self._writer is not None:
+            self._writer.shutdown(wait=True)
+            self._writer = None
+
+    def _write(self, state: dict, step: int) -> Path:
+        began = time.perf_counter()
+        path = self.save(state, step)
+        self.last_write = {"path": str(path), "bytes": path.stat().st_size, "write_s": time.perf_counter() - began}
+        log.debug("checkpoint %s written in %.1f s", path.name, self.last_write["write_s"])
+        return path
 
     def save(self, state: dict, step: int) -> Path:
         path = self.dir / f"step-{step:09d}.pt"

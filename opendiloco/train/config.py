@@ -171,7 +171,11 @@ class TrainConfig(Section):
 class CheckpointConfig(Section):
     every_outer_steps: int = Field(1, ge=0)
     """0 writes a checkpoint only at the end (or when stopped)."""
-    keep: int = Field(3, ge=1)
+    keep: int = Field(2, ge=1)
+    """Checkpoints kept: the newest, and one more in case the newest is lost with its disk."""
+    background: bool = True
+    """Write periodic checkpoints on a thread from a snapshot in host memory (the final one, at the
+    end of a run or on a signal, is always written before the process exits)."""
 
 
 def _check_maddr(addr: str, what: str) -> None:

@@ -226,7 +226,14 @@ class Trainer:
             log.info("no checkpoint in %s; starting fresh", self.checkpoints.dir)
             return None
         self.model.load_state_dict(ckpt["model"])
-        self.opt.load_state_dict(ckpt["optimizer"])
+        optimizer = ckpt["optimizer"]
+        from_model = ckpt.get("global_params_from_model") or []
+        if from_model:  # θ_global was θ_local there: rebuilt from the weights just loaded
+            glob = list(optimizer["outer"]["global_params"])
+            for i in from_model:
+                glob[i] = self.opt.outer.params[i].detach().to("cpu", torch.float32, copy=True)
+            optimizer = {**optimizer, "outer": {**optimizer["outer"], "global_params": glob}}
+        self.opt.load_state_dict(optimizer)
         self.scheduler.load_state_dict(ckpt["scheduler"])
         self.stream.load_state_dict(ckpt["data"])
         if self.scaler is not None and ckpt.get("scaler"):
@@ -279,18 +286,49 @@ class Trainer:
         self.model.train()
         return total / len(self.eval_set)
 
-    def save_checkpoint(self) -> Path:
-        state = {
-            "version": 1,
+    def checkpoint_state(self) -> dict:
+        """What resume needs, once: θ_local (the model), the inner and outer optimizer state, θ_global
+        only for tensors where it differs from θ_local, counters, data position, RNG.
+
+        After a whole-model outer step θ_local equals θ_global (fp32 models), so a checkpoint
+        holds 16 bytes per parameter (weights, two AdamW moments, outer momentum), not 20.
+        """
+        optimizer = self.opt.state_dict()
+        outer = optimizer["outer"]
+        same = [i for i, (p, g) in enumerate(zip(self.opt.outer.params, outer["global_params"]))
+                if torch.equal(p.detach().to("cpu", torch.float32), g)]
+        if same:
+            kept = set(same)
+            outer = {**outer, "global_params": [None if i in kept else g for i, g in enumerate(outer["global_params"])]}
+            optimizer = {**optimizer, "outer": outer}
+        return {
+            "version": 2,
             "model": self.model.state_dict(),
-            "optimizer": self.opt.state_dict(),
+            "optimizer": optimizer,
+            "global_params_from_model": same,
             "scheduler": self.scheduler.state_dict(),
             "data": self.stream.state_dict(),
             "scaler": self.scaler.state_dict() if self.scaler is not None else None,
             "rng": rng_state(),
             "config": self.cfg.model_dump(),
         }
-        return self.checkpoints.save(state, self.opt.inner_steps_total)
+
+    def save_checkpoint(self, background: bool = False) -> Path | None:
+        """Writes a checkpoint; in the background, the loop waits only for a snapshot in host memory."""
+        if background:
+            previous = self.checkpoints.last_write
+            blocked = self.checkpoints.save_in_background(self.checkpoint_state(), self.opt.inner_steps_total)
+            self.metrics.write("checkpoint", inner_step=self.opt.inner_steps_total, outer_step=self.opt.outer_step,
+                               blocked_s=blocked, background=True,
+                               previous_bytes=previous and previous["bytes"],
+                               previous_write_s=previous and previous["write_s"])
+            return None
+        began = time.perf_counter()
+        self.checkpoints.wait()
+        path = self.checkpoints.save(self.checkpoint_state(), self.opt.inner_steps_total)
+        self.metrics.write("checkpoint", inner_step=self.opt.inner_steps_total, outer_step=self.opt.outer_step,
+                           blocked_s=time.perf_counter() - began, background=False, bytes=path.stat().st_size)
+        return path
 
     def _train_step(self) -> tuple[float, float | None]:
         """One inner step (with gradient accumulation); returns (loss, gradient norm)."""
@@ -337,8 +375,12 @@ class Trainer:
                 with StopRequest(on_stop=self.comm.interrupt) as stop, logging_redirect_tqdm():
                     return self._loop(stop, stop_after)
             finally:
-                self.metrics.close()
-                self.comm.close()
+                try:
+                    if hasattr(self, "checkpoints"):
+                        self.checkpoints.close()  # a write still in progress finishes first
+                finally:
+                    self.metrics.close()
+                    self.comm.close()
 
     def _loop(self, stop: StopRequest, stop_after: int | None) -> TrainResult:
         cfg = self.cfg
@@ -442,7 +484,7 @@ class Trainer:
         # With streaming an outer step is one fragment's sync: count whole-model syncs.
         every = self.cfg.checkpoint.every_outer_steps * self.opt.num_fragments
         if report.ok and every and self.opt.outer_step % every == 0:
-            self.save_checkpoint()
+            self.save_checkpoint(background=self.cfg.checkpoint.background)
 
     def _report_progress(self, tally: _Tally, loss: float, synced: bool) -> None:
         """Tells the swarm how this worker is doing, at most about once a second."""
