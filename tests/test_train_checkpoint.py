@@ -106,3 +106,19 @@ def test_a_failed_background_write_is_reported_and_keeps_the_previous_checkpoint
     mgr.save_in_background({"step": 3}, 3)  # the next one is written as usual
     mgr.close()
     assert mgr.load()["step"] == 3
+
+
+def test_snapshots_reuse_the_previous_snapshots_memory_and_copy_faithfully():
+    from opendiloco.train.checkpoint import snapshot
+
+    pool = []
+    a = {"w": torch.arange(6.0), "l": [torch.ones(2, 2), 3], "t": (torch.zeros(1, dtype=torch.int64),)}
+    first = snapshot(a, pool)
+    assert len(pool) == 3 and first["w"] is pool[0] and first["w"].data_ptr() != a["w"].data_ptr()
+    a["w"].add_(1)
+    second = snapshot(a, pool)
+    assert second["w"].data_ptr() == first["w"].data_ptr()  # reused
+    assert torch.equal(second["w"], torch.arange(6.0) + 1) and second["l"][1] == 3
+    assert isinstance(second["t"], tuple) and second["t"][0].dtype == torch.int64
+    third = snapshot({"w": torch.ones(3)}, pool)  # another shape: fresh memory, and the pool shrinks
+    assert len(pool) == 1 and torch.equal(third["w"], torch.ones(3))

@@ -58,17 +58,42 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def snapshot(obj):
+def snapshot(obj, pool: list[torch.Tensor] | None = None):
     """A copy of a nested state (dicts, lists, tuples, tensors, plain values) whose tensors are
-    fresh contiguous CPU tensors, so training can go on changing the originals."""
-    if isinstance(obj, torch.Tensor):
-        obj = obj.detach()
-        return obj.to("cpu", copy=True).contiguous() if obj.device.type != "cpu" else obj.clone().contiguous()
-    if isinstance(obj, dict):
-        return {k: snapshot(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(snapshot(v) for v in obj)
-    return obj
+    contiguous CPU tensors of its own, so training can go on changing the originals.
+
+    ``pool``: the tensors of the previous snapshot, in the same order. Each is reused where shape
+    and dtype match (no allocation, no page faults: the copy runs at memory speed), and the list
+    is updated to this snapshot's tensors.
+    """
+    pool = [] if pool is None else pool
+    counter = [0]
+
+    def copy(t: torch.Tensor) -> torch.Tensor:
+        i = counter[0]
+        counter[0] += 1
+        t = t.detach()
+        if i < len(pool) and pool[i].shape == t.shape and pool[i].dtype == t.dtype:
+            return pool[i].copy_(t)
+        fresh = torch.empty(t.shape, dtype=t.dtype, device="cpu").copy_(t)
+        if i < len(pool):
+            pool[i] = fresh
+        else:
+            pool.append(fresh)
+        return fresh
+
+    def walk(o):
+        if isinstance(o, torch.Tensor):
+            return copy(o)
+        if isinstance(o, dict):
+            return {k: walk(v) for k, v in o.items()}
+        if isinstance(o, (list, tuple)):
+            return type(o)(walk(v) for v in o)
+        return o
+
+    out = walk(obj)
+    del pool[counter[0]:]
+    return out
 
 
 class CheckpointManager:
@@ -80,13 +105,15 @@ class CheckpointManager:
         self.last_write: dict | None = None
         """The last completed write: path, bytes, write seconds."""
         self.failed_writes = 0
+        self._pool: list[torch.Tensor] = []
+        """The last snapshot's tensors, reused by the next one (host memory: one checkpoint's size)."""
 
     def save_in_background(self, state: dict, step: int) -> float:
         """Snapshots ``state`` and writes it on a thread; returns the seconds the caller was held
         (waiting for the previous write, if it still runs, and the snapshot)."""
         began = time.perf_counter()
-        self.wait()
-        frozen = snapshot(state)
+        self.wait()  # the previous write is done with the pool
+        frozen = snapshot(state, self._pool)
         self._writer = self._writer or concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="checkpoint")
         self._pending = self._writer.submit(self._write, frozen, step)
         return time.perf_counter() - began
@@ -109,6 +136,7 @@ class CheckpointManager:
         if self._writer is not None:
             self._writer.shutdown(wait=True)
             self._writer = None
+        self._pool.clear()
 
     def _write(self, state: dict, step: int) -> Path:
         began = time.perf_counter()
