@@ -39,6 +39,11 @@ class RunConfig(Section):
     progress: bool = True
     log_every: int = Field(10, ge=1)
     """Inner steps between ``train`` records in metrics.jsonl."""
+    log_to: list[Literal["wandb", "tensorboard"]] = []
+    """Also log the metrics to Weights & Biases and/or TensorBoard (extras: opendiloco[wandb], [tensorboard])."""
+    wandb_project: str = "opendiloco"
+    wandb_mode: Literal["online", "offline"] = "offline"
+    """offline writes the run under the run dir (``wandb sync`` uploads it later); online needs a login."""
 
 
 class ModelConfig(Section):

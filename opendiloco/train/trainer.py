@@ -27,6 +27,7 @@ from .config import Config, to_toml
 from .data import PackedStream, eval_batches, make_corpus
 from .metrics import MetricsWriter
 from .model import PersistentBuffers, build_model, count_parameters
+from .sinks import make_sinks, missing_package
 from .tokenizer import make_tokenizer
 
 log = logging.getLogger(__name__)
@@ -362,6 +363,9 @@ class Trainer:
     # -- the loop -----------------------------------------------------------------------------
     def run(self, stop_after: int | None = None) -> TrainResult:
         """Trains to ``train.total_steps`` (or ``stop_after`` more inner steps, or a signal)."""
+        missing = missing_package(self.cfg.run.log_to)
+        if missing:
+            raise TrainError(missing)
         with run_dir_lock(self.run_dir):
             if not self.resume and CheckpointManager(self.run_dir).latest() is not None:
                 raise TrainError(f"{self.run_dir} already holds checkpoints: pass --resume to continue that run, "
@@ -369,7 +373,7 @@ class Trainer:
             self._build_model_and_data()  # before joining a swarm: a data problem fails fast
             (self.run_dir / "config.toml").write_text(to_toml(self.cfg))
             self.comm = make_communicator(self.cfg, self.run_dir)
-            self.metrics = MetricsWriter(self.run_dir / "metrics.jsonl")
+            self.metrics = MetricsWriter(self.run_dir / "metrics.jsonl", forward=make_sinks(self.cfg, self.run_dir))
             try:
                 self._build_optimizer()
                 with StopRequest(on_stop=self.comm.interrupt) as stop, logging_redirect_tqdm():
