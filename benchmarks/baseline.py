@@ -10,6 +10,11 @@ batch. Model, data and held-out batches come from the same code as ``opendiloco 
 (``Trainer._build_model_and_data``), so rank r sees exactly the rows that DiLoCo worker
 ``--run.worker`` would. Metrics go to ``<run dir>/metrics.jsonl`` in the trainer's format
 (``start``, ``train``, ``eval``, ``end``), with ``comm_s`` (time in the all-reduce) added.
+
+Device and precision are the trainer's (``--train.device``, ``--train.precision``): the batch goes
+to the model's device, the forward pass runs under the same autocast as DiLoCo's inner step, and
+fp16 uses a GradScaler. The gradient bucket is all-reduced on the host (gloo), so several ranks may
+share one GPU.
 """
 
 from __future__ import annotations
@@ -57,7 +62,7 @@ class GradientAverager:
     def __call__(self, loss: float) -> tuple[float, float]:
         """Averages the gradients in place; returns (the mean loss, seconds this all-reduce took)."""
         grads = [p.grad for p in self.params]
-        bucket = flatten([*grads, torch.tensor([loss])])
+        bucket = flatten([*(g.to("cpu", torch.float32) for g in grads), torch.tensor([loss])])
         start = time.perf_counter()
         dist.all_reduce(bucket)
         seconds = time.perf_counter() - start
@@ -83,11 +88,13 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
                                 world_size=args.world_size, timeout=timedelta(seconds=args.timeout))
     averager = GradientAverager(params, args.world_size) if args.world_size > 1 else None
     opt = torch.optim.AdamW(params, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
+    scaler = torch.amp.GradScaler("cuda") if trainer.precision == "fp16" else None
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         opt, functools.partial(lr_lambda, warmup=o.warmup_steps, total=tc.total_steps, min_ratio=o.min_lr_ratio))
     lead = args.rank == 0
     metrics = MetricsWriter(cfg.run_dir / "metrics.jsonl")
     metrics.write("start", worker=cfg.worker, method="data-parallel" if args.world_size > 1 else "single",
+                  device=str(trainer.device), precision=trainer.precision,
                   world_size=args.world_size, rank=args.rank, parameters=count_parameters(model), inner_step=0,
                   config=cfg.model_dump())
 
@@ -102,16 +109,23 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
         t0 = time.perf_counter()
         loss_sum = 0.0
         for _ in range(tc.grad_accum):
-            batch = stream.next_batch(tc.batch_size)
-            loss = trainer.forward(input_ids=batch, labels=batch).loss / tc.grad_accum
-            loss.backward()
+            batch = stream.next_batch(tc.batch_size).to(trainer.device, non_blocking=True)
+            with trainer._autocast():
+                loss = trainer.forward(input_ids=batch, labels=batch).loss / tc.grad_accum
+            (scaler.scale(loss) if scaler is not None else loss).backward()
             loss_sum += float(loss.detach())
         comm = 0.0
         if averager:
             loss_sum, comm = averager(loss_sum)
+        if scaler is not None:
+            scaler.unscale_(opt)
         if o.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(params, o.grad_clip)
-        opt.step()
+        if scaler is not None:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
         opt.zero_grad(set_to_none=True)
         scheduler.step()
         compute_s += time.perf_counter() - t0 - comm

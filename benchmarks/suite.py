@@ -78,8 +78,11 @@ PLANS = {
 
 
 class Suite:
-    def __init__(self, plan: Plan, work: Path, use_netns: bool):
+    def __init__(self, plan: Plan, work: Path, use_netns: bool, device: str = "auto", precision: str = "auto"):
+        """``device`` and ``precision`` go to every run alike (DiLoCo and the baselines): like is
+        compared with like. The defaults are the trainer's (a GPU where there is one, bf16 there)."""
         self.plan, self.work, self.use_netns = plan, work, use_netns
+        self.device, self.precision = device, precision
         self.work.mkdir(parents=True, exist_ok=True)
 
     # -- launching -------------------------------------------------------------------------------
@@ -88,7 +91,8 @@ class Suite:
         return ["--config", str(ROOT / p.config), *p.model, "--train.total-steps", str(steps),
                 "--train.batch-size", str(batch), "--optim.warmup-steps", str(min(p.warmup, steps)),
                 "--train.threads", "1", "--run.worker", worker, "--run.dir", str(run_dir), "--run.progress", "false",
-                "--checkpoint.every-outer-steps", "0"]
+                "--checkpoint.every-outer-steps", "0", "--train.device", self.device,
+                "--train.precision", self.precision]
 
     def _run(self, name: str, net, launch, timeout: float, *, method: str, h: int | None = None) -> dict:
         """Starts the processes ``launch(group, net)`` returns, waits, and reads counters and metrics."""
@@ -286,6 +290,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "full suite, <work>/report.md for --quick)")
     p.add_argument("--report-only", action="store_true", help="only redraw tables and plots from --results")
     p.add_argument("--results", type=Path, default=None, help="results JSON (default <work>/results.json)")
+    p.add_argument("--device", default="auto", help="every run's train.device (auto: a GPU where there is one)")
+    p.add_argument("--precision", default="auto", help="every run's train.precision (auto: bf16 on a GPU)")
     args = p.parse_args(argv)
     args.plan = PLANS["quick" if args.quick else "full"]
     args.work = args.work or ROOT / ("runs/bench-quick" if args.quick else "runs/bench")
@@ -322,7 +328,7 @@ def main(argv=None) -> int:
         if unknown:
             print(f"unknown phase(s) {sorted(unknown)}", file=sys.stderr)
             return 2
-        suite = Suite(args.plan, args.work, use_netns)
+        suite = Suite(args.plan, args.work, use_netns, device=args.device, precision=args.precision)
         started = time.monotonic()
         runs = {}
         try:

@@ -8,7 +8,10 @@ by step (A B B A A B ...) after a warmup, so that drift of the machine cancels o
 times the wrapper alone (``DiLoCoOptimizer.step`` against its inner ``step`` on a 1-element
 parameter), which is the overhead in absolute terms and does not depend on the model.
 
-    .venv/bin/python scripts/bench_inner_overhead.py
+    .venv/bin/python scripts/bench_inner_overhead.py [--device cuda --precision bf16]
+
+On CUDA both models run with deterministic algorithms (so that the bit-identity check means
+what it says) and the same autocast; times are taken after a device synchronisation.
 """
 
 from __future__ import annotations
@@ -61,29 +64,47 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=100, help="alternating rounds; each times a block of each")
     p.add_argument("--block", type=int, default=1, help="timed steps per optimizer per round")
     p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--precision", choices=["fp32", "bf16"], default="fp32", help="autocast dtype of both models")
     args = p.parse_args()
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        import os
+
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # needed by deterministic cuBLAS
+        torch.use_deterministic_algorithms(True)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.precision == "bf16")
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize()
     if args.threads:
         torch.set_num_threads(args.threads)
 
     from opendiloco import DiLoCoOptimizer
 
     hp = dict(lr=4e-4, weight_decay=0.1, betas=(0.9, 0.95))
-    model_a = build(args)
+    model_a = build(args).to(device)
     model_b = copy.deepcopy(model_a)
     plain = torch.optim.AdamW(model_a.parameters(), **hp)
     diloco = DiLoCoOptimizer(model_b.parameters(), local_steps=10**9,
                              inner_optimizer=functools.partial(torch.optim.AdamW, **hp))
     g = torch.Generator().manual_seed(0)
-    x = torch.randint(0, args.vocab, (args.batch, args.seq), generator=g)
+    x = torch.randint(0, args.vocab, (args.batch, args.seq), generator=g).to(device)
     runs = {"adamw": (model_a, plain), "diloco": (model_b, diloco)}
 
     def step(name: str) -> tuple[float, float]:
         model, opt = runs[name]
+        sync()
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
-        model(input_ids=x, labels=x).loss.backward()
+        with autocast:
+            loss = model(input_ids=x, labels=x).loss
+        loss.backward()
+        sync()
         t1 = time.perf_counter()
         opt.step()
+        sync()
         t2 = time.perf_counter()
         return t2 - t0, t2 - t1
 
@@ -111,6 +132,8 @@ def main() -> None:
     med = {k: statistics.median(v) for k, v in full.items()}
     med_step = {k: statistics.median(v) for k, v in only_step.items()}
     n_params = sum(p.numel() for p in model_a.parameters())
+    print(f"device: {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'host'}), "
+          f"precision {args.precision}")
     print(f"machine: {platform.processor() or platform.machine()}, {torch.get_num_threads()} torch threads, "
           f"torch {torch.__version__}, python {platform.python_version()}")
     print(f"model: Llama {args.layers}x{args.hidden}, {n_params / 1e6:.1f}M params, batch {args.batch}x{args.seq}; "

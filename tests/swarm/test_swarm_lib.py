@@ -178,3 +178,17 @@ def test_four_bit_contributions_with_error_feedback_average_and_agree(swarm):
             assert d["error"][0].abs().max() > 0
         step_of_int8 = received.abs().max() / 127
         assert (dumps[0]["got"][0] - received).abs().max() <= step_of_int8  # only the int8 rounding is left
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_two_workers_with_cuda_models_average_and_agree(swarm):
+    swarm.bootstrap()
+    names = ["g0", "g1"]
+    procs = [swarm.worker(n, seed=i + 1, outer_steps=3, local_steps=4, min_group_size=2, device="cuda")
+             for i, n in enumerate(names)]
+    swarm.wait(procs, timeout=180)
+    syncs = {n: by_step(swarm.records(n)) for n in names}
+    for step in (1, 2, 3):
+        assert {syncs[n][step]["group_size"] for n in names} == {2}
+        assert syncs["g0"][step]["global_hash"] == syncs["g1"][step]["global_hash"]

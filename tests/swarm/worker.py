@@ -57,6 +57,7 @@ def main():
     p.add_argument("--compression", default="fp16")
     p.add_argument("--result-compression", default=None)
     p.add_argument("--error-feedback", action="store_true")
+    p.add_argument("--device", default="cpu")
     p.add_argument("--min-group-size", type=int, default=1)
     p.add_argument("--straggler-wait", type=float, default=8.0)
     p.add_argument("--allreduce-timeout", type=float, default=20.0)
@@ -94,7 +95,8 @@ def main():
     signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
 
     torch.manual_seed(0)  # identical initial weights everywhere
-    model = torch.nn.Sequential(torch.nn.Linear(16, args.hidden), torch.nn.Tanh(), torch.nn.Linear(args.hidden, 1))
+    model = torch.nn.Sequential(torch.nn.Linear(16, args.hidden), torch.nn.Tanh(),
+                                torch.nn.Linear(args.hidden, 1)).to(args.device)
     opt = DiLoCoOptimizer(model.parameters(), local_steps=args.local_steps, communicator=comm,
                           inner_optimizer=functools.partial(torch.optim.AdamW, lr=3e-2),
                           outer_optimizer=functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True),
@@ -120,7 +122,7 @@ def main():
         while (args.run_until_stopped or opt.outer_step < args.outer_steps) and not stop:
             x = torch.randn(64, 16, generator=gen)
             y = (x @ w_true).tanh()[:, None] + 0.05 * torch.randn(64, 1, generator=gen)
-            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss = torch.nn.functional.mse_loss(model(x.to(args.device)), y.to(args.device))
             loss.backward()
             before = opt.outer_step
             if args.poison_at == opt.outer_step and opt.local_step == args.local_steps - 1:
