@@ -425,7 +425,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
             self._contributed_steps += self._uncommitted_steps
             self._uncommitted_steps = 0
             self._fragment_work[fragment] = 0.0
-            if self.error_feedback and round_.own_finite:  # what this round lost is owed to the next one
+            if self.error_feedback and round_.own_finite and round_.weight > 0:  # its loss is owed to the next one
                 owed, error = self._residuals[fragment]
                 self._residuals[fragment] = (error, owed)
             self._global_changed(fragment)  # publishes the fresh pace with the new outer step

@@ -180,7 +180,8 @@ def test_encoding_error_is_reported_exactly(name):
 
 def test_codec_label_names_both_formats_only_when_they_differ():
     assert codec_label(get_codec("int4")) == "int4" == codec_label(get_codec("int4"), get_codec("int4"))
-    assert codec_label(get_codec("int4"), get_codec("int8")) == "int4/int8"
+    assert codec_label(get_codec("int4"), get_codec("int8")) == "int4/int8.v2"  # int8's bytes changed once
+    assert codec_label(get_codec("int8")) == "int8.v2" and get_codec("fp16").label == "fp16"
 
 
 _OTHER_PROCESS = """

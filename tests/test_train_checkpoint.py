@@ -122,3 +122,12 @@ def test_snapshots_reuse_the_previous_snapshots_memory_and_copy_faithfully():
     assert isinstance(second["t"], tuple) and second["t"][0].dtype == torch.int64
     third = snapshot({"w": torch.ones(3)}, pool)  # another shape: fresh memory, and the pool shrinks
     assert len(pool) == 1 and torch.equal(third["w"], torch.ones(3))
+
+
+def test_negative_and_positive_zero_are_not_the_same_weights():
+    """θ_global is stored once only where its bytes equal the weights': its fingerprint hashes bytes."""
+    from opendiloco.train.trainer import _same_bits
+
+    assert _same_bits(torch.tensor([0.0, 1.5]), torch.tensor([0.0, 1.5]))
+    assert not _same_bits(torch.tensor([0.0, 1.5]), torch.tensor([-0.0, 1.5]))
+    assert torch.equal(torch.tensor([0.0]), torch.tensor([-0.0]))  # why torch.equal is not enough

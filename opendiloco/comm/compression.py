@@ -32,6 +32,12 @@ FP16_MAX = float(torch.finfo(torch.float16).max)
 
 class Codec(ABC):
     name: str
+    revision: int = 1
+    """Bumped when a codec's bytes change under the same name: peers of different revisions never group."""
+
+    @property
+    def label(self) -> str:
+        return self.name if self.revision == 1 else f"{self.name}.v{self.revision}"
 
     @abstractmethod
     def encode(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -275,8 +281,10 @@ def _float_magnitudes(exponent_bits: int, mantissa_bits: int, bias: int, count: 
     return out
 
 
-def _int8():
-    return SmallFormat("int8", 8, [float(i) for i in range(128)], block_size=256)
+def _int8():  # revision 2: offset codes in blocks of 256 (revision 1: two's complement in blocks of 1024)
+    codec = SmallFormat("int8", 8, [float(i) for i in range(128)], block_size=256)
+    codec.revision = 2
+    return codec
 
 
 def _int4():
@@ -309,6 +317,6 @@ def get_codec(name: str) -> Codec:
 
 def codec_label(codec: Codec, result_codec: Codec | None = None) -> str:
     """How a group names its wire formats: ``int4``, or ``int4/int8`` when averages travel wider."""
-    if result_codec is None or result_codec.name == codec.name:
-        return codec.name
-    return f"{codec.name}/{result_codec.name}"
+    if result_codec is None or result_codec.label == codec.label:
+        return codec.label
+    return f"{codec.label}/{result_codec.label}"

@@ -64,9 +64,13 @@ class WandbSink(Sink):
 
         self._run = wandb.init(project=project, name=run_name, dir=str(run_dir), mode=mode, config=config,
                                settings=wandb.Settings(silent=True, console="off"))
+        # The inner step is a field, not W&B's own step: that one must only grow, and a worker that
+        # adopts a peer's state may go back a few steps.
+        self._run.define_metric("inner_step")
+        self._run.define_metric("*", step_metric="inner_step")
 
     def log(self, step, values):
-        self._run.log(values, step=step)
+        self._run.log({**values, "inner_step": step} if step is not None else values)
 
     def close(self):
         self._run.finish()

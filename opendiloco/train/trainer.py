@@ -166,6 +166,11 @@ def _tuples(x):
     return tuple(_tuples(v) for v in x) if isinstance(x, (list, tuple)) else x
 
 
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal bytes (``torch.equal`` calls -0.0 and +0.0 equal; θ_global's fingerprint does not)."""
+    return a.shape == b.shape and torch.equal(a.contiguous().view(torch.int32), b.contiguous().view(torch.int32))
+
+
 class Trainer:
     """Builds everything from a config, then runs the loop. One instance per run."""
 
@@ -297,7 +302,7 @@ class Trainer:
         optimizer = self.opt.state_dict()
         outer = optimizer["outer"]
         same = [i for i, (p, g) in enumerate(zip(self.opt.outer.params, outer["global_params"]))
-                if torch.equal(p.detach().to("cpu", torch.float32), g)]
+                if _same_bits(p.detach().to("cpu", torch.float32), g)]
         if same:
             kept = set(same)
             outer = {**outer, "global_params": [None if i in kept else g for i, g in enumerate(outer["global_params"])]}
@@ -317,10 +322,11 @@ class Trainer:
     def save_checkpoint(self, background: bool = False) -> Path | None:
         """Writes a checkpoint; in the background, the loop waits only for a snapshot in host memory."""
         if background:
+            began = time.perf_counter()
             previous = self.checkpoints.last_write
-            blocked = self.checkpoints.save_in_background(self.checkpoint_state(), self.opt.inner_steps_total)
+            self.checkpoints.save_in_background(self.checkpoint_state(), self.opt.inner_steps_total)
             self.metrics.write("checkpoint", inner_step=self.opt.inner_steps_total, outer_step=self.opt.outer_step,
-                               blocked_s=blocked, background=True,
+                               blocked_s=time.perf_counter() - began, background=True,
                                previous_bytes=previous and previous["bytes"],
                                previous_write_s=previous and previous["write_s"])
             return None
