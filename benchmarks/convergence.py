@@ -4,8 +4,8 @@
 
 The sweep runs in-process. ``InProcessGroup`` averages the replicas' pseudo-gradients with the
 same codec as the swarm (fp16), and each replica is the trainer's own model, data shard and inner
-step (``Trainer._train_step``). So a point costs compute, not daemons. The model is the
-suite's quick one (hidden 128, 2 layers, seq 64), batch 8 per worker, 4 workers.
+step (``Trainer._train_step``). So a point costs compute, not daemons. The model is a 0.2M-parameter
+Llama (hidden 64, 2 layers, seq 64), batch 8 per worker, 4 workers.
 
 Every run uses the same inner lr schedule: linear warmup, then constant. The held-out loss at
 inner step s is then comparable across runs of any length. A point (H, outer lr, k outer steps)
@@ -29,8 +29,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-QUICK_MODEL = ["--model.hidden-size", "128", "--model.num-layers", "2", "--model.num-heads", "4",
-               "--model.intermediate-size", "512", "--data.seq-len", "64"]
+MODEL = ["--model.hidden-size", "64", "--model.num-layers", "2", "--model.num-heads", "4",
+         "--model.intermediate-size", "256", "--data.seq-len", "64"]
+"""A Llama small enough for a sweep of ~130k forward/backward passes on 2 CPU cores."""
 
 
 def config(run_dir: Path, worker: str, *, h: int, outer_lr: float, batch: int, warmup: int, total: int,
@@ -38,7 +39,7 @@ def config(run_dir: Path, worker: str, *, h: int, outer_lr: float, batch: int, w
     from opendiloco.train.config import load_config
 
     return load_config(ROOT / "configs" / "tiny.toml", [
-        *QUICK_MODEL, "--train.batch-size", str(batch), "--train.threads", "1", "--train.device", "cpu",
+        *MODEL, "--train.batch-size", str(batch), "--train.threads", "1", "--train.device", "cpu",
         "--train.eval-batches", str(eval_batches), "--train.total-steps", str(total),
         "--optim.local-steps", str(h), "--optim.outer-lr", str(outer_lr), "--optim.warmup-steps", str(warmup),
         "--optim.min-lr-ratio", "1.0", "--optim.pace", "fixed", "--run.worker", worker,
