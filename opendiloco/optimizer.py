@@ -24,7 +24,7 @@ from .streaming import check_schedule, event_gap, event_start, fragment_of, frag
 log = logging.getLogger(__name__)
 
 default_inner_optimizer = functools.partial(torch.optim.AdamW, lr=4e-4, weight_decay=0.1, betas=(0.9, 0.95))
-default_outer_optimizer = functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)
+default_outer_optimizer = functools.partial(torch.optim.SGD, lr=0.4, momentum=0.9, nesterov=True)
 
 
 @dataclass

@@ -169,7 +169,7 @@ def test_default_nesterov_matches_hand_reference(run_replicas):
     def worker(rank):
         model = mlp()
         opt = DiLoCoOptimizer(model.parameters(), local_steps=H, inner_optimizer=ADAMW,
-                              communicator=group.members[rank])  # default outer: SGD(0.7, 0.9, nesterov)
+                              communicator=group.members[rank])  # default outer: SGD(0.4, 0.9, nesterov)
         snapshot_before_sync(opt, local[rank])
         for step in range(H * outer_steps):
             train_step(model, opt, *batch(rank, step))
@@ -177,7 +177,7 @@ def test_default_nesterov_matches_hand_reference(run_replicas):
                 globals_after[rank][opt.outer_step] = [g.detach().clone() for g in opt.outer.global_params]
 
     run_replicas(worker, 2)
-    lr, m = 0.7, 0.9
+    lr, m = 0.4, 0.9
     theta = [p.detach().clone() for p in mlp().parameters()]
     buf = None
     for k in range(outer_steps):
@@ -495,7 +495,7 @@ def test_lambdalr_drives_the_inner_lr():
         train_step(model, opt, *batch(0, s))
         sched.step()
     assert opt.outer_step == 1
-    assert opt.outer.optimizer.param_groups[0]["lr"] == 0.7  # the scheduler leaves the outer lr alone
+    assert opt.outer.optimizer.param_groups[0]["lr"] == 0.4  # the scheduler leaves the outer lr alone
     # lr 0 freezes the inner optimizer (weight decay is multiplied by lr too): proof the lr is the one used
     for g in opt.param_groups:
         g["lr"] = 0.0

@@ -125,7 +125,7 @@ class OptimConfig(Section):
     eps: float = Field(1e-8, gt=0)
     grad_clip: float = Field(1.0, ge=0)
     """Max gradient norm; 0 disables clipping."""
-    outer_lr: float = Field(0.7, gt=0)
+    outer_lr: float = Field(0.4, gt=0)
     outer_momentum: float = Field(0.9, ge=0, lt=1)
     outer_nesterov: bool = True
     fragments: int = Field(1, ge=1)
