@@ -103,6 +103,21 @@ def test_outer_sgd_lr1_gives_mean_of_local_weights(run_replicas):
     assert group.rounds == 1  # invariant 6: one exchange per outer step
 
 
+def test_one_worker_with_outer_sgd_lr1_and_no_momentum_is_plain_adamw():
+    """Nothing in the outer machinery changes one worker's training: with θ_global := θ_local it
+    follows AdamW (inner state, schedule and all) across outer steps, to fp32 rounding of g − (g − l)."""
+    plain_model, diloco_model = mlp(), mlp()
+    plain = ADAMW(plain_model.parameters())
+    diloco = DiLoCoOptimizer(diloco_model.parameters(), local_steps=4, inner_optimizer=ADAMW, outer_optimizer=SGD1,
+                             communicator=SingleWorker("none"))
+    for step in range(20):
+        for model, opt in ((plain_model, plain), (diloco_model, diloco)):
+            train_step(model, opt, *batch(0, step))
+    assert diloco.outer_step == 5
+    for a, b in zip(plain_model.parameters(), diloco_model.parameters()):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+
+
 class FlippedSignSGD(torch.optim.SGD):
     """SGD that steps *along* the pseudo-gradient: what a sign slip (θ_local − θ_global) does."""
 
