@@ -131,3 +131,13 @@ def test_negative_and_positive_zero_are_not_the_same_weights():
     assert _same_bits(torch.tensor([0.0, 1.5]), torch.tensor([0.0, 1.5]))
     assert not _same_bits(torch.tensor([0.0, 1.5]), torch.tensor([-0.0, 1.5]))
     assert torch.equal(torch.tensor([0.0]), torch.tensor([-0.0]))  # why torch.equal is not enough
+
+
+def test_the_newest_checkpoint_is_kept_even_at_a_lower_step(tmp_path):
+    """A worker that adopted a peer's state may write step 95 after step 100: 95 is the newest."""
+    mgr = CheckpointManager(tmp_path, keep=1)
+    mgr.save({"step": 100}, 100)
+    mgr.save({"step": 95}, 95)
+    assert [p.name for p in mgr.steps()] == ["step-000000095.pt"]  # by step number, 100 would survive
+    (mgr.dir / "latest").unlink()
+    assert mgr.load()["step"] == 95  # without the pointer too

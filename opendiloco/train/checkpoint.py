@@ -153,10 +153,18 @@ class CheckpointManager:
         return path
 
     def steps(self) -> list[Path]:
+        """Checkpoint files, oldest written first. Not by step number: a worker that adopts a peer's
+        state can move back a few inner steps, and its newest checkpoint must stay the one kept."""
         if not self.dir.is_dir():
             return []
-        found = [(int(m.group(1)), p) for p in self.dir.iterdir() if (m := _NAME.match(p.name))]
-        return [p for _, p in sorted(found)]
+        found = []
+        for p in self.dir.iterdir():
+            if m := _NAME.match(p.name):
+                try:
+                    found.append((p.stat().st_mtime_ns, int(m.group(1)), p))
+                except FileNotFoundError:  # pruned meanwhile
+                    continue
+        return [p for _, _, p in sorted(found)]
 
     def latest(self) -> Path | None:
         pointer = self.dir / LATEST
