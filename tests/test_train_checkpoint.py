@@ -135,8 +135,13 @@ def test_negative_and_positive_zero_are_not_the_same_weights():
 
 def test_the_newest_checkpoint_is_kept_even_at_a_lower_step(tmp_path):
     """A worker that adopted a peer's state may write step 95 after step 100: 95 is the newest."""
+    import os
+    import time
+
     mgr = CheckpointManager(tmp_path, keep=1)
-    mgr.save({"step": 100}, 100)
+    first = mgr.save({"step": 100}, 100)
+    past = time.time() - 60
+    os.utime(first, (past, past))  # written a minute ago (file times may be coarser than two quick saves)
     mgr.save({"step": 95}, 95)
     assert [p.name for p in mgr.steps()] == ["step-000000095.pt"]  # by step number, 100 would survive
     (mgr.dir / "latest").unlink()
