@@ -26,6 +26,7 @@ from opendiloco.comm.compression import get_codec
 
 from . import analysis
 from .network import Loopback
+from .report import save_results
 from .suite import PLANS, Suite
 
 RUNS = {
@@ -113,10 +114,7 @@ def main(argv=None) -> int:
     finally:
         net.close()
     out["minutes"] = (time.monotonic() - started) / 60
-    results = args.results or args.work / "results.json"
-    results.parent.mkdir(parents=True, exist_ok=True)
-    results.write_text(json.dumps(out, indent=1))
-    print(f"results: {results}")
+    save_results(out, args.results or args.work / "results.json")
     print(table(out))
     return 0
 

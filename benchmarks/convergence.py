@@ -28,6 +28,8 @@ import sys
 import time
 from pathlib import Path
 
+from .report import save_results
+
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = ["--model.hidden-size", "64", "--model.num-layers", "2", "--model.num-heads", "4",
          "--model.intermediate-size", "256", "--data.seq-len", "64"]
@@ -181,10 +183,7 @@ def main(argv=None) -> int:
             print(f"[{time.strftime('%H:%M:%S')}] {result['name']}: {result['seconds']:.0f} s", flush=True)
     out = {"command": " ".join(["python -m benchmarks.convergence", *(argv or sys.argv[1:])]),
            "runs": results, "minutes": (time.monotonic() - started) / 60}
-    path = args.results or args.work / "results.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(out, indent=1))
-    print(f"results: {path}")
+    save_results(out, args.results or args.work / "results.json")
     print(table(out))
     return 0
 

@@ -31,6 +31,8 @@ import torch
 from opendiloco.testing.proctree import ProcessGroup, spawn_bootstrap
 from opendiloco.train.metrics import read_metrics
 
+from .report import save_results
+
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = ["--model.hidden-size", "128", "--model.num-layers", "2", "--model.intermediate-size", "512",
          "--data.seq-len", "64"]
@@ -180,10 +182,7 @@ def main(argv=None) -> int:
                 continue
             per_worker = (n - 1 + 1 / k) / n  # the same total throughput, shared equally
             go(f"equal-k{k:g}", [step / per_worker - c] * n)
-    results = args.results or args.work / "results.json"
-    results.parent.mkdir(parents=True, exist_ok=True)
-    results.write_text(json.dumps(out, indent=1))
-    print(f"results: {results}")
+    save_results(out, args.results or args.work / "results.json")
     print(table(out))
     if args.plot:
         plot(out, args.plot)

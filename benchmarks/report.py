@@ -6,11 +6,19 @@ hand-written parts of ``docs/benchmarks.md`` around it stay as they are.
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
 BEGIN = "<!-- BEGIN benchmarks.suite (generated: python -m benchmarks.suite --report-only) -->"
 END = "<!-- END benchmarks.suite -->"
+
+def save_results(out: dict, path: Path) -> None:
+    """Writes a benchmark's results JSON (the input of its ``--report-only``) and says where."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=1))
+    print(f"results: {path}")
+
 
 LABELS = {"single": "1 worker, AdamW", "data-parallel": "data-parallel, {n} workers (gloo, every step)"}
 

@@ -28,6 +28,7 @@ from opendiloco.testing.netns import unavailable_reason
 
 from . import analysis
 from .network import Loopback, Namespaces
+from .report import save_results
 from .suite import PLANS, Suite
 
 PLAIN = ["--optim.pace", "fixed"]
@@ -136,9 +137,7 @@ def main(argv=None) -> int:
             out["runs"][f"loss-H{h}-{name}"] = {"H": h, "link": None, **figures(run)}
             print(f"    {out['runs'][f'loss-H{h}-{name}']['final_eval_loss']}", flush=True)
     out["minutes"] = (time.monotonic() - started) / 60
-    results_path.parent.mkdir(parents=True, exist_ok=True)
-    results_path.write_text(json.dumps(out, indent=1))
-    print(f"results: {results_path}")
+    save_results(out, results_path)
     print(table(out))
     return 0
 

@@ -29,6 +29,10 @@ class ProtocolError(AveragingError):
     """A peer sent something that does not fit the round (wrong group, size, code, non-finite, digest...)."""
 
 
+class NonFiniteError(AveragingError, ValueError):
+    """A codec was asked to encode NaN or inf: a round that would carry them fails instead."""
+
+
 class PeerFailure(AveragingError):
     """A round failed because of these peers (unreachable, refused, or silent until the timeout)."""
 

@@ -24,7 +24,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from ..errors import ProtocolError
+from ..errors import NonFiniteError, ProtocolError
 from ..fingerprint import tensor_bytes
 
 FP16_MAX = float(torch.finfo(torch.float16).max)
@@ -146,7 +146,7 @@ class Float16Compression(Codec):
         if flat.numel() and flat.is_floating_point():
             lo, hi = (float(v) for v in torch.aminmax(flat))
             if not (math.isfinite(lo) and math.isfinite(hi)):
-                raise ValueError("refusing to encode non-finite values")
+                raise NonFiniteError("refusing to encode non-finite values")
             if not (-FP16_MAX <= lo and hi <= FP16_MAX):
                 half.clamp_(-FP16_MAX, FP16_MAX)
         return {"values": half}
@@ -191,7 +191,7 @@ class BlockScaled(Codec):
         blocks = flat.view(-1, self.block_size)
         scale = blocks.abs().amax(dim=1)
         if not bool(torch.isfinite(scale).all()):
-            raise ValueError("refusing to encode non-finite values")
+            raise NonFiniteError("refusing to encode non-finite values")
         scale = scale.div_(self.top).clamp_(_TINY, _FP32_MAX / (self.top * (1 + 2.0**-10)))
         return {"values": self._quantize(blocks / scale[:, None]).reshape(-1), "scale": scale}
 

@@ -10,7 +10,7 @@ import torch
 
 from ..errors import AveragingError
 from .base import AverageResult, Communicator, CompletedWork, FutureWork, RoundKey, Work
-from .compression import Codec, codec_label, get_codec
+from .compression import Codec, get_codec
 
 
 class SingleWorker(Communicator):
@@ -31,8 +31,8 @@ class SingleWorker(Communicator):
         out = out if out is not None else torch.empty_like(flat)
         try:
             self.codec.roundtrip_into(flat, out)
-        except ValueError as e:  # a codec refuses non-finite values
-            return CompletedWork(error=AveragingError(str(e)))
+        except AveragingError as e:  # a codec refuses non-finite values
+            return CompletedWork(error=e)
         if error_out is not None:
             torch.sub(flat, out, out=error_out)
         return CompletedWork(AverageResult(out, (self._peer_id,), float(weight), time.perf_counter() - began))
@@ -53,7 +53,6 @@ class InProcessGroup:
         self.size = size
         self.codec = get_codec(compression)
         self.result_codec = get_codec(result_compression) if result_compression else self.codec
-        self.codec_label = codec_label(self.codec, self.result_codec)
         self.timeout = timeout
         self._cond = threading.Condition()
         self._pending: dict[RoundKey, dict[int, tuple[torch.Tensor, float]]] = {}
@@ -110,10 +109,7 @@ class _GroupMember(Communicator):
 
         def run():
             began = time.perf_counter()
-            try:
-                averaged, total = self.group._average(self.rank, flat, weight, key, error_out)
-            except ValueError as e:  # a codec refuses non-finite values
-                raise AveragingError(str(e)) from None
+            averaged, total = self.group._average(self.rank, flat, weight, key, error_out)
             if out is not None:
                 averaged = out.copy_(averaged)
             peers = tuple(f"replica-{r}" for r in range(self.group.size))

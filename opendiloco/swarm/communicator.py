@@ -284,10 +284,7 @@ class SwarmCommunicator(Communicator):
             if weight <= 0:
                 raise AveragingError("alone in the group and contributing weight 0")
             t0 = time.perf_counter()
-            try:
-                self.codec.roundtrip_into(flat, out, chunk=s.part_numel)
-            except ValueError as e:  # a codec refuses non-finite values
-                raise AveragingError(str(e)) from None
+            self.codec.roundtrip_into(flat, out, chunk=s.part_numel)  # NonFiniteError is an AveragingError
             if error_out is not None:
                 torch.sub(flat, out, out=error_out)
             return RoundOutcome(out, weight, "solo", 0, time.perf_counter() - t0)
