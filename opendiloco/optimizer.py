@@ -301,8 +301,10 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         gap = self._gap(self._outer_step)
         if self.pace == "fixed":
             return self._local_step >= gap
-        return round_due(self._own_pace(), self.communicator.peer_paces(self._outer_step), gap,
-                         own_step_s=self._step_s, local_step=self._local_step)
+        # Timing-based: the ranks of a multi-process worker take their leader's decision.
+        return self.communicator.shared_decision(
+            round_due(self._own_pace(), self.communicator.peer_paces(self._outer_step), gap,
+                      own_step_s=self._step_s, local_step=self._local_step))
 
     def _seconds_to_round(self) -> float | None:
         """When this worker expects to enter its next round; None until its step time is measured."""

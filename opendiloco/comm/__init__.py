@@ -7,6 +7,7 @@ from ..errors import AveragingError, BehindError
 from .base import AverageResult, Communicator, RoundKey, Work
 from .compression import CODECS, get_codec
 from .local import InProcessGroup, SingleWorker
+from .ranks import LocalRanks
 
 __all__ = [
     "CODECS",
@@ -15,6 +16,7 @@ __all__ = [
     "BehindError",
     "Communicator",
     "InProcessGroup",
+    "LocalRanks",
     "RoundKey",
     "SingleWorker",
     "Work",

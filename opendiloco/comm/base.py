@@ -164,6 +164,11 @@ class Communicator(ABC):
         """
         return []
 
+    def shared_decision(self, flag: bool) -> bool:
+        """A decision every process of this worker takes alike: the leader's, for a worker made of
+        several processes (``comm.ranks.LocalRanks``); a lone process's own by default."""
+        return flag
+
     def interrupt(self) -> None:
         """The worker is stopping: a round still waiting for peers gives up at once (no-op by default).
 

@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from opendiloco import Communicator, DiLoCoOptimizer
-from opendiloco.comm import SingleWorker
+from opendiloco.comm import LocalRanks, SingleWorker
 
 from .allocator import release_freed_tensors
 from .checkpoint import CheckpointManager
@@ -27,6 +27,7 @@ from .config import Config, to_toml
 from .data import PackedStream, eval_batches, make_corpus
 from .metrics import MetricsWriter
 from .model import PersistentBuffers, build_model, count_parameters
+from .ranks import RanksError, WorkerRanks
 from .sinks import make_sinks, missing_package
 from .tokenizer import make_tokenizer
 
@@ -178,10 +179,16 @@ class Trainer:
         self.cfg = cfg
         self.resume = resume
         self.run_dir = cfg.run_dir
-        threads = cfg.train.threads or len(os.sched_getaffinity(0))
+        try:
+            self.ranks = WorkerRanks.from_env()
+            self.rows = self.ranks.rows(cfg.train.batch_size)
+        except RanksError as e:
+            raise TrainError(str(e)) from None
+        # The processes of one worker share the machine's cores.
+        threads = cfg.train.threads or max(1, len(os.sched_getaffinity(0)) // self.ranks.local_size)
         torch.set_num_threads(threads)
         release_freed_tensors()
-        self.device = resolve_device(cfg.train.device)
+        self.device = self.ranks.device(resolve_device(cfg.train.device))
         self.precision = resolve_precision(cfg.train.precision, self.device)
         self.autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.precision)
 
@@ -199,7 +206,11 @@ class Trainer:
         self.eval_set = eval_batches(corpus, self.tokenizer, cfg.data.seq_len, cfg.train.batch_size,
                                      cfg.train.eval_batches)
         self.model = build_model(cfg.model, self.tokenizer.vocab_size, cfg.data.seq_len).to(self.device)
-        self.forward = torch.compile(self.model) if cfg.train.compile else self.model
+        # DDP (several processes) starts every rank from rank 0's weights; the optimizer is built after.
+        self.ddp = self.ranks.wrap(self.model, self.device)
+        self.forward = torch.compile(self.ddp) if cfg.train.compile else self.ddp
+        # Evaluation runs on rank 0 alone: never through DDP, whose backward the other ranks would await.
+        self.eval_forward = self.forward if not self.ranks.multi else self.model
 
     def _build_optimizer(self) -> None:
         cfg, o = self.cfg, self.cfg.optim
@@ -288,7 +299,7 @@ class Trainer:
         for batch in self.eval_set:
             batch = batch.to(self.device)
             with self._autocast():
-                total += float(self.forward(input_ids=batch, labels=batch).loss)
+                total += float(self.eval_forward(input_ids=batch, labels=batch).loss)
         self.model.train()
         return total / len(self.eval_set)
 
@@ -320,7 +331,10 @@ class Trainer:
         }
 
     def save_checkpoint(self, background: bool = False) -> Path | None:
-        """Writes a checkpoint; in the background, the loop waits only for a snapshot in host memory."""
+        """Writes a checkpoint; in the background, the loop waits only for a snapshot in host memory.
+        Once per worker: rank 0 writes it, its other processes hold the same state."""
+        if not self.ranks.leader:
+            return None
         if background:
             began = time.perf_counter()
             previous = self.checkpoints.last_write
@@ -341,11 +355,14 @@ class Trainer:
         """One inner step (with gradient accumulation); returns (loss, gradient norm)."""
         cfg = self.cfg.train
         loss_sum = 0.0
-        for _ in range(cfg.grad_accum):
-            batch = self.stream.next_batch(cfg.batch_size).to(self.device, non_blocking=True)
-            with self._autocast():
-                loss = self.forward(input_ids=batch, labels=batch).loss / cfg.grad_accum
-            (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+        for i in range(cfg.grad_accum):
+            batch = self.ranks.my_rows(self.stream.next_batch(cfg.batch_size)).to(self.device, non_blocking=True)
+            # DDP averages the ranks' gradients once per inner step, at its last micro-batch.
+            sync = self.ddp.no_sync() if self.ranks.multi and i < cfg.grad_accum - 1 else contextlib.nullcontext()
+            with sync:
+                with self._autocast():
+                    loss = self.forward(input_ids=batch, labels=batch).loss / cfg.grad_accum
+                (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
             loss_sum += float(loss.detach())
         if cfg.throttle:
             time.sleep(cfg.throttle)
@@ -372,25 +389,55 @@ class Trainer:
         missing = missing_package(self.cfg.run.log_to)
         if missing:
             raise TrainError(missing)
-        with run_dir_lock(self.run_dir):
-            if not self.resume and CheckpointManager(self.run_dir).latest() is not None:
-                raise TrainError(f"{self.run_dir} already holds checkpoints: pass --resume to continue that run, "
-                                 "or choose another --run.name or --run.dir")
-            self._build_model_and_data()  # before joining a swarm: a data problem fails fast
+        try:
+            self.ranks.init(self.device)
+        except (RuntimeError, ValueError) as e:
+            raise TrainError(f"could not join the worker's other processes: {e}") from e
+        try:
+            # One run dir per worker: rank 0 holds its lock, writes its config, checkpoints and metrics.
+            lock = run_dir_lock(self.run_dir) if self.ranks.leader else contextlib.nullcontext()
+            with lock:
+                result = self._run_locked(stop_after)
+            self.ranks.barrier()  # no process tears down its connections while another still uses them
+            return result
+        except RuntimeError as e:
+            if not self.ranks.multi or isinstance(e, TrainError):
+                raise
+            # A collective failed: another process of this worker died (torchrun ends the rest).
+            log.debug("collective failed", exc_info=True)
+            first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+            raise TrainError(f"a process of this worker failed, so the worker leaves the swarm: {first}") from e
+        finally:
+            self.ranks.close()
+
+    def _run_locked(self, stop_after: int | None) -> TrainResult:
+        if not self.resume and CheckpointManager(self.run_dir).latest() is not None:
+            raise TrainError(f"{self.run_dir} already holds checkpoints: pass --resume to continue that run, "
+                             "or choose another --run.name or --run.dir")
+        self._build_model_and_data()  # before joining a swarm: a data problem fails fast
+        if self.ranks.leader:
             (self.run_dir / "config.toml").write_text(to_toml(self.cfg))
+            metrics = MetricsWriter(self.run_dir / "metrics.jsonl", forward=make_sinks(self.cfg, self.run_dir))
+        else:  # the other ranks record their own outer steps (their θ_global hashes), nothing else
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            metrics = MetricsWriter(self.run_dir / f"metrics.rank{self.ranks.rank}.jsonl")
+        if self.ranks.multi:  # a worker of several processes joins the swarm from its rank 0 only
+            self.comm = LocalRanks(functools.partial(make_communicator, self.cfg, self.run_dir)
+                                   if self.ranks.leader else None)
+        else:
             self.comm = make_communicator(self.cfg, self.run_dir)
-            self.metrics = MetricsWriter(self.run_dir / "metrics.jsonl", forward=make_sinks(self.cfg, self.run_dir))
+        self.metrics = metrics
+        try:
+            self._build_optimizer()
+            with StopRequest(on_stop=self.comm.interrupt) as stop, logging_redirect_tqdm():
+                return self._loop(stop, stop_after)
+        finally:
             try:
-                self._build_optimizer()
-                with StopRequest(on_stop=self.comm.interrupt) as stop, logging_redirect_tqdm():
-                    return self._loop(stop, stop_after)
+                if hasattr(self, "checkpoints"):
+                    self.checkpoints.close()  # a write still in progress finishes first
             finally:
-                try:
-                    if hasattr(self, "checkpoints"):
-                        self.checkpoints.close()  # a write still in progress finishes first
-                finally:
-                    self.metrics.close()
-                    self.comm.close()
+                self.metrics.close()
+                self.comm.close()
 
     def _loop(self, stop: StopRequest, stop_after: int | None) -> TrainResult:
         cfg = self.cfg
@@ -405,16 +452,20 @@ class Trainer:
                  count_parameters(self.model) / 1e6, self.run_dir)
 
         bar = tqdm(total=cfg.train.total_steps, initial=self.opt.schedule_step, unit="step",
-                   disable=not cfg.run.progress, dynamic_ncols=True, desc=cfg.worker)
+                   disable=not (cfg.run.progress and self.ranks.leader), dynamic_ncols=True, desc=cfg.worker)
         tally = _Tally(tokens_per_step=cfg.train.batch_size * cfg.train.grad_accum * cfg.data.seq_len,
                        global_hash=self.opt.global_hash())  # θ_global changes only at outer steps: hash it then
-        while self.opt.schedule_step < cfg.train.total_steps and not stop.requested:
+        stopping = False
+        while self.opt.schedule_step < cfg.train.total_steps and not stopping:
             if stop_after is not None and tally.steps >= stop_after:
                 result.stopped = True
                 break
             t0 = time.perf_counter()
             prev_sync = self.opt.last_sync
             loss, grad_norm = self._train_step()
+            stopping = stop.requested
+            if isinstance(self.comm, LocalRanks):  # the worker's loss; its ranks stop at the same step
+                loss, stopping = self.comm.agree_step(loss, stopping)
             synced = self.opt.last_sync is not prev_sync
             tally.add(loss, time.perf_counter() - t0, sync_s=self.opt.blocked_s)
             result.losses.append(loss)
@@ -429,7 +480,7 @@ class Trainer:
                             ar_s=f"{sync.allreduce_s:.2f}" if sync else "-", refresh=False)
             bar.update(self.opt.schedule_step - bar.n)
         bar.close()
-        result.stopped = result.stopped or stop.requested
+        result.stopped = result.stopped or stopping
         if not result.stopped and self.opt.finish() is not None:  # a streamed round still in flight lands now
             self._outer_step_done(tally, evaluated=False)
         loop_s = time.perf_counter() - tally.start
@@ -454,6 +505,8 @@ class Trainer:
         return result
 
     def _evaluate_and_log(self, tally: _Tally) -> bool:
+        if not self.ranks.leader:
+            return False
         step = self.opt.inner_steps_total
         tally.eval_loss, tally.eval_step = self.evaluate(), step
         if tally.eval_loss is None:

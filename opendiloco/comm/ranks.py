@@ -1,0 +1,219 @@
+"""One worker made of several processes (a torchrun job): rank 0 speaks for it, the others follow.
+
+Inside a worker the inner step is data-parallel (DDP), so every local rank holds the same
+weights and computes the same pseudo-gradient. There is nothing to reduce locally: the leader
+(local rank 0) alone takes part in the swarm's round, through the communicator it was given,
+and hands the outcome to the other ranks over a gloo group of the worker's own processes:
+
+- a successful round: its average (and error-feedback residual), byte for byte, so every rank
+  applies the same update and holds a bit-identical θ_global;
+- a failed one: the same error type and fields, so every rank takes the same branch
+  (θ_global kept, or catching up);
+- a state download: the state the leader downloaded (or its failure).
+
+One swarm identity and one pseudo-gradient per worker on the wide-area link, whatever its
+number of GPUs; the local hand-off runs over loopback or shared memory, never the slow link.
+Every call that talks to the other ranks is collective: all ranks make the same calls in the
+same order, which the optimizer guarantees as long as its decisions agree (``shared_decision``).
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from ..errors import AveragingError, BehindError, DriftError, NonFiniteError, PeerFailure, ProtocolError
+from .base import AverageResult, Communicator, CompletedWork, RoundKey, Work
+
+log = logging.getLogger(__name__)
+
+__all__ = ["LocalRanks"]
+
+_ERRORS = {cls.__name__: cls for cls in (AveragingError, BehindError, DriftError, NonFiniteError, PeerFailure,
+                                         ProtocolError)}
+
+
+def describe_error(e: BaseException) -> dict:
+    """An error as plain fields, rebuilt on the other ranks by ``rebuild_error``."""
+    fields: dict = {"type": type(e).__name__ if type(e).__name__ in _ERRORS else "AveragingError",
+                    "message": str(e) if isinstance(e, AveragingError) else f"{type(e).__name__}: {e}"}
+    if isinstance(e, BehindError):
+        fields["group_outer_step"] = e.group_outer_step
+        fields["timeout"] = e.timeout
+    if isinstance(e, DriftError):
+        fields["majority_hash"] = e.majority_hash
+    if isinstance(e, PeerFailure):
+        fields["peers"] = sorted(e.peers)
+    return fields
+
+
+def rebuild_error(fields: dict) -> AveragingError:
+    kind, message = fields["type"], fields["message"]
+    if kind == "DriftError":
+        return DriftError(message, group_outer_step=fields["group_outer_step"], majority_hash=fields["majority_hash"])
+    if kind == "BehindError":
+        return BehindError(message, group_outer_step=fields["group_outer_step"], timeout=fields["timeout"])
+    if kind == "PeerFailure":
+        return PeerFailure(message, fields["peers"])
+    return _ERRORS.get(kind, AveragingError)(message)
+
+
+class LocalRanks(Communicator):
+    """The communicator of every rank of a multi-process worker.
+
+    ``leader`` is the worker's real communicator (e.g. a ``SwarmCommunicator``) on local rank 0
+    and None elsewhere; a callable is called on rank 0 only, so only the leader joins the swarm::
+
+        communicator = LocalRanks(lambda: SwarmCommunicator(initial_peers=[...]))
+
+    ``group``: the worker's processes (default: the whole default process group, i.e. one
+    torchrun job is one worker). ``timeout`` bounds how long a follower waits for the leader's
+    round, which includes matchmaking and any catch-up download.
+    """
+
+    def __init__(self, leader: Communicator | Callable[[], Communicator] | None, group=None,
+                 timeout: float = 1800.0):
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("LocalRanks needs torch.distributed initialised (run under torchrun)")
+        # Our own gloo group: the hand-off is CPU tensors, and it never queues behind DDP's traffic.
+        ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+        self.group = dist.new_group(ranks, backend="gloo", timeout=datetime.timedelta(seconds=timeout))
+        self.rank = dist.get_rank(self.group)
+        self.size = dist.get_world_size(self.group)
+        self._src = ranks[0]
+        if self.rank == 0:
+            if leader is None:
+                raise ValueError("local rank 0 needs the worker's communicator")
+            self.leader: Communicator | None = leader() if callable(leader) and not isinstance(leader, Communicator) \
+                else leader
+        else:
+            self.leader = None
+        self._peer_id = self._broadcast_object(self.leader.peer_id if self.leader is not None else None)
+
+    @property
+    def is_leader(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def peer_id(self) -> str:
+        return self._peer_id
+
+    # -- collectives ------------------------------------------------------------------------
+    def _broadcast_object(self, obj):
+        box = [obj]
+        dist.broadcast_object_list(box, src=self._src, group=self.group)
+        return box[0]
+
+    def _broadcast(self, tensor: torch.Tensor) -> None:
+        dist.broadcast(tensor, src=self._src, group=self.group)
+
+    def shared_decision(self, flag: bool) -> bool:
+        """The leader's ``flag`` on every rank (a decision that depends on timing, e.g. pacing)."""
+        box = torch.tensor([1 if flag else 0], dtype=torch.int32)
+        self._broadcast(box)
+        return bool(box.item())
+
+    def agree_step(self, loss: float, stop: bool) -> tuple[float, bool]:
+        """After an inner step: the worker's loss (the mean over its ranks' rows) and whether any rank
+        was asked to stop, the same on every rank, in one small all-reduce."""
+        box = torch.tensor([float(loss), 1.0 if stop else 0.0], dtype=torch.float64)
+        dist.all_reduce(box, group=self.group)
+        return float(box[0]) / self.size, bool(box[1] > 0)
+
+    # -- rounds -----------------------------------------------------------------------------
+    def start(self, flat, *, weight, key: RoundKey, out=None, error_out=None) -> Work:
+        if self.leader is not None:
+            try:
+                inner = self.leader.start(flat, weight=weight, key=key, out=out, error_out=error_out)
+            except AveragingError as e:
+                inner = CompletedWork(error=e)
+            return _RankWork(self, flat, out, error_out, inner)
+        return _RankWork(self, flat, out, error_out, None)
+
+    def _settle(self, work: _RankWork) -> AverageResult:
+        """The collective end of a round: the leader's outcome, on every rank."""
+        header: dict
+        result = None
+        if work.inner is not None:
+            try:
+                result = work.inner.wait()
+                header = {"ok": True, "peers": list(result.peers), "total_weight": result.total_weight,
+                          "seconds": result.seconds, "extra": result.extra, "numel": result.flat.numel()}
+            except Exception as e:  # AveragingError, or a bug: every rank fails the round alike
+                header = {"ok": False, "error": describe_error(e)}
+        else:
+            header = None
+        header = self._broadcast_object(header)
+        if not header["ok"]:
+            raise rebuild_error(header["error"])
+        if result is not None:
+            flat = result.flat
+        else:
+            flat = work.out if work.out is not None else torch.empty(header["numel"], dtype=torch.float32)
+            if flat.numel() != header["numel"]:
+                raise AveragingError(f"the leader's average has {header['numel']} values, this rank expects "
+                                     f"{flat.numel()}")
+        self._broadcast(flat)
+        if work.error_out is not None:
+            self._broadcast(work.error_out)
+        return AverageResult(flat, tuple(header["peers"]), header["total_weight"], header["seconds"],
+                             dict(header["extra"]))
+
+    # -- the rest of the interface: the leader acts, the others follow -----------------------
+    def download_state(self, timeout, min_outer_step=None, max_bytes=None, majority_hash=None):
+        outcome = None
+        if self.leader is not None:
+            try:
+                outcome = {"state": self.leader.download_state(timeout, min_outer_step=min_outer_step,
+                                                               max_bytes=max_bytes, majority_hash=majority_hash)}
+            except Exception as e:
+                outcome = {"error": f"{type(e).__name__}: {e}"}
+        outcome = self._broadcast_object(outcome)
+        if "error" in outcome:
+            raise AveragingError(outcome["error"])
+        return outcome["state"]
+
+    def attach_state_provider(self, provider) -> None:
+        if self.leader is not None:
+            self.leader.attach_state_provider(provider)
+
+    def report_progress(self, **fields) -> None:
+        if self.leader is not None:
+            self.leader.report_progress(**fields)
+
+    def peer_paces(self, outer_step: int):
+        return self.leader.peer_paces(outer_step) if self.leader is not None else []
+
+    def interrupt(self) -> None:
+        if self.leader is not None:
+            self.leader.interrupt()
+
+    def close(self) -> None:
+        if self.leader is not None:
+            self.leader.close()
+
+
+class _RankWork(Work):
+    """A round of a multi-process worker; ``wait`` is collective and settles it once."""
+
+    def __init__(self, ranks: LocalRanks, flat, out, error_out, inner: Work | None):
+        self.ranks, self.flat, self.out, self.error_out, self.inner = ranks, flat, out, error_out, inner
+        self._result: AverageResult | None = None
+        self._error: AveragingError | None = None
+
+    def wait(self, timeout=None) -> AverageResult:
+        if self._result is None and self._error is None:
+            try:
+                self._result = self.ranks._settle(self)
+            except AveragingError as e:
+                self._error = e
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+    def done(self) -> bool:
+        return self._result is not None or self._error is not None or (self.inner is not None and self.inner.done())
