@@ -70,3 +70,37 @@ def test_the_trainer_trains_on_cuda_and_resumes(tmp_path, precision):
     second = train(cfg, resume=True)
     assert whole.outer_steps == 2 and len(first.losses + second.losses) == len(whole.losses)
     torch.testing.assert_close(first.losses + second.losses, whole.losses, rtol=1e-2, atol=1e-3)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL inside a worker needs 2 GPUs")
+def test_a_worker_of_two_gpu_processes_over_nccl(tmp_path):
+    """torchrun with 2 ranks on 2 GPUs (DDP over NCCL, the hand-off over gloo): both processes hold the
+    same θ_global at every outer step, and the run matches a one-process worker of the same batch."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tests.test_train_loop import SMALL
+
+    root = Path(__file__).resolve().parents[1]
+    common = [*SMALL, "--train.device", "cuda", "--train.precision", "fp32", "--train.total-steps", "12",
+              "--train.eval-every", "4"]
+    two, one = tmp_path / "two", tmp_path / "one"
+    env = dict(os.environ, OMP_NUM_THREADS="1", CUBLAS_WORKSPACE_CONFIG=":4096:8")
+    for run_dir, head in ((two, [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                                 "2"]), (one, [sys.executable])):
+        proc = subprocess.run([*head, "-m", "opendiloco", "train", *common, "--run.dir", str(run_dir)], cwd=root,
+                              capture_output=True, text=True, timeout=500, env=env)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+
+    def records(path, event):
+        return [r for r in map(json.loads, path.read_text().splitlines()) if r["event"] == event]
+
+    leader = [(r["outer_step"], r["global_hash"]) for r in records(two / "metrics.jsonl", "outer_step")]
+    assert [s for s, _ in leader] == [1, 2, 3]
+    assert leader == [(r["outer_step"], r["global_hash"]) for r in records(two / "metrics.rank1.jsonl", "outer_step")]
+    for a, b in zip(records(two / "metrics.jsonl", "eval"), records(one / "metrics.jsonl", "eval")):
+        assert a["eval_loss"] == pytest.approx(b["eval_loss"], rel=1e-3)
