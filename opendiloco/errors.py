@@ -43,3 +43,9 @@ class PeerFailure(AveragingError):
 
 class SwarmError(RuntimeError):
     """A clear, user-facing problem with joining or running the swarm."""
+
+
+class LocalRankFailure(RuntimeError):
+    """The processes of a multi-process worker lost one another (a hand-off between them failed, or the
+    leader hit an unexpected error). Not an ``AveragingError``: no rank may carry on alone, so callers
+    that survive a failed round or download let this one through."""

@@ -15,7 +15,7 @@ import torch
 from .comm.base import Communicator, CompletedWork, RoundKey, Work
 from .comm.buffers import FlatBuffer, all_finite, unflatten
 from .comm.local import SingleWorker
-from .errors import AveragingError, BehindError, DriftError
+from .errors import AveragingError, BehindError, DriftError, LocalRankFailure
 from .outer import OptimizerFactory, OuterState, fragmented_hash, validate_tensors
 from .pacing import PACES, Pace, round_due, seconds_to_target
 from .staging import DeviceSnapshot
@@ -544,6 +544,8 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
             keep = keep if carry else None
             self.load_shareable_state(state, min_outer_step=err.group_outer_step, expected_hash=majority,
                                       keep_local=keep)
+        except LocalRankFailure:  # the worker's own processes lost one another: not a peer's defect
+            raise
         except Exception as e:  # a peer's state is input from the network: any defect is a failed catch-up
             return self._round_failed(f"{err}; could not catch up: {type(e).__name__}: {e}", seconds, own_finite)
         dropped = 0 if carry else self._drop_local_work()
@@ -738,6 +740,9 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         if self._pending is not None:
             try:
                 self._pending.wait()
+            except LocalRankFailure:
+                self._pending = None
+                raise
             except Exception as e:  # discarded anyway
                 log.debug("discarded round %s: %s", self._pending.key, e)
             self._pending = None

@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from opendiloco import DiLoCoOptimizer
-from opendiloco.comm import LocalRanks, SingleWorker
+from opendiloco.comm import LocalRanks, SingleWorker, get_codec
 from opendiloco.errors import BehindError
 from opendiloco.pacing import Pace
 
@@ -73,9 +73,12 @@ def _rank_main(rank: int, store: str, out: str, scenario: str) -> None:
         model = _model()
         ddp = torch.nn.parallel.DistributedDataParallel(model)
         leader = _Scripted(scenario, _peer_state()) if rank == 0 else None
+        if scenario == "streamed" and rank == 0:
+            leader.codec = get_codec("int4")  # a lossy format: the residual is the leader's to hand over
         comm = LocalRanks(leader)
-        opt = DiLoCoOptimizer(model.parameters(), local_steps=H, communicator=comm,
-                              pace="swarm" if scenario == "paced" else "fixed")
+        streamed = dict(fragments=2, overlap=1, error_feedback=True) if scenario == "streamed" else {}
+        opt = DiLoCoOptimizer(model.parameters(), local_steps=H + 1 if streamed else H, communicator=comm,
+                              pace="swarm" if scenario == "paced" else "fixed", **streamed)
         gen = torch.Generator().manual_seed(100 + rank)  # each rank its own rows
         reports = []
         for step in range(4 * H):
@@ -90,7 +93,9 @@ def _rank_main(rank: int, store: str, out: str, scenario: str) -> None:
             if opt.last_sync is not None and (not reports or opt.last_sync is not reports[-1][0]):
                 reports.append((opt.last_sync, opt.global_hash()))
         rows = [{"outer_step": r.outer_step, "ok": r.ok, "reason": r.reason, "steps": r.steps, "hash": h,
-                 "peers": list(r.peers), "dropped": r.dropped_steps} for r, h in reports]
+                 "peers": list(r.peers), "dropped": r.dropped_steps, "fragment": r.fragment} for r, h in reports]
+        if opt.error_feedback:
+            rows.append({"residuals": [float(opt.error_residual(f).abs().sum()) for f in range(opt.num_fragments)]})
         Path(out, f"rank{rank}.json").write_text(json.dumps({"peer_id": comm.peer_id, "reports": rows}))
         comm.close()
     finally:
@@ -140,3 +145,13 @@ def test_pacing_follows_the_leaders_decision(tmp_path):
     leader's decision and enters every round after one step with it."""
     reports = _same_on_both_ranks(_run(tmp_path, "paced"))
     assert len(reports) == 4 * H and all(r["ok"] and r["steps"] == 1 for r in reports), reports
+
+
+def test_streamed_rounds_with_error_feedback_agree_on_every_rank(tmp_path):
+    """Two fragments, rounds landing one step after they start, int4 with error feedback: each rank
+    applies the same average and keeps the same residual (the leader hands it over)."""
+    reports = _same_on_both_ranks(_run(tmp_path, "streamed"))
+    rounds, residuals = reports[:-1], reports[-1]["residuals"]
+    assert [r["fragment"] for r in rounds] == [i % 2 for i in range(len(rounds))] and all(r["ok"] for r in rounds)
+    assert len(rounds) >= 5
+    assert all(v > 0 for v in residuals)  # int4 loses something of every fragment

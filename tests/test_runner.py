@@ -13,6 +13,7 @@ import msgpack
 import pytest
 import torch
 
+from opendiloco.comm.aggregation import Aggregation
 from opendiloco.comm.base import RoundKey
 from opendiloco.comm.compression import get_codec
 from opendiloco.comm.runner import Group, RoundRunner, ShardReducer, part_bounds, shard_bounds
@@ -23,6 +24,7 @@ from opendiloco.testing.memory import MemoryNetwork
 
 pytestmark = pytest.mark.timeout(60)
 
+FP16_LABEL = f"fp16|{Aggregation().label}"  # what an opening frame names: formats and aggregation
 PART = 1000  # values per part: small, so that every test vector has several parts
 
 
@@ -157,7 +159,7 @@ def test_owner_streams_averaged_parts_before_the_last_contribution_arrives():
         task = asyncio.create_task(runner.run(net.connector("a")))
         stream = await net.connector("b")("a")
         await stream.send(Code.CONTRIBUTE, {"group_id": "g", "sender": "b", "weight": 1.0, "numel": 2 * PART,
-                                            "parts": 2, "codec": "fp16"})
+                                            "parts": 2, "codec": FP16_LABEL})
         await stream.send(Code.PART, {"i": 0}, codec.to_bytes(flat_b[:PART]))
         seen.append(await stream.recv(max_payload=0, expect=Code.RESULT))
         seen.append(await stream.recv(max_payload=2 * PART, expect=Code.RESULT_PART))  # before part 1 was sent
@@ -173,7 +175,7 @@ def test_owner_streams_averaged_parts_before_the_last_contribution_arrives():
 # -- attacks: member b is an attacker script; a is honest -----------------------------------------
 
 N = 4 * PART
-OPENING = {"group_id": "g", "sender": "b", "weight": 1.0, "numel": 2 * PART, "parts": 2, "codec": "fp16"}
+OPENING = {"group_id": "g", "sender": "b", "weight": 1.0, "numel": 2 * PART, "parts": 2, "codec": FP16_LABEL}
 
 
 def attack(script, *, group_id="g", timeout=1.0, b_serves=None, codec="fp16"):
@@ -338,7 +340,7 @@ def test_a_forged_block_scale_is_refused(scale):
         fields["scale"][3] = scale
         fields["values"][3 * 32 : 4 * 32] = c.encode(torch.ones(64))["values"][0]  # the largest value, twice
         payload = fields["scale"].numpy().tobytes() + fields["values"].numpy().tobytes()
-        await stream.send(Code.CONTRIBUTE, {**OPENING, "codec": "int4"})
+        await stream.send(Code.CONTRIBUTE, {**OPENING, "codec": f"int4|{Aggregation().label}"})
         await stream.send(Code.PART, {"i": 0}, payload)
         return await read_refusal(stream)
 
@@ -373,7 +375,7 @@ def _owner_answer(digest_of=None, total=2.0, values=None):
             payload = (values if values is not None else torch.zeros(b - a)).half().numpy().tobytes()
             h.update(payload)
             await stream.send(Code.RESULT_PART, {"i": i}, payload)
-        await stream.send(Code.RESULT_END, {"digest": digest_of or h.hexdigest()})
+        await stream.send(Code.RESULT_END, {"digest": digest_of or h.hexdigest(), "clipped": [], "capped": []})
         try:
             await stream.recv(max_payload=0)
         except ProtocolError:

@@ -17,12 +17,13 @@ from opendiloco.train.trainer import train
 from tests.test_train_loop import SMALL, small_config
 
 ROOT = Path(__file__).resolve().parents[1]
+EXTRA = ["--train.eval-every", "0", "--train.grad-accum", "2"]  # DDP syncs once per inner step (no_sync)
 
 
 def _train(run_dir: Path, nproc: int, *extra: str) -> None:
     head = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
                                                  "--nproc-per-node", str(nproc)]
-    args = [*head, "-m", "opendiloco", "train", *SMALL, "--run.dir", str(run_dir), "--train.eval-every", "0", *extra]
+    args = [*head, "-m", "opendiloco", "train", *SMALL, "--run.dir", str(run_dir), *EXTRA, *extra]
     proc = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=240,
                           env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -37,9 +38,8 @@ def _records(run_dir: Path, event: str) -> list[dict]:
 def test_checkpoint_of_a_worker_resumes_on_another_number_of_processes(tmp_path):
     # The reference: one process throughout, in this one.
     reference = tmp_path / "reference"
-    train(small_config(reference, "--train.eval-every", "0", "--train.total-steps", "8"))
-    expected = train(small_config(reference, "--train.eval-every", "0", "--train.total-steps", "16"),
-                     resume=True).eval_loss
+    train(small_config(reference, *EXTRA, "--train.total-steps", "8"))
+    expected = train(small_config(reference, *EXTRA, "--train.total-steps", "16"), resume=True).eval_loss
     runs = {"2then1": (2, 1), "1then2": (1, 2)}
     for name, (first, second) in runs.items():
         run_dir = tmp_path / name

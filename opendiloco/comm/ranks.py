@@ -26,7 +26,15 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from ..errors import AveragingError, BehindError, DriftError, NonFiniteError, PeerFailure, ProtocolError
+from ..errors import (
+    AveragingError,
+    BehindError,
+    DriftError,
+    LocalRankFailure,
+    NonFiniteError,
+    PeerFailure,
+    ProtocolError,
+)
 from .base import AverageResult, Communicator, CompletedWork, RoundKey, Work
 
 log = logging.getLogger(__name__)
@@ -70,21 +78,24 @@ class LocalRanks(Communicator):
 
         communicator = LocalRanks(lambda: SwarmCommunicator(initial_peers=[...]))
 
-    ``group``: the worker's processes (default: the whole default process group, i.e. one
-    torchrun job is one worker). ``timeout`` bounds how long a follower waits for the leader's
-    round, which includes matchmaking and any catch-up download.
+    The worker is the whole default process group: one torchrun job is one worker, and every
+    process builds its ``LocalRanks`` at the same point. ``timeout`` bounds how long a follower
+    waits for the leader's round, which includes matchmaking and any catch-up download: set it
+    above the longest of those.
+
+    A hand-off that fails (a process died, or the leader hit an unexpected error) raises
+    ``LocalRankFailure`` on every rank that notices: the worker stops rather than carry on with
+    ranks that disagree.
     """
 
-    def __init__(self, leader: Communicator | Callable[[], Communicator] | None, group=None,
-                 timeout: float = 1800.0):
+    def __init__(self, leader: Communicator | Callable[[], Communicator] | None, timeout: float = 1800.0):
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("LocalRanks needs torch.distributed initialised (run under torchrun)")
         # Our own gloo group: the hand-off is CPU tensors, and it never queues behind DDP's traffic.
-        ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
-        self.group = dist.new_group(ranks, backend="gloo", timeout=datetime.timedelta(seconds=timeout))
+        self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout))
         self.rank = dist.get_rank(self.group)
         self.size = dist.get_world_size(self.group)
-        self._src = ranks[0]
+        self._src = 0
         if self.rank == 0:
             if leader is None:
                 raise ValueError("local rank 0 needs the worker's communicator")
@@ -105,11 +116,17 @@ class LocalRanks(Communicator):
     # -- collectives ------------------------------------------------------------------------
     def _broadcast_object(self, obj):
         box = [obj]
-        dist.broadcast_object_list(box, src=self._src, group=self.group)
+        try:
+            dist.broadcast_object_list(box, src=self._src, group=self.group)
+        except RuntimeError as e:
+            raise LocalRankFailure(f"lost the worker's other processes: {_first_line(e)}") from e
         return box[0]
 
     def _broadcast(self, tensor: torch.Tensor) -> None:
-        dist.broadcast(tensor, src=self._src, group=self.group)
+        try:
+            dist.broadcast(tensor, src=self._src, group=self.group)
+        except RuntimeError as e:
+            raise LocalRankFailure(f"lost the worker's other processes: {_first_line(e)}") from e
 
     def shared_decision(self, flag: bool) -> bool:
         """The leader's ``flag`` on every rank (a decision that depends on timing, e.g. pacing)."""
@@ -121,7 +138,10 @@ class LocalRanks(Communicator):
         """After an inner step: the worker's loss (the mean over its ranks' rows) and whether any rank
         was asked to stop, the same on every rank, in one small all-reduce."""
         box = torch.tensor([float(loss), 1.0 if stop else 0.0], dtype=torch.float64)
-        dist.all_reduce(box, group=self.group)
+        try:
+            dist.all_reduce(box, group=self.group)
+        except RuntimeError as e:
+            raise LocalRankFailure(f"lost the worker's other processes: {_first_line(e)}") from e
         return float(box[0]) / self.size, bool(box[1] > 0)
 
     # -- rounds -----------------------------------------------------------------------------
@@ -129,39 +149,48 @@ class LocalRanks(Communicator):
         if self.leader is not None:
             try:
                 inner = self.leader.start(flat, weight=weight, key=key, out=out, error_out=error_out)
-            except AveragingError as e:
+            except Exception as e:  # settled (and raised) on every rank at wait(), never on the leader alone
                 inner = CompletedWork(error=e)
             return _RankWork(self, flat, out, error_out, inner)
         return _RankWork(self, flat, out, error_out, None)
 
     def _settle(self, work: _RankWork) -> AverageResult:
-        """The collective end of a round: the leader's outcome, on every rank."""
-        header: dict
+        """The collective end of a round: the leader's outcome, on every rank. Every rank makes the
+        same collectives whatever happens, then raises what there is to raise."""
         result = None
+        header = None
         if work.inner is not None:
             try:
                 result = work.inner.wait()
+                flat = result.flat.contiguous()
                 header = {"ok": True, "peers": list(result.peers), "total_weight": result.total_weight,
-                          "seconds": result.seconds, "extra": result.extra, "numel": result.flat.numel()}
-            except Exception as e:  # AveragingError, or a bug: every rank fails the round alike
+                          "seconds": result.seconds, "extra": result.extra, "numel": flat.numel(),
+                          "dtype": str(flat.dtype)}
+            except AveragingError as e:  # a failed round: every rank fails it alike
                 header = {"ok": False, "error": describe_error(e)}
-        else:
-            header = None
+            except Exception as e:  # a bug or a broken transport on the leader: the worker stops
+                header = {"ok": False, "fatal": f"{type(e).__name__}: {e}"}
         header = self._broadcast_object(header)
+        if "fatal" in header:
+            raise LocalRankFailure(f"the worker's rank 0 failed: {header['fatal']}")
         if not header["ok"]:
             raise rebuild_error(header["error"])
-        if result is not None:
-            flat = result.flat
-        else:
+        mismatch = None
+        if result is None:
             flat = work.out if work.out is not None else torch.empty(header["numel"], dtype=torch.float32)
-            if flat.numel() != header["numel"]:
-                raise AveragingError(f"the leader's average has {header['numel']} values, this rank expects "
-                                     f"{flat.numel()}")
+            if flat.numel() != header["numel"] or str(flat.dtype) != header["dtype"] or not flat.is_contiguous():
+                mismatch = f"{flat.numel()} {flat.dtype}"
+                flat = torch.empty(header["numel"], dtype=getattr(torch, header["dtype"].split(".")[-1]))
         self._broadcast(flat)
         if work.error_out is not None:
             self._broadcast(work.error_out)
-        return AverageResult(flat, tuple(header["peers"]), header["total_weight"], header["seconds"],
-                             dict(header["extra"]))
+        if mismatch is not None:  # received anyway, so that both sides made the same collectives
+            raise LocalRankFailure(f"the leader's average has {header['numel']} {header['dtype']} values, this "
+                                   f"rank expects {mismatch}")
+        if result is not None and flat is not result.flat:
+            result.flat.copy_(flat)
+        return AverageResult(result.flat if result is not None else flat, tuple(header["peers"]),
+                             header["total_weight"], header["seconds"], dict(header["extra"]))
 
     # -- the rest of the interface: the leader acts, the others follow -----------------------
     def download_state(self, timeout, min_outer_step=None, max_bytes=None, majority_hash=None):
@@ -170,7 +199,7 @@ class LocalRanks(Communicator):
             try:
                 outcome = {"state": self.leader.download_state(timeout, min_outer_step=min_outer_step,
                                                                max_bytes=max_bytes, majority_hash=majority_hash)}
-            except Exception as e:
+            except Exception as e:  # every rank takes the same branch (the caller's policy decides)
                 outcome = {"error": f"{type(e).__name__}: {e}"}
         outcome = self._broadcast_object(outcome)
         if "error" in outcome:
@@ -195,6 +224,11 @@ class LocalRanks(Communicator):
     def close(self) -> None:
         if self.leader is not None:
             self.leader.close()
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0][:300] if text else type(e).__name__
 
 
 class _RankWork(Work):

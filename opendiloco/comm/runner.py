@@ -26,11 +26,13 @@ import math
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from dataclasses import field as dataclass_field
 
 import torch
 
 from ..errors import AveragingError, PeerFailure, ProtocolError
 from ..fingerprint import new_hasher
+from .aggregation import Aggregation
 from .base import RoundKey
 from .buffers import all_finite
 from .compression import Codec, codec_label
@@ -87,6 +89,9 @@ class RoundOutcome:
     seconds: float
     confirmed_by: tuple[str, ...] = ()
     missing_confirmations: tuple[str, ...] = ()
+    bounded: dict[str, list[str]] = dataclass_field(default_factory=dict)
+    """Members whose contribution the shard owners cut: ``{"clipped": [...], "capped": [...]}``
+    (norm clipped in some part; weight claim capped)."""
 
 
 class ShardReducer:
@@ -97,9 +102,14 @@ class ShardReducer:
     """
 
     def __init__(self, codec: Codec, numel: int, members: Sequence[str], part_numel: int,
-                 result_codec: Codec | None = None):
+                 result_codec: Codec | None = None, aggregation: Aggregation | None = None):
         self.codec, self.numel, self.members = codec, numel, tuple(members)
         self.result_codec = result_codec or codec
+        self.aggregation = aggregation or Aggregation()
+        self.used_weights: list[float] = []
+        """The weights the averages use (claims capped), in member order."""
+        self.capped: list[str] = []
+        self.clipped: set[str] = set()
         """The averages go out in this codec (it may be wider than the contributions')."""
         self.parts = part_bounds(numel, part_numel)
         self.weights: dict[str, float] = {}
@@ -126,9 +136,11 @@ class ShardReducer:
         self.weights[member] = float(weight)
         self._next_part[member] = 0
         if len(self.weights) == len(self.members):
-            total = sum(self.weights[m] for m in self.members)
+            used, capped = self.aggregation.weights([self.weights[m] for m in self.members])
+            total = sum(used)
             if total <= 0:
                 raise AveragingError("every member of the group contributed weight 0")
+            self.used_weights, self.capped = used, [self.members[i] for i in capped]
             self.total_weight = total
 
     def add_part(self, member: str, index, payload) -> list[int]:
@@ -154,15 +166,12 @@ class ShardReducer:
 
     def _reduce(self, i: int) -> int:
         contributions = self._pending[i]
-        a, b = self.parts[i]
-        acc = torch.zeros(b - a, dtype=torch.float32)  # fresh: its bytes may be the payload ("none" codec)
-        # A fixed summation order in fp32, and only the owner computes it: bit-identical replicas.
-        for member in self.members:
-            w = self.weights[member]
-            if w:
-                acc.add_(contributions[member], alpha=w / self.total_weight)
-        # Weights sum to 1, so the sum of finite values is finite: one pass over the sum checks every
-        # contribution; only when it fails are the contributions checked one by one, to name the sender.
+        # A fixed order in fp32, and only the owner computes it: bit-identical replicas. The result
+        # is a fresh tensor (a payload's bytes may be the contribution itself, with the "none" codec).
+        acc, clipped = self.aggregation.combine([contributions[m] for m in self.members], self.used_weights)
+        self.clipped.update(self.members[j] for j in clipped)
+        # A weighted mean of finite values is finite: one pass over it checks every contribution; only
+        # when it fails are the contributions checked one by one, to name the sender.
         if not all_finite(acc):
             bad = [m for m in self.members if not all_finite(contributions[m])] or list(self.members)
             raise PeerFailure(f"{', '.join(m[-8:] for m in bad)} sent non-finite values", bad)
@@ -185,7 +194,7 @@ class RoundRunner:
     def __init__(self, group: Group, me: str, flat: torch.Tensor, weight: float, codec: Codec, *,
                  out: torch.Tensor | None = None, part_numel: int = DEFAULT_PART_NUMEL,
                  timeout: float = 60.0, confirm_timeout: float = 5.0, result_codec: Codec | None = None,
-                 error_out: torch.Tensor | None = None):
+                 error_out: torch.Tensor | None = None, aggregation: Aggregation | None = None):
         """``error_out`` (shaped like ``flat``) receives what encoding lost of this worker's contribution:
         ``flat`` minus the values the owners received (for error feedback)."""
         if me not in group.members:
@@ -204,7 +213,9 @@ class RoundRunner:
         self.timeout, self.confirm_timeout = timeout, confirm_timeout
         self.bounds = shard_bounds(flat.numel(), len(self.members))
         a, b = self.bounds[self.my_index]
-        self.reducer = ShardReducer(codec, b - a, self.members, part_numel, self.result_codec)
+        self.aggregation = aggregation or Aggregation()
+        self.reducer = ShardReducer(codec, b - a, self.members, part_numel, self.result_codec, self.aggregation)
+        self._bounded: dict[str, set[str]] = {"clipped": set(), "capped": set()}
         self.bytes_sent = 0
         self.error: Exception | None = None
         self._changed = asyncio.Condition()
@@ -250,8 +261,11 @@ class RoundRunner:
                 raise
             raise AveragingError(f"{type(e).__name__}: {e}") from e
         self.finished = True
+        self._bounded["clipped"] |= self.reducer.clipped
+        self._bounded["capped"] |= set(self.reducer.capped)
         return RoundOutcome(self.out, self._shard_totals[self.my_index], digest, self.bytes_sent,
-                            time.perf_counter() - began, confirmed, missing)
+                            time.perf_counter() - began, confirmed, missing,
+                            {k: sorted(v) for k, v in self._bounded.items()})
 
     async def _exchange(self, j: int, connect: Connect) -> None:
         """Streams our parts of shard j to its owner; receives and checks the owner's averaged parts."""
@@ -290,6 +304,12 @@ class RoundRunner:
                 end = await stream.recv(max_payload=0, expect=Code.RESULT_END)
                 if meta_field(end.meta, "digest", str) != hasher.hexdigest():
                     raise ProtocolError("averaged shard does not match its digest")
+                for kind in self._bounded:  # whom the owner cut: members only, each named once
+                    named = meta_field(end.meta, kind, list)
+                    if len(named) > len(self.members) or not all(isinstance(m, str) and m in self.members
+                                                                   for m in named):
+                        raise ProtocolError(f"the owner's {kind} list names non-members")
+                    self._bounded[kind].update(named)
                 return hasher.hexdigest(), float(total)
 
             sender, receiver = asyncio.create_task(send_parts()), asyncio.create_task(receive_results())
@@ -331,8 +351,9 @@ class RoundRunner:
 
     @property
     def codec_label(self) -> str:
-        """The wire formats, as the group agrees on them: ``contribution`` or ``contribution/result``."""
-        return codec_label(self.codec, self.result_codec)
+        """What the group agrees on: the wire formats (``contribution`` or ``contribution/result``) and
+        how owners aggregate, e.g. ``fp16|mean-clip4-w4``."""
+        return f"{codec_label(self.codec, self.result_codec)}|{self.aggregation.label}"
 
     def _encode(self, a: int, b: int) -> memoryview | bytes:
         """Our contribution's values [a, b) as a payload (their quantisation error into ``error_out``)."""
@@ -418,7 +439,8 @@ class RoundRunner:
             payload = await self._result(i)
             await stream.send(Code.RESULT_PART, {"i": i}, payload)
             self.bytes_sent += payload_size(payload)
-        await stream.send(Code.RESULT_END, {"digest": self.reducer.digest})
+        await stream.send(Code.RESULT_END, {"digest": self.reducer.digest, "clipped": sorted(self.reducer.clipped),
+                                            "capped": self.reducer.capped})
 
     # -- shared state ----------------------------------------------------------------------------------
     async def _begin(self, member: str, weight) -> None:

@@ -26,12 +26,14 @@ import os
 import threading
 import time
 from dataclasses import dataclass
+from dataclasses import field as dataclass_field
 
 import hivemind
 import torch
 import uvloop
 from hivemind.utils.timed_storage import get_dht_time
 
+from ..comm.aggregation import Aggregation
 from ..comm.base import AverageResult, Communicator, FutureWork, RoundKey, StateProvider, Work
 from ..comm.compression import codec_label, get_codec
 from ..comm.runner import DEFAULT_PART_NUMEL, Group, RoundOutcome, RoundRunner, Rounds
@@ -67,6 +69,9 @@ class SwarmSettings:
     max_wait: float = 600.0
     """The longest a round waits for a live peer that says it is coming (its published ready time)."""
     part_numel: int = DEFAULT_PART_NUMEL
+    aggregation: Aggregation = dataclass_field(default_factory=Aggregation)
+    """How shard owners combine contributions: weight and norm bounds, optionally CenteredClip
+    (``opendiloco.comm.aggregation``); part of what a group agrees on."""
 
 
 async def _cancel_other_tasks() -> None:
@@ -113,7 +118,8 @@ class SwarmCommunicator(Communicator):
             run_id=s.run_id, min_group_size=s.min_group_size, matchmaking_timeout=s.matchmaking_timeout,
             straggler_wait=s.straggler_wait, max_wait=s.max_wait,
             record_ttl=s.max_wait + s.matchmaking_timeout + s.allreduce_timeout,
-            poll_interval=s.poll_interval, part_numel=s.part_numel), codec_label(self.codec, self.result_codec),
+            poll_interval=s.poll_interval, part_numel=s.part_numel),
+            f"{codec_label(self.codec, self.result_codec)}|{s.aggregation.label}",
             self._interrupted,
             doorbell=self.doorbell, ring_members=self._ring_members)
         self._workers_snapshot: dict[str, records.WorkerRecord] = {}
@@ -272,7 +278,7 @@ class SwarmCommunicator(Communicator):
                                  extra={"attempts": len(errors) + 1, "group_id": group.group_id,
                                         "digest": outcome.digest, "transfer_s": outcome.seconds,
                                         "matchmaking_s": mm_s, "bytes_sent": outcome.bytes_sent,
-                                        "entered_at": entered_at})
+                                        "entered_at": entered_at, **outcome.bounded})
         self.state = RoundState.FAILED
         raise AveragingError(f"round {key}: no complete round in {s.max_attempts} attempts: " + "; ".join(errors))
 
@@ -297,7 +303,7 @@ class SwarmCommunicator(Communicator):
         s = self.settings
         runner = RoundRunner(group, self._peer_id, flat, weight, self.codec, out=out, part_numel=s.part_numel,
                              timeout=s.allreduce_timeout, confirm_timeout=s.verify_timeout,
-                             result_codec=self.result_codec, error_out=error_out)
+                             result_codec=self.result_codec, error_out=error_out, aggregation=s.aggregation)
         await self.rounds.register(runner)
         try:
             return await runner.run(self.reduce_streams.connect)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import datetime
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -21,12 +21,13 @@ class RanksError(ValueError):
     """The torchrun environment does not describe a usable worker (printed as one line)."""
 
 
-@dataclass(frozen=True)
+@dataclass
 class WorkerRanks:
     rank: int = 0
     size: int = 1
     local_rank: int = 0
     local_size: int = 1
+    _owns_group: bool = field(default=False, repr=False)
 
     @classmethod
     def from_env(cls, env=None) -> WorkerRanks:
@@ -61,9 +62,11 @@ class WorkerRanks:
 
     def device(self, device: torch.device) -> torch.device:
         """Each local rank on its own GPU (``cuda`` becomes ``cuda:LOCAL_RANK``)."""
-        if device.type == "cuda" and self.multi and device.index is None:
+        if device.type == "cuda" and self.multi:
+            if device.index is not None:
+                raise RanksError(f"train.device {device} would put every process of the worker on one GPU; "
+                                 "use 'cuda' (each process takes cuda:LOCAL_RANK) and CUDA_VISIBLE_DEVICES")
             device = torch.device("cuda", self.local_rank)
-        if device.type == "cuda":
             torch.cuda.set_device(device)
         return device
 
@@ -74,6 +77,15 @@ class WorkerRanks:
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout),
                                 device_id=device if device.type == "cuda" else None)
+        self._owns_group = True
+
+    def from_leader(self, value):
+        """Rank 0's ``value`` (any picklable object) on every rank; the value itself in one process."""
+        if not self.multi:
+            return value
+        box = [value]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
 
     def my_rows(self, batch: torch.Tensor) -> torch.Tensor:
         """This rank's rows of the worker's batch."""
@@ -82,7 +94,9 @@ class WorkerRanks:
 
     def wrap(self, model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
         """DDP over the worker's ranks (the model itself when there is one). Buffers are not broadcast
-        at every forward: they only change at outer steps, identically on every rank."""
+        at every forward: the trainer's models hold constant buffers (RoPE tables), and outer steps
+        change them identically on every rank. A model with running statistics (BatchNorm) would
+        need them broadcast."""
         if not self.multi:
             return model
         import inspect
@@ -99,5 +113,7 @@ class WorkerRanks:
             dist.barrier()
 
     def close(self) -> None:
-        if self.multi and dist.is_initialized():
+        """Leaves the process group, if ``init`` created it (a library user's own group stays)."""
+        if self._owns_group and dist.is_initialized():
             dist.destroy_process_group()
+            self._owns_group = False

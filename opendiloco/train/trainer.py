@@ -20,6 +20,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 
 from opendiloco import Communicator, DiLoCoOptimizer
 from opendiloco.comm import LocalRanks, SingleWorker
+from opendiloco.errors import LocalRankFailure
 
 from .allocator import release_freed_tensors
 from .checkpoint import CheckpointManager
@@ -151,20 +152,35 @@ def resolve_precision(precision: str, device: torch.device) -> str:
 def rng_state() -> dict:
     state = {"torch": torch.random.get_rng_state(), "python": random.getstate()}
     if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+        # This process's device only: a checkpoint may resume on another number of GPUs.
+        state["cuda_device"] = torch.cuda.get_rng_state()
     return state
 
 
 def set_rng_state(state: dict) -> None:
     torch.random.set_rng_state(state["torch"])
     random.setstate(_tuples(state["python"]))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    if not torch.cuda.is_available():
+        return
+    if "cuda_device" in state:
+        torch.cuda.set_rng_state(state["cuda_device"])
+    elif state.get("cuda"):  # older checkpoints: one state per visible device
+        states = state["cuda"]
+        torch.cuda.set_rng_state(states[min(torch.cuda.current_device(), len(states) - 1)])
 
 
 def _tuples(x):
     """Python's random state is nested tuples; a checkpoint round trip may turn them into lists."""
     return tuple(_tuples(v) for v in x) if isinstance(x, (list, tuple)) else x
+
+
+def _lost_a_process(e: RuntimeError) -> bool:
+    """Whether a collective failed because a peer process of this worker is gone (gloo, NCCL)."""
+    import torch.distributed as dist
+
+    text = str(e)
+    return isinstance(e, dist.DistError) or any(k in text for k in ("gloo", "NCCL", "Connection reset",
+                                                                    "Connection closed"))
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -265,6 +281,8 @@ class Trainer:
         swarm = self.cfg.swarm
         try:
             state = self.comm.download_state(timeout=swarm.join_timeout, max_bytes=self.opt.shareable_state_bound())
+        except LocalRankFailure:
+            raise
         except Exception as e:  # the transport's own errors: policy decides
             if swarm.on_join_failure == "exit":
                 raise TrainError(f"could not download state from the swarm: {e}") from e
@@ -297,9 +315,12 @@ class Trainer:
         self.model.eval()
         total = 0.0
         for batch in self.eval_set:
-            batch = batch.to(self.device)
-            with self._autocast():
-                total += float(self.eval_forward(input_ids=batch, labels=batch).loss)
+            # Rank 0 evaluates for the whole worker, in chunks no larger than what each process trains on.
+            chunks = batch.split(self.rows) if self.ranks.multi else [batch]
+            for chunk in chunks:
+                chunk = chunk.to(self.device)
+                with self._autocast():
+                    total += float(self.eval_forward(input_ids=chunk, labels=chunk).loss) / len(chunks)
         self.model.train()
         return total / len(self.eval_set)
 
@@ -394,19 +415,30 @@ class Trainer:
         except (RuntimeError, ValueError) as e:
             raise TrainError(f"could not join the worker's other processes: {e}") from e
         try:
-            # One run dir per worker: rank 0 holds its lock, writes its config, checkpoints and metrics.
-            lock = run_dir_lock(self.run_dir) if self.ranks.leader else contextlib.nullcontext()
-            with lock:
+            with contextlib.ExitStack() as stack:
+                # One run dir per worker: rank 0 holds its lock (and writes its config, checkpoints and
+                # metrics); the other ranks touch the directory only once rank 0 has it.
+                problem = None
+                if self.ranks.leader:
+                    try:
+                        stack.enter_context(run_dir_lock(self.run_dir))
+                    except TrainError as e:
+                        problem = str(e)
+                problem = self.ranks.from_leader(problem)
+                if problem:
+                    raise TrainError(problem)
                 result = self._run_locked(stop_after)
             self.ranks.barrier()  # no process tears down its connections while another still uses them
             return result
+        except LocalRankFailure as e:
+            raise TrainError(f"a process of this worker failed, so the worker leaves the swarm: {e}") from e
         except RuntimeError as e:
-            if not self.ranks.multi or isinstance(e, TrainError):
+            if not self.ranks.multi or isinstance(e, TrainError) or not _lost_a_process(e):
                 raise
-            # A collective failed: another process of this worker died (torchrun ends the rest).
+            # DDP's own collective failed: another process of this worker died (torchrun ends the rest).
             log.debug("collective failed", exc_info=True)
-            first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
-            raise TrainError(f"a process of this worker failed, so the worker leaves the swarm: {first}") from e
+            raise TrainError(f"a process of this worker failed, so the worker leaves the swarm: "
+                             f"{str(e).strip().splitlines()[0][:300]}") from e
         finally:
             self.ranks.close()
 
@@ -417,16 +449,19 @@ class Trainer:
         self._build_model_and_data()  # before joining a swarm: a data problem fails fast
         if self.ranks.leader:
             (self.run_dir / "config.toml").write_text(to_toml(self.cfg))
-            metrics = MetricsWriter(self.run_dir / "metrics.jsonl", forward=make_sinks(self.cfg, self.run_dir))
-        else:  # the other ranks record their own outer steps (their θ_global hashes), nothing else
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            metrics = MetricsWriter(self.run_dir / f"metrics.rank{self.ranks.rank}.jsonl")
         if self.ranks.multi:  # a worker of several processes joins the swarm from its rank 0 only
             self.comm = LocalRanks(functools.partial(make_communicator, self.cfg, self.run_dir)
-                                   if self.ranks.leader else None)
+                                   if self.ranks.leader else None, timeout=self._hand_off_timeout())
         else:
             self.comm = make_communicator(self.cfg, self.run_dir)
-        self.metrics = metrics
+        try:
+            if self.ranks.leader:
+                self.metrics = MetricsWriter(self.run_dir / "metrics.jsonl", forward=make_sinks(self.cfg, self.run_dir))
+            else:  # the other ranks keep their own records (their θ_global hash at each outer step), no sinks
+                self.metrics = MetricsWriter(self.run_dir / f"metrics.rank{self.ranks.rank}.jsonl")
+        except BaseException:
+            self.comm.close()
+            raise
         try:
             self._build_optimizer()
             with StopRequest(on_stop=self.comm.interrupt) as stop, logging_redirect_tqdm():
@@ -438,6 +473,13 @@ class Trainer:
             finally:
                 self.metrics.close()
                 self.comm.close()
+
+    def _hand_off_timeout(self) -> float:
+        """How long the worker's other processes wait for rank 0: its longest wait on the swarm (joining,
+        a round with its matchmaking, a catch-up download), with a margin."""
+        sw = self.cfg.swarm
+        longest = max(sw.join_timeout, sw.matchmaking_timeout + sw.max_wait + sw.allreduce_timeout + 60.0)
+        return min(longest + 300.0, 24 * 3600.0)
 
     def _loop(self, stop: StopRequest, stop_after: int | None) -> TrainResult:
         cfg = self.cfg
