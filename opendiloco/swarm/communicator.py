@@ -132,7 +132,9 @@ class SwarmCommunicator(Communicator):
                         announce_maddrs=cfg.announce_maddrs, identity_path=cfg.identity_path,
                         client_mode=cfg.client_mode)
         settings = SwarmSettings(**{k: getattr(cfg, k) for k in SwarmSettings.__dataclass_fields__
-                                    if hasattr(cfg, k)})
+                                    if hasattr(cfg, k) and k != "aggregation"},
+                                 aggregation=Aggregation(cfg.aggregation, clip_ratio=cfg.clip_ratio,
+                                                         max_weight_ratio=cfg.max_weight_ratio))
         comm = cls(dht, settings)
         addrs = visible_maddrs(dht)
         log.info("worker %s joined run %r; peers can join through: %s", comm.peer_id, settings.run_id,

@@ -216,6 +216,13 @@ class SwarmConfig(Section):
     join_timeout: float = Field(30.0, ge=0)
     on_join_failure: Literal["start-fresh", "exit"] = "start-fresh"
     weight_by_samples: bool = False
+    aggregation: Literal["mean", "centered-clip"] = "mean"
+    """How shard owners combine contributions (always with the two bounds below); centered-clip is
+    the robust one."""
+    clip_ratio: float = Field(4.0, ge=1)
+    """A contribution's part is scaled down to at most this multiple of the group's median norm (inf: off)."""
+    max_weight_ratio: float = Field(4.0, ge=1)
+    """A claimed weight counts at most this multiple of the group's median weight (inf: off)."""
 
     @field_validator("compression", "result_compression")
     @classmethod

@@ -17,6 +17,7 @@ import time
 import torch
 
 from opendiloco import DiLoCoOptimizer
+from opendiloco.comm.aggregation import Aggregation
 from opendiloco.swarm.communicator import SwarmCommunicator, SwarmSettings
 from opendiloco.swarm.node import start_dht
 
@@ -75,6 +76,7 @@ def main():
     p.add_argument("--overlap", type=int, default=0)
     p.add_argument("--mix", type=float, default=0.0)
     p.add_argument("--run-until-stopped", action="store_true", help="ignore --outer-steps; train until SIGTERM")
+    p.add_argument("--aggregation", default="mean", choices=["mean", "centered-clip"])
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s [{args.seed}] %(name)s: %(message)s")
     torch.set_num_threads(1)
@@ -85,7 +87,8 @@ def main():
                              result_compression=args.result_compression,
                              straggler_wait=args.straggler_wait, allreduce_timeout=args.allreduce_timeout,
                              matchmaking_timeout=args.matchmaking_timeout,
-                             heartbeat_interval=1.0, record_ttl=4.0, verify_timeout=3.0)
+                             heartbeat_interval=1.0, record_ttl=4.0, verify_timeout=3.0,
+                             aggregation=Aggregation(args.aggregation))
     comm = RecordingCommunicator(dht, settings)
     comm.dump_dir = args.dump
     if args.stall_in_allreduce:
@@ -149,6 +152,7 @@ def main():
                                       "contributed": s.contributed_steps, "dropped": s.dropped_steps,
                                       "weight": s.weight, "inner_steps_total": opt.inner_steps_total,
                                       "fragment": s.fragment, "bytes_sent": s.extra.get("bytes_sent"),
+                                      "clipped": s.extra.get("clipped"), "capped": s.extra.get("capped"),
                                       "time": time.time()}) + "\n")
                 out.flush()
     finally:
