@@ -31,6 +31,9 @@ def test_weights_are_capped_at_a_multiple_of_the_median():
     assert used == [1.0, 1e9] and capped == []
     # Honest swarm-paced weights (a 3x faster worker) are left alone.
     assert Aggregation().weights([10.0, 30.0, 12.0]) == ([10.0, 30.0, 12.0], [])
+    # CenteredClip counts every contributing member once, and still names an excessive claim.
+    assert Aggregation("centered-clip").weights([10.0, 30.0, 12.0, 0.0]) == ([1.0, 1.0, 1.0, 0.0], [])
+    assert Aggregation("centered-clip").weights([10.0, 1e9, 12.0]) == ([1.0, 1.0, 1.0], [1])
 
 
 def test_bounded_mean_of_honest_parts_is_the_weighted_mean():

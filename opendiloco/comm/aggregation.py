@@ -65,14 +65,12 @@ class Aggregation:
 
     def weights(self, declared: Sequence[float]) -> tuple[list[float], list[int]]:
         """The weights a round uses, and the indices of members whose claim was cut."""
-        if self.method == "centered-clip":
-            used = [1.0 if w > 0 else 0.0 for w in declared]
-            return used, [i for i, w in enumerate(declared) if w > 1.0]
         positive = [w for w in declared if w > 0]
-        if not positive or math.isinf(self.max_weight_ratio):
-            return list(declared), []
-        cap = self.max_weight_ratio * lower_median(positive)
-        return [min(w, cap) for w in declared], [i for i, w in enumerate(declared) if w > cap]
+        cap = self.max_weight_ratio * lower_median(positive) if positive else math.inf
+        over = [i for i, w in enumerate(declared) if w > cap]
+        if self.method == "centered-clip":  # every contributing member counts once; excessive claims still named
+            return [1.0 if w > 0 else 0.0 for w in declared], over
+        return [min(w, cap) for w in declared], over
 
     def combine(self, parts: Sequence[torch.Tensor], weights: Sequence[float]) -> tuple[torch.Tensor, list[int]]:
         """The aggregate of one part (fp32, fresh) and the indices of members whose part was clipped.
