@@ -95,7 +95,7 @@ def main():
         comm.stall_at = (int(args.stall_in_allreduce[0]), args.stall_in_allreduce[1])
         comm.marker = args.out + ".inround"
     stop = []
-    signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
+    signal.signal(signal.SIGTERM, lambda *_: (stop.append(1), comm.interrupt()))  # a round waiting gives up
 
     torch.manual_seed(0)  # identical initial weights everywhere
     model = torch.nn.Sequential(torch.nn.Linear(16, args.hidden), torch.nn.Tanh(),
