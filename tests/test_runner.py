@@ -522,3 +522,37 @@ def test_an_outsider_naming_the_round_is_refused_and_cannot_break_it():
     assert isinstance(refusal, Refused) and "not a member" in str(refusal)
     assert all(not isinstance(o, Exception) for o in outcomes), outcomes
     assert torch.equal(outcomes[0].flat, outcomes[1].flat)
+
+
+def test_a_flood_of_streams_naming_unknown_rounds_is_bounded():
+    """An outsider opens 40 streams naming rounds nobody knows: 4 wait for their round (it might still
+    be registered), the rest are refused at once, and a real round alongside is not held up."""
+    n = 4 * PART
+    flats = [torch.randn(n), torch.randn(n)]
+
+    async def scenario():
+        net = MemoryNetwork(wait_for_group=1.0)
+        for m in ("a", "b", "m"):
+            net.add(m)
+
+        async def flood(i):
+            stream = await net.connector("m")("a")
+            await stream.send(Code.CONTRIBUTE, {**OPENING, "sender": "m", "group_id": f"nobody-{i}"})
+            return await read_refusal(stream)
+
+        group = Group("g", ("a", "b"), RoundKey(0))
+        runners = [RoundRunner(group, m, f, 1.0, get_codec("fp16"), part_numel=PART, timeout=5)
+                   for m, f in zip("ab", flats)]
+        for m, r in zip("ab", runners):
+            await net.rounds[m].register(r)
+        refusals = await asyncio.gather(*[flood(i) for i in range(40)])
+        outcomes = await asyncio.gather(*[r.run(net.connector(m)) for m, r in zip("ab", runners)])
+        await net.drain()
+        return refusals, outcomes, net.rounds["a"]._waiting
+
+    refusals, outcomes, waiting = run(scenario())
+    reasons = [str(r) for r in refusals]
+    assert sum("too many streams waiting" in r for r in reasons) == 36, reasons
+    assert sum("unknown group" in r for r in reasons) == 4  # those waited out wait_for_group
+    assert torch.equal(outcomes[0].flat, outcomes[1].flat)
+    assert not waiting  # every waiting slot was given back

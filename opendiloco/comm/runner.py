@@ -502,12 +502,18 @@ class Rounds:
     """The rounds this worker is in, by group id, so that incoming streams find theirs.
 
     A contribution may arrive before this worker has learnt its group: it waits up to
-    ``wait_for_group`` seconds. Finished group ids are remembered, so a replayed message of an
-    earlier round is refused at once.
+    ``wait_for_group`` seconds. At most ``max_waiting_per_peer`` streams of one peer, and
+    ``max_waiting`` in all, wait like that; more are refused at once, so a flood of streams that
+    name rounds nobody knows holds neither tasks nor memory. Finished group ids are remembered, so
+    a replayed message of an earlier round is refused at once.
     """
 
-    def __init__(self, wait_for_group: float = 10.0, remember: int = 1024):
+    def __init__(self, wait_for_group: float = 10.0, remember: int = 1024, max_waiting: int = 64,
+                 max_waiting_per_peer: int = 4):
         self.wait_for_group, self.remember = wait_for_group, remember
+        self.max_waiting, self.max_waiting_per_peer = max_waiting, max_waiting_per_peer
+        self._waiting: collections.Counter = collections.Counter()
+        """Streams waiting for their round to be registered, by remote peer."""
         self._active: dict[str, RoundRunner] = {}
         self._finished: collections.OrderedDict = collections.OrderedDict()
         self._registered = asyncio.Condition()
@@ -530,7 +536,7 @@ class Rounds:
             group_id = meta_field(opening.meta, "group_id", str)
             if meta_field(opening.meta, "sender", str) != stream.remote:
                 raise ProtocolError("sender field does not match the authenticated peer id")
-            runner = await self._find(group_id)
+            runner = await self._find(group_id, stream.remote)
             if stream.remote not in runner.members or stream.remote == runner.me:
                 # Refused without failing the round: an outsider must not be able to break it.
                 raise ProtocolError(f"{stream.remote[-8:]} is not a member of round {group_id}")
@@ -545,16 +551,24 @@ class Rounds:
             log.debug("contribution stream from %s outlived its round", stream.remote[-8:])
             stream.close()
 
-    async def _find(self, group_id: str) -> RoundRunner:
+    async def _find(self, group_id: str, remote: str) -> RoundRunner:
         if group_id in self._finished:
             raise ProtocolError(f"round {group_id} is already finished")
-        cond = self._registered
-        async with cond:
+        if group_id not in self._active:  # it may still come: wait, within bounds
+            if self._waiting[remote] >= self.max_waiting_per_peer or sum(self._waiting.values()) >= self.max_waiting:
+                raise ProtocolError(f"too many streams waiting for unknown rounds; {group_id} refused")
+            self._waiting[remote] += 1
+            cond = self._registered
             try:
-                await asyncio.wait_for(cond.wait_for(lambda: group_id in self._active or group_id in self._finished),
-                                       self.wait_for_group)
+                async with cond:
+                    await asyncio.wait_for(cond.wait_for(lambda: group_id in self._active
+                                                         or group_id in self._finished), self.wait_for_group)
             except asyncio.TimeoutError:
                 raise ProtocolError(f"unknown group {group_id}") from None
+            finally:
+                self._waiting[remote] -= 1
+                if not self._waiting[remote]:
+                    del self._waiting[remote]
         if group_id not in self._active:
             raise ProtocolError(f"round {group_id} is already finished")
         return self._active[group_id]
