@@ -43,3 +43,7 @@ class PeerFailure(AveragingError):
 
 class SwarmError(RuntimeError):
     """A clear, user-facing problem with joining or running the swarm."""
+
+
+class Interrupted(AveragingError):
+    """The worker was asked to stop (a signal): a wait for peers or a state download was abandoned."""
