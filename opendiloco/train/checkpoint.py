@@ -236,32 +236,34 @@ class CheckpointManager:
     def load_intact(self, map_location="cpu") -> tuple[Path, dict] | None:
         """The newest checkpoint that can be read whole, as (path, state); None if there is none at all.
 
-        A file that cannot be read (empty, truncated, corrupt, not a checkpoint) is renamed to
-        ``<name>.corrupt`` (kept for a post-mortem, out of the way of the next resume) and the
-        previous one is tried. Raises ``CheckpointError`` if there were checkpoints but none is intact.
+        The previous one is tried when a file cannot be read. Once an intact one is found, the newer
+        damaged ones (empty, truncated, corrupt, not a checkpoint) are renamed to ``<name>.corrupt``:
+        kept for a post-mortem, out of the way of the next resume and of pruning. Raises
+        ``CheckpointError`` if there were checkpoints but none is intact (then nothing is renamed).
         """
-        problems = []
+        problems, damaged = [], []
         for path in self.candidates():
             try:
                 state = torch.load(path, map_location=map_location, weights_only=True)
                 if not isinstance(state, dict) or not all(k in state for k in REQUIRED_KEYS):
                     raise ValueError("not a checkpoint of this trainer (fields missing)")
-            except OSError as e:  # unreadable now (permissions, I/O): not proven corrupt, left in place
+            except OSError as e:  # unreadable now (permissions, I/O): not proven damaged, left in place
                 problems.append(f"{path.name}: {_one_line(e)}")
-                log.warning("cannot read checkpoint %s (%s); trying the previous one", path, _one_line(e))
+                log.warning("cannot read checkpoint %s (%s)", path, _one_line(e))
                 continue
             except Exception as e:  # truncated, empty or corrupt: torch raises several types
                 problems.append(f"{path.name}: {_one_line(e)}")
-                aside = path.with_name(path.name + ".corrupt")
-                try:
-                    os.replace(path, aside)
-                except OSError:
-                    aside = path
-                log.warning("checkpoint %s is damaged (%s), kept as %s; trying the previous one",
-                            path.name, _one_line(e), aside.name)
+                damaged.append(path)
+                log.warning("checkpoint %s is damaged (%s)", path, _one_line(e))
                 continue
+            for bad in damaged:
+                try:
+                    os.replace(bad, bad.with_name(bad.name + ".corrupt"))
+                except OSError as e:
+                    log.warning("could not set %s aside: %s", bad, _one_line(e))
             if problems:
-                log.warning("resuming from %s, the newest intact checkpoint", path.name)
+                log.warning("resuming from %s, the newest intact checkpoint (damaged ones renamed to *.corrupt)",
+                            path.name)
             return path, state
         if problems:
             raise CheckpointError(f"no intact checkpoint in {self.dir}: " + "; ".join(problems))
