@@ -154,3 +154,29 @@ def test_a_donor_dying_mid_download_honours_on_join_failure_exit(swarm, tmp_path
     assert not any("Traceback" in line for line in lines), lines
     assert lines[-1].startswith("error: could not download state from the swarm: "), lines[-1]
     assert not (run_dir / "checkpoints").exists()  # it did not start training from fresh weights
+
+
+def test_ctrl_c_during_a_catch_up_download_stops_at_once_and_writes_the_checkpoint(swarm, tmp_path):
+    """The review's case: a training worker finds the run ahead of it, starts downloading state from
+    a peer that is slow to serve it, and the user presses Ctrl-C once."""
+    peers = swarm.bootstrap()
+    run_dir = tmp_path / "run"
+    proc = _train(swarm, "worker", run_dir, "--train.total-steps", "100000", "--train.throttle", "0.2",
+                  "--swarm.join-timeout", "1", "--swarm.initial-peers", *peers)
+    metrics = run_dir / "metrics.jsonl"
+    _wait_for(lambda: metrics.is_file() and '"event": "outer_step"' in metrics.read_text(), 120, "first outer step",
+              proc, swarm)
+    marker = _bad_donor(swarm, tmp_path, "stall", [])  # says it is at outer step 5: the worker is behind
+    _wait_for(lambda: marker.exists(), 120, "state request", proc, swarm)
+    time.sleep(1.0)
+    sent = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    code, lines = _finish(swarm, proc, 90)
+    took = time.monotonic() - sent
+    assert code == 0, lines
+    assert took < 45, f"took {took:.0f}s to stop"  # the catch-up would have waited 60 s
+    assert lines[-1].startswith("stopped at inner step ") and lines[-1].endswith("; continue with --resume"), lines
+    stopped_at = int(lines[-1].split()[4].rstrip(";"))
+    latest = CheckpointManager(run_dir).latest()
+    assert latest is not None and latest.name == f"step-{stopped_at:09d}.pt"
+    assert torch.load(latest, weights_only=True)["optimizer"]["inner_steps_total"] == stopped_at
