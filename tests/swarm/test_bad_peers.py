@@ -180,3 +180,21 @@ def test_ctrl_c_during_a_catch_up_download_stops_at_once_and_writes_the_checkpoi
     latest = CheckpointManager(run_dir).latest()
     assert latest is not None and latest.name == f"step-{stopped_at:09d}.pt"
     assert torch.load(latest, weights_only=True)["optimizer"]["inner_steps_total"] == stopped_at
+
+
+def test_workers_with_other_settings_that_start_together_never_average_together(swarm):
+    """No worker refused the other at start (the library does not check at start; two CLI workers
+    starting at the same moment may not see each other yet): the fingerprint still keeps them apart,
+    like two runs, and the pair does not wait for the odd one out."""
+    swarm.bootstrap()
+    procs = [swarm.worker(name, seed=i, outer_steps=2, local_steps=4, min_group_size=size, straggler_wait=30,
+                          config_fingerprint=fp)
+             for i, (name, fp, size) in enumerate([("a0", "aaaa", 2), ("a1", "aaaa", 2), ("b0", "bbbb", 1)])]
+    swarm.wait(procs, timeout=180)
+    peers = {name: swarm.records(name, "start")[0]["peer_id"] for name in ("a0", "a1", "b0")}
+    assert not swarm.records("b0", "start")[0]["downloaded"]  # nor did it take the other workers' state
+    for name in ("a0", "a1", "b0"):
+        syncs = swarm.records(name)
+        assert [s["outer_step"] for s in syncs if s["ok"]] == [1, 2], syncs
+        expected = {peers["b0"]} if name == "b0" else {peers["a0"], peers["a1"]}
+        assert all(set(s["peers"]) == expected for s in syncs if s["ok"]), (name, syncs)

@@ -75,6 +75,7 @@ def main():
     p.add_argument("--overlap", type=int, default=0)
     p.add_argument("--mix", type=float, default=0.0)
     p.add_argument("--run-until-stopped", action="store_true", help="ignore --outer-steps; train until SIGTERM")
+    p.add_argument("--config-fingerprint", default="", help="the settings fingerprint this worker publishes")
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s [{args.seed}] %(name)s: %(message)s")
     torch.set_num_threads(1)
@@ -85,7 +86,8 @@ def main():
                              result_compression=args.result_compression,
                              straggler_wait=args.straggler_wait, allreduce_timeout=args.allreduce_timeout,
                              matchmaking_timeout=args.matchmaking_timeout,
-                             heartbeat_interval=1.0, record_ttl=4.0, verify_timeout=3.0)
+                             heartbeat_interval=1.0, record_ttl=4.0, verify_timeout=3.0,
+                             config_fingerprint=args.config_fingerprint)
     comm = RecordingCommunicator(dht, settings)
     comm.dump_dir = args.dump
     if args.stall_in_allreduce:
