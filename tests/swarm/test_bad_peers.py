@@ -185,16 +185,20 @@ def test_ctrl_c_during_a_catch_up_download_stops_at_once_and_writes_the_checkpoi
 def test_workers_with_other_settings_that_start_together_never_average_together(swarm):
     """No worker refused the other at start (the library does not check at start; two CLI workers
     starting at the same moment may not see each other yet): the fingerprint still keeps them apart,
-    like two runs, and the pair does not wait for the odd one out."""
+    like two runs. b0 is live and waiting for a partner the whole time the pair trains."""
     swarm.bootstrap()
-    procs = [swarm.worker(name, seed=i, outer_steps=2, local_steps=4, min_group_size=size, straggler_wait=30,
-                          config_fingerprint=fp)
-             for i, (name, fp, size) in enumerate([("a0", "aaaa", 2), ("a1", "aaaa", 2), ("b0", "bbbb", 1)])]
-    swarm.wait(procs, timeout=180)
+    odd = swarm.worker("b0", seed=2, local_steps=4, min_group_size=2, matchmaking_timeout=10,
+                       run_until_stopped=True, config_fingerprint="bbbb")
+    _wait_for(lambda: swarm.records("b0", "start"), 120, "start of b0", odd, swarm)
+    pair = [swarm.worker(name, seed=i, outer_steps=2, local_steps=4, min_group_size=2, straggler_wait=30,
+                         config_fingerprint="aaaa") for i, name in enumerate(("a0", "a1"))]
+    swarm.wait(pair, timeout=180)
+    assert odd.poll() is None, swarm.log("b0")
+    odd.send_signal(signal.SIGTERM)
+    swarm.wait([odd], timeout=90)
     peers = {name: swarm.records(name, "start")[0]["peer_id"] for name in ("a0", "a1", "b0")}
-    assert not swarm.records("b0", "start")[0]["downloaded"]  # nor did it take the other workers' state
-    for name in ("a0", "a1", "b0"):
+    for name in ("a0", "a1"):
         syncs = swarm.records(name)
         assert [s["outer_step"] for s in syncs if s["ok"]] == [1, 2], syncs
-        expected = {peers["b0"]} if name == "b0" else {peers["a0"], peers["a1"]}
-        assert all(set(s["peers"]) == expected for s in syncs if s["ok"]), (name, syncs)
+        assert all(set(s["peers"]) == {peers["a0"], peers["a1"]} for s in syncs if s["ok"]), (name, syncs)
+    assert not any(s["ok"] for s in swarm.records("b0")), swarm.records("b0")
