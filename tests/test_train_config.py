@@ -183,7 +183,7 @@ def test_betas_refuse_non_finite_items():
 def test_review_findings_are_refused_in_one_line(tmp_path, capsys, toml, fragment):
     path = tmp_path / "bad.toml"
     path.write_text(toml)
-    code, out, err = run_cli(capsys, "train", "--config", str(path))
+    code, out, err = run_cli(capsys, "train", "--config", str(path), "--print-config")  # accepted: prints, exit 0
     assert code == 2
     assert err.startswith("config error: ") and fragment in err, err
     assert len(err.strip().splitlines()) == 1
@@ -197,7 +197,9 @@ def test_review_findings_are_refused_in_one_line(tmp_path, capsys, toml, fragmen
 def test_a_garbage_peer_id_is_refused_before_anything_is_built(tmp_path, peer, fragment):
     """In a subprocess, as users run it: one line, exit 2, and no run dir created (no model built)."""
     run_dir = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-m", "opendiloco", "train", "--run.dir", str(run_dir),
+    from tests.test_train_loop import SMALL
+
+    proc = subprocess.run([sys.executable, "-m", "opendiloco", "train", *SMALL, "--run.dir", str(run_dir),
                            "--swarm.initial-peers", peer], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.startswith("config error: swarm.initial_peers: ") and fragment in proc.stderr
