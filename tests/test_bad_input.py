@@ -88,7 +88,7 @@ def test_no_intact_checkpoint_is_one_line_and_changes_nothing(tmp_path):
     assert "step-000000004.pt: " in lines[0]
     assert (run_dir / "config.toml").read_bytes() == config_before  # not overwritten by the failed resume
     assert (run_dir / "metrics.jsonl").read_bytes() == metrics_before
-    assert [p.name for p in mgr.steps()] == ["step-000000004.pt", "step-000000008.pt"]  # nothing renamed either
+    assert sorted(p.name for p in mgr.steps()) == ["step-000000004.pt", "step-000000008.pt"]  # nothing renamed either
 
 
 def test_a_checkpoint_of_another_model_shape_is_one_line_and_changes_nothing(tmp_path):
@@ -103,7 +103,7 @@ def test_a_checkpoint_of_another_model_shape_is_one_line_and_changes_nothing(tmp
     assert "step-000000008.pt holds a model of another shape (model.hidden_size = 32 there, 64 here; " \
            "model.intermediate_size = 64 there, 128 here)" in lines[0]
     assert (run_dir / "config.toml").read_bytes() == config_before
-    assert [p.name for p in CheckpointManager(run_dir).steps()] == ["step-000000004.pt", "step-000000008.pt"]
+    assert sorted(p.name for p in CheckpointManager(run_dir).steps()) == ["step-000000004.pt", "step-000000008.pt"]
 
 
 def test_temporary_files_of_a_killed_write_are_removed_on_start(tmp_path):
