@@ -37,12 +37,21 @@ def cmd_train(args, overrides: list[str]) -> int:
     if args.print_config:
         print(to_toml(cfg), end="")
         return 0
+    from .errors import SwarmError
+    from .train.checkpoint import CheckpointError
     from .train.trainer import TrainError, train
 
     try:
         result = train(cfg, resume=args.resume)
-    except TrainError as e:
+    except SwarmError as e:  # an unreachable or malformed peer, a port in use, other settings
+        print(f"opendiloco train: {e}", file=sys.stderr)
+        return EXIT_CONFIG
+    except (TrainError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:  # the machine's, not the program's: a full disk, a read-only or missing dir
+        where = f" ({e.filename})" if e.filename else ""
+        print(f"error: {e.strerror or e}{where}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

@@ -49,3 +49,7 @@ class LocalRankFailure(RuntimeError):
     """The processes of a multi-process worker lost one another (a hand-off between them failed, or the
     leader hit an unexpected error). Not an ``AveragingError``: no rank may carry on alone, so callers
     that survive a failed round or download let this one through."""
+
+
+class Interrupted(AveragingError):
+    """The worker was asked to stop (a signal): a wait for peers or a state download was abandoned."""

@@ -10,6 +10,8 @@ from opendiloco.cli import main
 from opendiloco.train.config import ConfigError, load_config, parse_overrides, to_toml, validate_config
 
 ROOT = Path(__file__).resolve().parents[1]
+PEERS = ["/ip4/10.0.0.1/tcp/1/p2p/12D3KooWGgEAuNWLZb7GVo74gmgpNRfhpY9vUm7b21qfyvqF9wGL",
+         "/dns/example.org/tcp/2/p2p/QmNnooDu7bfjPFoTZYxMNLWUQJyrVwtbZg5gBMjTezGAJN"]
 
 
 def run_cli(capsys, *argv):
@@ -61,12 +63,12 @@ def test_bad_override_exits_2(capsys, override, fragment):
 def test_overrides_are_parsed_by_field_type():
     cfg = load_config(ROOT / "configs" / "tiny.toml", [
         "--optim.local-steps", "50", "--data.seq-len", "256", "--optim.lr=0.01", "--run.progress", "false",
-        "--swarm.initial-peers", "/ip4/10.0.0.1/tcp/1/p2p/QmA", "/dns/example.org/tcp/2/p2p/QmB",
+        "--swarm.initial-peers", *PEERS,
         "--optim.betas", "0.8", "0.99", "--model.tie-embeddings", "--data.shard-seed", "none",
     ])
     assert cfg.optim.local_steps == 50 and cfg.data.seq_len == 256 and cfg.optim.lr == 0.01
     assert cfg.run.progress is False and cfg.model.tie_embeddings is True
-    assert cfg.swarm.initial_peers == ["/ip4/10.0.0.1/tcp/1/p2p/QmA", "/dns/example.org/tcp/2/p2p/QmB"]
+    assert cfg.swarm.initial_peers == PEERS
     assert cfg.swarm.enabled  # implied by initial peers
     assert cfg.optim.betas == [0.8, 0.99] and cfg.data.shard_seed is None
     assert cfg.model.hidden_size == 256  # untouched values come from the file
@@ -117,3 +119,108 @@ def test_cli_subprocess_config_error_is_fast_and_clean():
                           capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert proc.returncode == 2
     assert proc.stderr.strip() == "config error: train.batch_size: must be >= 1, got -3"
+
+
+def _fields_of(kind):
+    """(section, field) for every config field whose type is ``kind`` (or ``kind | None``)."""
+    from opendiloco.train.config import Config
+
+    for section, info in Config.model_fields.items():
+        for name, field in info.annotation.model_fields.items():
+            args = getattr(field.annotation, "__args__", ())
+            if field.annotation is kind or (kind in args and set(args) <= {kind, type(None)}):
+                yield section, name
+
+
+FLOAT_FIELDS = list(_fields_of(float))
+INT_FIELDS = list(_fields_of(int))
+STR_FIELDS = list(_fields_of(str))
+
+
+def test_the_systematic_checks_see_every_numeric_and_text_field():
+    assert len(FLOAT_FIELDS) >= 19 and len(INT_FIELDS) >= 25 and len(STR_FIELDS) >= 12
+    assert ("optim", "lr") in FLOAT_FIELDS and ("swarm", "allreduce_timeout") in FLOAT_FIELDS
+    assert ("model", "init_std") in FLOAT_FIELDS and ("swarm", "run_id") in STR_FIELDS
+
+
+@pytest.mark.parametrize("value", [float("inf"), float("-inf"), float("nan")], ids=["inf", "-inf", "nan"])
+@pytest.mark.parametrize("section, name", FLOAT_FIELDS, ids=[f"{s}.{n}" for s, n in FLOAT_FIELDS])
+def test_every_float_field_refuses_non_finite_values(section, name, value):
+    with pytest.raises(ConfigError) as e:
+        validate_config({section: {name: value}})
+    assert str(e.value).startswith(f"{section}.{name}: ") and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("section, name", INT_FIELDS, ids=[f"{s}.{n}" for s, n in INT_FIELDS])
+def test_every_int_field_refuses_values_beyond_64_bits(section, name):
+    with pytest.raises(ConfigError, match=rf"^{section}\.{name}: "):
+        validate_config({section: {name: 2**64}})
+
+
+@pytest.mark.parametrize("section, name", STR_FIELDS, ids=[f"{s}.{n}" for s, n in STR_FIELDS])
+def test_every_text_field_refuses_an_empty_string(section, name):
+    with pytest.raises(ConfigError, match=rf"^{section}\.{name}: "):
+        validate_config({section: {name: "  "}})
+
+
+def test_betas_refuse_non_finite_items():
+    with pytest.raises(ConfigError, match=r"^optim\.betas"):
+        validate_config({"optim": {"betas": [0.9, float("nan")]}})
+
+
+@pytest.mark.parametrize("toml, fragment", [
+    ("[optim]\nlr = inf\n", "optim.lr: must be a finite number, got inf"),
+    ("[model]\ninit_std = inf\n", "model.init_std: must be a finite number, got inf"),
+    ("[swarm]\nallreduce_timeout = inf\n", "swarm.allreduce_timeout: must be a finite number, got inf"),
+    ("[swarm]\nallreduce_timeout = 1e300\n", "swarm.allreduce_timeout: must be <= 86400"),
+    ("[swarm]\nmax_wait = nan\n", "swarm.max_wait: must be a finite number"),
+    ("[swarm]\nrun_id = \"\"\n", "swarm.run_id: '' is not a run id"),
+    ("[swarm]\nrun_id = \"my run\"\n", "swarm.run_id: 'my run' is not a run id"),
+    ("[run]\nworker = \"../other\"\n", "run.worker: '../other' cannot be used"),
+    ("[train]\nthrottle = 1e9\n", "train.throttle: must be <= 3600"),
+    ("[train]\nseed = -1\n", "train.seed: must be >= 0"),
+])
+def test_review_findings_are_refused_in_one_line(tmp_path, capsys, toml, fragment):
+    path = tmp_path / "bad.toml"
+    path.write_text(toml)
+    code, out, err = run_cli(capsys, "train", "--config", str(path), "--print-config")  # accepted: prints, exit 0
+    assert code == 2
+    assert err.startswith("config error: ") and fragment in err, err
+    assert len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("peer, fragment", [
+    ("/ip4/127.0.0.1/tcp/1/p2p/QmA", "'QmA' is not a peer id"),
+    ("/ip4/127.0.0.1/tcp/1/p2p/not-a-peer-id", "'not-a-peer-id' is not a peer id"),
+    ("/ip4/127.0.0.1/tcp/1/p2p/12D3KooWGgEAuNWLZb7GVo74gmgpNRfhpY9vUm7b21qfyvqF9w", "is not a peer id"),  # cut short
+])
+def test_a_garbage_peer_id_is_refused_before_anything_is_built(tmp_path, peer, fragment):
+    """In a subprocess, as users run it: one line, exit 2, and no run dir created (no model built)."""
+    run_dir = tmp_path / "run"
+    from tests.test_train_loop import SMALL
+
+    proc = subprocess.run([sys.executable, "-m", "opendiloco", "train", *SMALL, "--run.dir", str(run_dir),
+                           "--swarm.initial-peers", peer], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.startswith("config error: swarm.initial_peers: ") and fragment in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert not run_dir.exists()
+
+
+def test_real_peer_ids_of_both_kinds_are_accepted():
+    peers = ["/ip4/10.0.0.1/tcp/1/p2p/12D3KooWGgEAuNWLZb7GVo74gmgpNRfhpY9vUm7b21qfyvqF9wGL",
+             "/dns/example.org/tcp/2/p2p/QmNnooDu7bfjPFoTZYxMNLWUQJyrVwtbZg5gBMjTezGAJN"]
+    assert load_config(None, ["--swarm.initial-peers", *peers]).swarm.initial_peers == peers
+
+
+def test_the_config_fingerprint_covers_what_workers_must_share_and_nothing_else():
+    from opendiloco.train.config import config_fingerprint
+
+    base = config_fingerprint(load_config(None))
+    for override in (["--model.num-heads", "8"], ["--model.init-std", "0.01"], ["--model.init-seed", "1"],
+                     ["--optim.local-steps", "50"], ["--optim.outer-lr", "0.7"], ["--optim.outer-momentum", "0.5"],
+                     ["--optim.fragments", "2"], ["--data.tokenizer", "gpt2"], ["--swarm.weight-by-samples"]):
+        assert config_fingerprint(load_config(None, override)) != base, override
+    for override in (["--optim.lr", "1e-3"], ["--train.batch-size", "4"], ["--run.worker", "other"],
+                     ["--swarm.allreduce-timeout", "5"], ["--data.seq-len", "64"], ["--optim.pace", "fixed"]):
+        assert config_fingerprint(load_config(None, override)) == base, override

@@ -14,7 +14,7 @@ import pytest
 from opendiloco import SingleWorker
 from opendiloco.cli import main
 from opendiloco.train import trainer as trainer_mod
-from opendiloco.train.config import load_config
+from opendiloco.train.config import config_fingerprint, load_config
 from opendiloco.train.data import PackedStream
 from opendiloco.train.metrics import read_metrics
 from opendiloco.train.trainer import Trainer, TrainError, lr_lambda, make_communicator, train
@@ -236,8 +236,9 @@ def test_make_communicator_seam(tmp_path, monkeypatch):
 
     calls = []
     fake = types.ModuleType("opendiloco.swarm.communicator")
-    fake.SwarmCommunicator = types.SimpleNamespace(from_config=lambda swarm, run_dir: calls.append((swarm, run_dir)))
+    fake.SwarmCommunicator = types.SimpleNamespace(
+        from_config=lambda swarm, run_dir, config_fingerprint: calls.append((swarm, run_dir, config_fingerprint)))
     monkeypatch.setitem(sys.modules, "opendiloco.swarm.communicator", fake)
     cfg = load_config(None, ["--swarm.enabled"])
     make_communicator(cfg, tmp_path)
-    assert calls == [(cfg.swarm, tmp_path)]
+    assert calls == [(cfg.swarm, tmp_path, config_fingerprint(cfg))]

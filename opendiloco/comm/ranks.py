@@ -30,6 +30,7 @@ from ..errors import (
     AveragingError,
     BehindError,
     DriftError,
+    Interrupted,
     LocalRankFailure,
     NonFiniteError,
     PeerFailure,
@@ -41,8 +42,8 @@ log = logging.getLogger(__name__)
 
 __all__ = ["LocalRanks"]
 
-_ERRORS = {cls.__name__: cls for cls in (AveragingError, BehindError, DriftError, NonFiniteError, PeerFailure,
-                                         ProtocolError)}
+_ERRORS = {cls.__name__: cls for cls in (AveragingError, BehindError, DriftError, Interrupted, NonFiniteError,
+                                         PeerFailure, ProtocolError)}
 
 
 def describe_error(e: BaseException) -> dict:
@@ -200,10 +201,10 @@ class LocalRanks(Communicator):
                 outcome = {"state": self.leader.download_state(timeout, min_outer_step=min_outer_step,
                                                                max_bytes=max_bytes, majority_hash=majority_hash)}
             except Exception as e:  # every rank takes the same branch (the caller's policy decides)
-                outcome = {"error": f"{type(e).__name__}: {e}"}
+                outcome = {"error": describe_error(e)}
         outcome = self._broadcast_object(outcome)
         if "error" in outcome:
-            raise AveragingError(outcome["error"])
+            raise rebuild_error(outcome["error"])
         return outcome["state"]
 
     def attach_state_provider(self, provider) -> None:

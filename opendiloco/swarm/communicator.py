@@ -39,7 +39,7 @@ from ..comm.compression import codec_label, get_codec
 from ..comm.runner import DEFAULT_PART_NUMEL, Group, RoundOutcome, RoundRunner, Rounds
 from ..comm.wire import ByteStream, Code
 from ..comm.wire import field as meta_field
-from ..errors import AveragingError, PeerFailure
+from ..errors import AveragingError, Interrupted, PeerFailure, SwarmError
 from ..pacing import Pace
 from . import records
 from .matchmaking import Doorbell, Matchmaker, MatchmakingSettings
@@ -72,6 +72,9 @@ class SwarmSettings:
     aggregation: Aggregation = dataclass_field(default_factory=Aggregation)
     """How shard owners combine contributions: weight and norm bounds, optionally CenteredClip
     (``opendiloco.comm.aggregation``); part of what a group agrees on."""
+    config_fingerprint: str = ""
+    """The hash of the settings every worker of the run must share: a worker with another one is
+    refused at start (``refuse_other_settings``) and never grouped with, waited for or downloaded from."""
 
 
 async def _cancel_other_tasks() -> None:
@@ -113,12 +116,13 @@ class SwarmCommunicator(Communicator):
         self._rounds_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="opendiloco-round")
         self._call(self._setup(), timeout=30)
         self.presence = Presence(dht, s.run_id, self._peer_id, self._loop,
-                                 heartbeat_interval=s.heartbeat_interval, record_ttl=s.record_ttl)
+                                 heartbeat_interval=s.heartbeat_interval, record_ttl=s.record_ttl,
+                                 config=s.config_fingerprint)
         self.matchmaker = Matchmaker(dht, self.presence, MatchmakingSettings(
             run_id=s.run_id, min_group_size=s.min_group_size, matchmaking_timeout=s.matchmaking_timeout,
             straggler_wait=s.straggler_wait, max_wait=s.max_wait,
             record_ttl=s.max_wait + s.matchmaking_timeout + s.allreduce_timeout,
-            poll_interval=s.poll_interval, part_numel=s.part_numel),
+            poll_interval=s.poll_interval, part_numel=s.part_numel, config=s.config_fingerprint),
             f"{codec_label(self.codec, self.result_codec)}|{s.aggregation.label}",
             self._interrupted,
             doorbell=self.doorbell, ring_members=self._ring_members)
@@ -126,16 +130,23 @@ class SwarmCommunicator(Communicator):
         self._pace_refresh = asyncio.run_coroutine_threadsafe(self._refresh_workers(), self._loop)
 
     @classmethod
-    def from_config(cls, cfg, run_dir: str | None = None) -> SwarmCommunicator:
-        """Starts a DHT node from a ``SwarmConfig`` and wraps it."""
+    def from_config(cls, cfg, run_dir: str | None = None, config_fingerprint: str = "") -> SwarmCommunicator:
+        """Starts a DHT node from a ``SwarmConfig`` and wraps it; refuses a run whose live workers
+        have other settings (``SwarmError``)."""
         dht = start_dht(initial_peers=cfg.initial_peers, host_maddrs=cfg.host_maddrs,
                         announce_maddrs=cfg.announce_maddrs, identity_path=cfg.identity_path,
                         client_mode=cfg.client_mode)
         settings = SwarmSettings(**{k: getattr(cfg, k) for k in SwarmSettings.__dataclass_fields__
                                     if hasattr(cfg, k) and k != "aggregation"},
+                                 config_fingerprint=config_fingerprint,
                                  aggregation=Aggregation(cfg.aggregation, clip_ratio=cfg.clip_ratio,
                                                          max_weight_ratio=cfg.max_weight_ratio))
         comm = cls(dht, settings)
+        try:
+            comm.refuse_other_settings()
+        except BaseException:
+            comm.close()
+            raise
         addrs = visible_maddrs(dht)
         log.info("worker %s joined run %r; peers can join through: %s", comm.peer_id, settings.run_id,
                  " ".join(addrs))
@@ -145,16 +156,43 @@ class SwarmCommunicator(Communicator):
                 f.write("\n".join(addrs) + "\n")
         return comm
 
+    def refuse_other_settings(self) -> None:
+        """Raises ``SwarmError`` (one line) if a live worker of the run has another config fingerprint."""
+        try:
+            others = self.presence.other_settings()
+        except AveragingError as e:  # the DHT did not answer: the rounds' own checks still apply
+            log.warning("could not compare settings with the run's workers: %s", e)
+            return
+        if others:
+            rec, mine = others[0], self.settings.config_fingerprint or "none"
+            raise SwarmError(
+                f"worker {rec.peer_id[-8:]} of run {self.settings.run_id!r} trains with other settings "
+                f"(config fingerprint {rec.config or 'none'}, this worker's {mine}): the [model] section, "
+                "data.tokenizer, optim.local_steps, fragments, outer_lr, outer_momentum, outer_nesterov and "
+                "swarm.weight_by_samples must be the same on every worker (compare their --print-config)")
+
     # -- plumbing ----------------------------------------------------------------------------
     @property
     def peer_id(self) -> str:
         return self._peer_id
 
-    def _call(self, coro, timeout: float):
+    def _call(self, coro, timeout: float, interruptible: bool = False):
+        """Runs ``coro`` on the event loop and waits for it, at most ``timeout`` seconds; with
+        ``interruptible``, a stop request (``interrupt``) cancels it at once (``Interrupted``)."""
         future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        deadline = time.monotonic() + timeout
         try:
-            return future.result(timeout)
-        except (TimeoutError, concurrent.futures.TimeoutError):  # distinct types before Python 3.11
+            while True:
+                try:
+                    slice_s = min(0.2, max(0.0, deadline - time.monotonic())) if interruptible else timeout
+                    return future.result(slice_s)
+                except (TimeoutError, concurrent.futures.TimeoutError):  # distinct types before Python 3.11
+                    if not interruptible or time.monotonic() >= deadline:
+                        raise
+                    if self._interrupted.is_set():
+                        future.cancel()
+                        raise Interrupted("the worker is stopping: abandoned") from None
+        except (TimeoutError, concurrent.futures.TimeoutError):
             future.cancel()
             raise AveragingError(f"timed out after {timeout:.1f}s") from None
 
@@ -217,7 +255,7 @@ class SwarmCommunicator(Communicator):
         while True:
             try:
                 found = await self.dht.get(key, latest=True, return_future=True)
-                self._workers_snapshot = records.parse_workers(records.live_subkeys(found))
+                self._workers_snapshot = self.presence.same_settings(records.parse_workers(records.live_subkeys(found)))
             except Exception as e:  # the DHT may be busy or shutting down: keep the last snapshot
                 log.debug("refreshing the workers snapshot: %s", e)
             await asyncio.sleep(interval)
@@ -323,8 +361,11 @@ class SwarmCommunicator(Communicator):
         deadline = time.monotonic() + timeout
         errors: dict[str, str] = {}
         while True:
+            self._raise_if_interrupted(Interrupted("the worker is stopping: state download abandoned"))
             others = [r for p, r in self.live_workers().items() if p != self._peer_id and r.outer_step >= 0]
             if not others and min_outer_step is None:
+                if errors:  # the donors failed and left (died mid-download): not the same as "nobody there"
+                    raise AveragingError(f"the peers serving state failed and left: {errors}")
                 return None
             candidates = sorted((r for r in others if (min_outer_step is None or r.outer_step >= min_outer_step)
                                  and (majority_hash is None or r.global_hash == majority_hash)),
@@ -336,9 +377,11 @@ class SwarmCommunicator(Communicator):
                 t0 = time.perf_counter()
                 try:
                     state = self._call(fetch_state(self.state_streams, rec.peer_id, min_outer_step, max_bytes),
-                                       remaining)
+                                       remaining, interruptible=True)
+                except Interrupted:
+                    raise
                 except Exception as e:
-                    errors[rec.peer_id[-8:]] = str(e)
+                    errors[rec.peer_id[-8:]] = str(e) or type(e).__name__
                     continue
                 log.info("downloaded state of outer step %s from %s in %.2fs", state.get("outer_step"),
                          rec.peer_id[-8:], time.perf_counter() - t0)
@@ -346,15 +389,15 @@ class SwarmCommunicator(Communicator):
             if time.monotonic() >= deadline:
                 raise AveragingError(f"no peer served state within {timeout:.0f}s"
                                      + (f": {errors}" if errors else ""))
-            time.sleep(0.5)
+            self._interrupted.wait(0.5)
 
     # -- shutdown ----------------------------------------------------------------------------
     def interrupt(self) -> None:
         self._interrupted.set()
 
-    def _raise_if_interrupted(self) -> None:
+    def _raise_if_interrupted(self, error: AveragingError | None = None) -> None:
         if self._interrupted.is_set():
-            raise AveragingError("the worker is stopping: round abandoned")
+            raise error or Interrupted("the worker is stopping: round abandoned")
 
     def close(self) -> None:
         if self._closed:

@@ -39,6 +39,8 @@ class MatchmakingSettings:
     poll_interval: float = 0.02
     part_numel: int = 1 << 18
     """Values per streamed part: members must agree on it (it is part of the announcement)."""
+    config: str = ""
+    """The config fingerprint: like the codec label, only announcements that carry ours are grouped."""
 
 
 class Doorbell:
@@ -100,11 +102,12 @@ class Matchmaker:
             gkey = records.group_key(s.run_id, key, attempt)
             if announced != attempt:
                 value = {"attempt": attempt, "numel": numel, "codec": self.codec_name, "part": s.part_numel,
-                         "since": began}
+                         "config": s.config, "since": began}
                 records.store(self.dht, announce_key, value, get_dht_time() + s.record_ttl, subkey=me)
                 ready[me], announced = value, attempt
             compatible = {p for p, v in ready.items() if v.get("attempt") == attempt and v.get("numel") == numel
-                          and v.get("codec") == self.codec_name and v.get("part") == s.part_numel}
+                          and v.get("codec") == self.codec_name and v.get("part") == s.part_numel
+                          and v.get("config", "") == s.config}
             # Peers heading for this round: at its outer step, or one behind with a streamed round
             # still in flight that they will apply before they come.
             expected = ({p for p, r in workers.items() if r.heading == key.outer_step} - set(suspects)) | {me}

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import errno
 import logging
 import os
 import signal
+import socket
 import threading
 import time
 from collections.abc import Sequence
@@ -52,6 +54,31 @@ def parse_maddrs(addrs: Sequence[str], *, what: str, require_peer_id: bool = Fal
                              "printed by `opendiloco dht` or a running worker")
         out.append(addr)
     return out
+
+
+def check_ports_free(host_maddrs: Sequence[str]) -> None:
+    """Refuses a fixed TCP listen port that another process holds.
+
+    p2pd binds with SO_REUSEPORT, so a second node on a taken port would start anyway and share it
+    with the first: peers would reach either one at random. A plain bind (SO_REUSEADDR only, which
+    on Linux never shares a port with a listening socket) tells whether the port is free.
+    """
+    for addr in host_maddrs:
+        parts = addr.strip("/").split("/")
+        if len(parts) < 4 or parts[0] not in ("ip4", "ip6") or parts[2] != "tcp" or parts[3] in ("", "0"):
+            continue
+        family = socket.AF_INET if parts[0] == "ip4" else socket.AF_INET6
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind((parts[1], int(parts[3])))
+            except OSError as e:
+                if e.errno == errno.EADDRINUSE:
+                    raise SwarmError(f"port {parts[3]} is already in use on {parts[1]} (another `opendiloco dht` "
+                                     f"or worker?): stop it, or listen on another port ({addr})") from None
+                if e.errno == errno.EADDRNOTAVAIL:
+                    raise SwarmError(f"host_maddrs: {addr!r}: {parts[1]} is not an address of this machine") from None
+                raise SwarmError(f"host_maddrs: cannot listen on {addr!r}: {e.strerror or e}") from None
 
 
 def ensure_identity(path: str) -> None:
@@ -127,6 +154,7 @@ def start_dht(
         parts = addr.split("/")
         if any(parts[i] in ("tcp", "udp") and parts[i + 1] == "0" for i in range(len(parts) - 1)):
             raise SwarmError(f"announce_maddrs: {addr!r} has port 0; announce the real, reachable port")
+    check_ports_free(host_maddrs)
     kwargs = dict(host_maddrs=host_maddrs, client_mode=client_mode, use_relay=use_relay,
                   use_auto_relay=client_mode and use_relay, startup_timeout=startup_timeout)
     if announce_maddrs:

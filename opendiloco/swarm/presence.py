@@ -24,10 +24,13 @@ class Presence:
     """
 
     def __init__(self, dht: hivemind.DHT, run_id: str, peer_id: str, loop: asyncio.AbstractEventLoop, *,
-                 heartbeat_interval: float, record_ttl: float):
+                 heartbeat_interval: float, record_ttl: float, config: str = ""):
         self.dht, self.run_id, self.peer_id, self.loop = dht, run_id, peer_id, loop
         self.heartbeat_interval, self.record_ttl = heartbeat_interval, record_ttl
-        self._progress: dict = {"outer_step": -1}
+        self.config = config
+        """This worker's config fingerprint: workers with another one are not part of its run."""
+        self._foreign: set[str] = set()
+        self._progress: dict = {"outer_step": -1, "config": config}
         self._lock = threading.Lock()
         self._publishing: set = set()
         self._heartbeat = asyncio.run_coroutine_threadsafe(self._beat(), loop)
@@ -71,7 +74,25 @@ class Presence:
             await asyncio.sleep(self.heartbeat_interval)
 
     def live_workers(self) -> dict[str, records.WorkerRecord]:
-        return records.read_workers(self.dht, self.run_id)
+        """The run's live workers with this worker's settings (others are left out, with a warning)."""
+        return self.same_settings(records.read_workers(self.dht, self.run_id))
+
+    def same_settings(self, workers: dict[str, records.WorkerRecord]) -> dict[str, records.WorkerRecord]:
+        out = {}
+        for peer, rec in workers.items():
+            if peer == self.peer_id or rec.config == self.config:
+                out[peer] = rec
+            elif peer not in self._foreign:
+                self._foreign.add(peer)
+                log.warning("worker %s of run %r has other settings (config fingerprint %s, ours %s): it is "
+                            "never waited for, averaged with or downloaded from", peer[-8:], self.run_id,
+                            rec.config or "none", self.config or "none")
+        return out
+
+    def other_settings(self) -> list[records.WorkerRecord]:
+        """Live workers of the run whose config fingerprint differs from this worker's."""
+        return [r for p, r in records.read_workers(self.dht, self.run_id).items()
+                if p != self.peer_id and r.config != self.config]
 
     def raise_if_behind(self, workers: dict[str, records.WorkerRecord], outer_step: int) -> None:
         ahead = [r.outer_step for p, r in workers.items() if p != self.peer_id and r.outer_step > outer_step]

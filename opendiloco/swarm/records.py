@@ -68,6 +68,8 @@ class WorkerRecord:
     time: float = 0.0
     left: bool = False
     """Set when a worker leaves cleanly, so others stop waiting for it at once."""
+    config: str = ""
+    """The fingerprint of the settings the run's workers must share (``config_fingerprint``)."""
 
     @property
     def heading(self) -> int:
@@ -105,7 +107,8 @@ class WorkerRecord:
                     return None
             rec.ready = bool(rec.ready)
             rec.next_round = int(rec.next_round)
-            if not isinstance(rec.global_hash, str) or not (rec.loss is None or isinstance(rec.loss, (int, float))):
+            if not isinstance(rec.global_hash, str) or not isinstance(rec.config, str) or not (
+                    rec.loss is None or isinstance(rec.loss, (int, float))):
                 return None
             return rec
         except (TypeError, ValueError, OverflowError):

@@ -8,11 +8,18 @@ directory, fsynced, then renamed over the target (``os.replace`` is atomic on PO
 ``save_in_background`` takes a snapshot of the state (the only part the training loop waits
 for: a copy to host memory) and writes it on a thread. One write runs at a time: the next save
 waits for it. A failed write is logged and counted; the previous checkpoint stays ``latest``.
+
+A write that fails (a full disk, a quota) raises ``CheckpointError``, one line naming the file and
+the cause; its temporary file is removed. Temporary files left by a killed process are removed
+by ``remove_stale_temp_files`` when a worker starts. ``load_intact`` skips a checkpoint that cannot
+be read (truncated, empty, corrupt), sets it aside as ``<name>.corrupt``, and falls back to the
+previous one.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import errno
 import logging
 import os
 import re
@@ -26,6 +33,48 @@ log = logging.getLogger(__name__)
 
 LATEST = "latest"
 _NAME = re.compile(r"^step-(\d+)\.pt$")
+_TEMP = re.compile(r"^\..+\.tmp$")
+"""``atomic_write``'s temporary files: ``.<target name>.<random>.tmp``."""
+REQUIRED_KEYS = ("model", "optimizer", "scheduler", "data", "rng")
+
+
+class CheckpointError(OSError):
+    """A checkpoint could not be written or read (an OSError: disk, quota, damaged file); ``str()`` is one
+    line for the user."""
+
+
+def _root_cause(error: BaseException) -> BaseException:
+    """The innermost OSError of an exception chain (torch wraps a failed write in its own errors)."""
+    seen, todo, found = set(), [error], error
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError):
+            found = e
+        todo += [e.__cause__, e.__context__]
+    return found
+
+
+def _one_line(error: BaseException) -> str:
+    if isinstance(error, OSError) and error.strerror:
+        return error.strerror
+    text = str(error).strip().splitlines()
+    return (text[0][:200] if text else "") or type(error).__name__
+
+
+def describe_write_error(path: Path, error: BaseException) -> str:
+    """One line: which file, why, and how much room is left where it was written."""
+    cause = _root_cause(error)
+    why = _one_line(cause)
+    if isinstance(cause, OSError) and cause.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        try:
+            st = os.statvfs(path.parent)
+            why += f" ({st.f_bavail * st.f_frsize / 2**20:.1f} MiB free in {path.parent})"
+        except OSError:
+            pass
+    return f"could not write checkpoint {path}: {why}"
 
 
 def atomic_write(path: Path, write) -> None:
@@ -146,11 +195,79 @@ class CheckpointManager:
         return path
 
     def save(self, state: dict, step: int) -> Path:
+        """Writes ``state`` as the checkpoint of ``step`` and makes it ``latest``; raises
+        ``CheckpointError`` (the previous checkpoint stays ``latest``) if that fails."""
         path = self.dir / f"step-{step:09d}.pt"
-        atomic_write(path, lambda f: torch.save(state, f))
-        atomic_write(self.dir / LATEST, lambda f: f.write(path.name.encode() + b"\n"))
+        previous = self.latest()
+        try:
+            atomic_write(path, lambda f: torch.save(state, f))
+            atomic_write(self.dir / LATEST, lambda f: f.write(path.name.encode() + b"\n"))
+        except Exception as e:
+            log.debug("writing %s failed", path, exc_info=True)
+            kept = f"; {previous.name} stays the latest checkpoint" if previous and previous != path else ""
+            raise CheckpointError(describe_write_error(path, e) + kept) from None
         self._prune(keep_also=path)
         return path
+
+    def remove_stale_temp_files(self) -> list[Path]:
+        """Removes the temporary files of writes that never finished (a killed or crashed process).
+        Call only while holding the run dir: a live writer's temporary file looks the same."""
+        removed = []
+        for folder in (self.dir, self.dir.parent):
+            if not folder.is_dir():
+                continue
+            for p in folder.iterdir():
+                if _TEMP.match(p.name) and p.is_file():
+                    p.unlink(missing_ok=True)
+                    removed.append(p)
+        if removed:
+            log.info("removed %d unfinished temporary file(s): %s", len(removed), ", ".join(p.name for p in removed))
+        return removed
+
+    def candidates(self) -> list[Path]:
+        """Checkpoint files to resume from, best first: the one ``latest`` names, then newest written first."""
+        found = list(reversed(self.steps()))
+        pointer = self.latest()
+        if pointer is not None and pointer in found:
+            found.remove(pointer)
+            found.insert(0, pointer)
+        return found
+
+    def load_intact(self, map_location="cpu") -> tuple[Path, dict] | None:
+        """The newest checkpoint that can be read whole, as (path, state); None if there is none at all.
+
+        The previous one is tried when a file cannot be read. Once an intact one is found, the newer
+        damaged ones (empty, truncated, corrupt, not a checkpoint) are renamed to ``<name>.corrupt``:
+        kept for a post-mortem, out of the way of the next resume and of pruning. Raises
+        ``CheckpointError`` if there were checkpoints but none is intact (then nothing is renamed).
+        """
+        problems, damaged = [], []
+        for path in self.candidates():
+            try:
+                state = torch.load(path, map_location=map_location, weights_only=True)
+                if not isinstance(state, dict) or not all(k in state for k in REQUIRED_KEYS):
+                    raise ValueError("not a checkpoint of this trainer (fields missing)")
+            except OSError as e:  # unreadable now (permissions, I/O): not proven damaged, left in place
+                problems.append(f"{path.name}: {_one_line(e)}")
+                log.warning("cannot read checkpoint %s (%s)", path, _one_line(e))
+                continue
+            except Exception as e:  # truncated, empty or corrupt: torch raises several types
+                problems.append(f"{path.name}: {_one_line(e)}")
+                damaged.append(path)
+                log.warning("checkpoint %s is damaged (%s)", path, _one_line(e))
+                continue
+            for bad in damaged:
+                try:
+                    os.replace(bad, bad.with_name(bad.name + ".corrupt"))
+                except OSError as e:
+                    log.warning("could not set %s aside: %s", bad, _one_line(e))
+            if problems:
+                log.warning("resuming from %s, the newest intact checkpoint (damaged ones renamed to *.corrupt)",
+                            path.name)
+            return path, state
+        if problems:
+            raise CheckpointError(f"no intact checkpoint in {self.dir}: " + "; ".join(problems))
+        return None
 
     def steps(self) -> list[Path]:
         """Checkpoint files, oldest written first. Not by step number: a worker that adopts a peer's

@@ -6,6 +6,10 @@ any work starts.
 
 from __future__ import annotations
 
+import hashlib
+import json
+import math
+import re
 import socket
 import sys
 from pathlib import Path
@@ -26,8 +30,38 @@ class ConfigError(ValueError):
     """A config that cannot be used; ``str()`` is one line naming the offending key."""
 
 
+INT_MAX = 2**63 - 1
+"""Every integer must fit in 64 bits (torch and the DHT records take them as such)."""
+SECONDS_MAX = 86400.0
+"""A timeout or wait longer than a day is a typo; an infinite one overflows the event loop's timers."""
+_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_BASE58 = "123456789ABCDEFGHJKLMNPQRSTUVWXYZabcdefghijkmnopqrstuvwxyz"
+
+
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # allow_inf_nan=False: every float of the config must be finite (inf and nan are refused).
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    @model_validator(mode="after")
+    def _plain_values(self):
+        """Checked for every field of every section: integers fit in 64 bits, strings are not empty."""
+        for name in type(self).model_fields:
+            values = getattr(self, name)
+            for v in values if isinstance(values, list) else [values]:
+                if isinstance(v, int) and not isinstance(v, bool) and not -INT_MAX <= v <= INT_MAX:
+                    raise ValueError(f"{name}: {v} is out of range (at most {INT_MAX})")
+                if isinstance(v, float) and not math.isfinite(v):  # a list item: not covered by allow_inf_nan
+                    raise ValueError(f"{name}: must be a finite number, got {v!r}")
+                if isinstance(v, str) and not v.strip():
+                    raise ValueError(f"{name}: must not be empty")
+        return self
+
+
+def _check_name(v: str | None, what: str) -> str | None:
+    """A name that becomes one directory of the run dir: no separators, not '.' or '..'."""
+    if v is not None and ("/" in v or "\\" in v or v.strip() in (".", "..") or v != v.strip()):
+        raise ValueError(f"{v!r} cannot be used as a {what} (no '/', no surrounding spaces, not '.' or '..')")
+    return v
 
 
 class RunConfig(Section):
@@ -45,6 +79,11 @@ class RunConfig(Section):
     wandb_mode: Literal["online", "offline"] = "offline"
     """offline writes the run under the run dir (``wandb sync`` uploads it later); online needs a login."""
 
+    @field_validator("name", "worker")
+    @classmethod
+    def _names(cls, v, info):
+        return _check_name(v, f"run.{info.field_name}")
+
 
 class ModelConfig(Section):
     arch: Literal["llama"] = "llama"
@@ -57,7 +96,7 @@ class ModelConfig(Section):
     rms_norm_eps: float = Field(1e-5, gt=0)
     rope_theta: float = Field(10000.0, gt=0)
     init_std: float = Field(0.02, gt=0)
-    init_seed: int = 0
+    init_seed: int = Field(0, ge=0)
     """Every worker must start from the same weights: they are drawn from this seed."""
 
     @model_validator(mode="after")
@@ -91,7 +130,7 @@ class DataConfig(Section):
     rank: int | None = Field(None, ge=0)
     world_size: int | None = Field(None, ge=1)
     """Explicit disjoint sharding: this worker reads every world_size-th document from rank."""
-    seed: int = 0
+    seed: int = Field(0, ge=0)
 
     @field_validator("paths")
     @classmethod
@@ -167,8 +206,8 @@ class TrainConfig(Section):
     eval_every: int = Field(0, ge=0)
     """Inner steps between evals; 0 evaluates after every outer step (every whole-model sync when streaming)."""
     eval_batches: int = Field(8, ge=0)
-    seed: int = 0
-    throttle: float = Field(0.0, ge=0)
+    seed: int = Field(0, ge=0)
+    throttle: float = Field(0.0, ge=0, le=3600)
     """Seconds of sleep added to every inner step: makes this worker slower on purpose (to try a
     swarm of workers of different speed on one machine; benchmarks and tests use it)."""
 
@@ -186,6 +225,19 @@ class CheckpointConfig(Section):
 def _check_maddr(addr: str, what: str) -> None:
     if not addr.startswith("/") or "//" in addr or len(addr.strip("/").split("/")) < 2:
         raise ValueError(f"{addr!r} is not a multiaddr like /ip4/1.2.3.4/tcp/31337 ({what})")
+
+
+def _is_peer_id(text: str) -> bool:
+    """A libp2p peer id as printed: a base58 multihash (identity ``00`` or sha2-256 ``12 20``)."""
+    n = 0
+    for c in text:
+        if c not in _BASE58:
+            return False
+        n = n * 58 + _BASE58.index(c)
+    raw = b"\0" * (len(text) - len(text.lstrip("1"))) + n.to_bytes((n.bit_length() + 7) // 8, "big")
+    if len(raw) < 3 or raw[0] not in (0x00, 0x12) or raw[1] != len(raw) - 2:
+        return False
+    return raw[0] == 0x00 or raw[1] == 32
 
 
 class SwarmConfig(Section):
@@ -206,14 +258,14 @@ class SwarmConfig(Section):
     """Add what the wire format lost of a contribution to the next one; unset: on for the 8- and
     4-bit formats."""
     min_group_size: int = Field(1, ge=1)
-    matchmaking_timeout: float = Field(30.0, gt=0)
-    allreduce_timeout: float = Field(60.0, gt=0)
-    straggler_wait: float = Field(10.0, ge=0)
+    matchmaking_timeout: float = Field(30.0, gt=0, le=SECONDS_MAX)
+    allreduce_timeout: float = Field(60.0, gt=0, le=SECONDS_MAX)
+    straggler_wait: float = Field(10.0, ge=0, le=SECONDS_MAX)
     """Grace, in seconds, beyond the time a slower peer published it would be ready (or from the
     start of matchmaking for a peer that published none)."""
-    max_wait: float = Field(600.0, gt=0)
+    max_wait: float = Field(600.0, gt=0, le=SECONDS_MAX)
     """The longest a round waits for a live peer that says it is coming."""
-    join_timeout: float = Field(30.0, ge=0)
+    join_timeout: float = Field(30.0, ge=0, le=SECONDS_MAX)
     on_join_failure: Literal["start-fresh", "exit"] = "start-fresh"
     weight_by_samples: bool = False
     aggregation: Literal["mean", "centered-clip"] = "mean"
@@ -223,6 +275,14 @@ class SwarmConfig(Section):
     """A contribution's part is scaled down to at most this multiple of the group's median norm (inf: off)."""
     max_weight_ratio: float = Field(4.0, ge=1)
     """A claimed weight counts at most this multiple of the group's median weight (inf: off)."""
+
+    @field_validator("run_id")
+    @classmethod
+    def _run_id(cls, v):
+        if not _ID.match(v):
+            raise ValueError(f"{v!r} is not a run id: 1 to 128 letters, digits, '.', '_' or '-', "
+                             "starting with a letter or digit")
+        return v
 
     @field_validator("compression", "result_compression")
     @classmethod
@@ -244,6 +304,10 @@ class SwarmConfig(Section):
             _check_maddr(addr, "initial peer")
             if "/p2p/" not in addr:
                 raise ValueError(f"{addr!r} has no /p2p/<peer id> part; copy the full address a peer printed")
+            peer_id = addr.rstrip("/").rsplit("/p2p/", 1)[1].split("/")[0]
+            if not _is_peer_id(peer_id):
+                raise ValueError(f"{addr!r}: {peer_id!r} is not a peer id (like 12D3KooW... or Qm...); "
+                                 "copy the full address a peer printed")
         return v
 
     @field_validator("host_maddrs", "announce_maddrs")
@@ -284,6 +348,24 @@ class Config(Section):
         return self.data.shard_seed if self.data.shard_seed is not None else self.worker
 
 
+FINGERPRINT_KEYS = {
+    "model": None,  # every field: the same shapes can hide other heads, init or norms
+    "data": ("tokenizer",),
+    "optim": ("local_steps", "fragments", "outer_lr", "outer_momentum", "outer_nesterov"),
+    "swarm": ("weight_by_samples",),
+}
+"""The settings every worker of a run must share: they decide θ_global's shapes and meaning, the
+round keys, and how contributions are weighted. Everything else may differ between workers."""
+
+
+def config_fingerprint(cfg: Config) -> str:
+    """A short hash of the ``FINGERPRINT_KEYS`` settings: workers whose fingerprints differ never average."""
+    dumped = cfg.model_dump()
+    picked = {section: {k: v for k, v in dumped[section].items() if keys is None or k in keys}
+              for section, keys in FINGERPRINT_KEYS.items()}
+    return hashlib.sha256(json.dumps(picked, sort_keys=True).encode()).hexdigest()[:16]
+
+
 # -- errors -----------------------------------------------------------------------------------
 
 def _describe(err: dict) -> str:
@@ -295,6 +377,8 @@ def _describe(err: dict) -> str:
             return f"must be {op} {ctx[key]}, got {value!r}"
     if kind == "literal_error":
         return f"must be one of {ctx.get('expected')}, got {value!r}"
+    if kind == "finite_number":
+        return f"must be a finite number, got {value!r}"
     names = {"int": "an integer", "float": "a number", "bool": "true or false", "string": "a string",
              "list": "a list", "tuple": "a list", "model": "a table", "dict": "a table"}
     for prefix, name in names.items():
@@ -311,7 +395,13 @@ def _format(exc: ValidationError, prefix: tuple = ()) -> str:
     first = errors[0]
     loc = ".".join(str(p) for p in (*prefix, *first["loc"]) if p != "__root__")
     more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
-    return f"{loc or 'config'}: {_describe(first)}{more}"
+    described = _describe(first)
+    # A section's own check names its field first ("lr: ..."): make that "optim.lr: ...".
+    field_name, sep, rest = described.partition(": ")
+    section = Config.model_fields.get(loc)
+    if sep and section is not None and field_name in section.annotation.model_fields:
+        loc, described = f"{loc}.{field_name}", rest
+    return f"{loc or 'config'}: {described}{more}"
 
 
 # -- loading ----------------------------------------------------------------------------------

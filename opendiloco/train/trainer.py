@@ -20,11 +20,11 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 
 from opendiloco import Communicator, DiLoCoOptimizer
 from opendiloco.comm import LocalRanks, SingleWorker
-from opendiloco.errors import LocalRankFailure
+from opendiloco.errors import Interrupted, LocalRankFailure
 
 from .allocator import release_freed_tensors
-from .checkpoint import CheckpointManager
-from .config import Config, to_toml
+from .checkpoint import CheckpointError, CheckpointManager, atomic_write
+from .config import Config, config_fingerprint, to_toml
 from .data import PackedStream, eval_batches, make_corpus
 from .metrics import MetricsWriter
 from .model import PersistentBuffers, build_model, count_parameters
@@ -45,7 +45,7 @@ def make_communicator(cfg: Config, run_dir: Path) -> Communicator:
         return SingleWorker(compression=cfg.swarm.compression)  # a lone worker's average is its own
     from opendiloco.swarm.communicator import SwarmCommunicator
 
-    return SwarmCommunicator.from_config(cfg.swarm, run_dir=run_dir)
+    return SwarmCommunicator.from_config(cfg.swarm, run_dir=run_dir, config_fingerprint=config_fingerprint(cfg))
 
 
 def lr_lambda(step: int, *, warmup: int, total: int, min_ratio: float) -> float:
@@ -252,12 +252,46 @@ class Trainer:
         self.scaler = torch.amp.GradScaler("cuda") if self.precision == "fp16" else None
         self.checkpoints = CheckpointManager(self.run_dir, keep=cfg.checkpoint.keep)
 
+    def _read_checkpoint(self) -> tuple[Path, dict] | None:
+        """The newest intact checkpoint of the run dir, checked against this config's model (before
+        anything is joined or written: a checkpoint that cannot be used changes nothing)."""
+        # Rank 0 picks the checkpoint (and sets damaged ones aside); the worker's other processes load that file.
+        choice = None
+        if self.ranks.leader:
+            try:
+                found = CheckpointManager(self.run_dir).load_intact()
+                choice = {"path": str(found[0]) if found is not None else None}
+            except CheckpointError as e:
+                choice = {"error": f"{e}; nothing was changed"}
+        choice = self.ranks.from_leader(choice)
+        if "error" in choice:
+            raise TrainError(choice["error"])
+        if not self.ranks.leader:
+            found = None
+            if choice["path"] is not None:
+                path = Path(choice["path"])
+                found = (path, torch.load(path, map_location="cpu", weights_only=True))
+        if found is not None:
+            check_model_fits(found[1], self.model, self.cfg, found[0])
+        return found
+
     def _restore(self) -> int | None:
-        """Loads the latest checkpoint of the run dir; returns its inner step, or None."""
-        ckpt = self.checkpoints.load()
-        if ckpt is None:
+        """Loads the checkpoint read by ``_read_checkpoint``; returns its inner step, or None."""
+        if self._checkpoint is None:
             log.info("no checkpoint in %s; starting fresh", self.checkpoints.dir)
             return None
+        path, ckpt = self._checkpoint
+        self._checkpoint = None
+        try:
+            self._load_checkpoint(ckpt)
+        except (KeyError, ValueError, TypeError, RuntimeError, IndexError) as e:
+            first = (str(e).strip().splitlines() or [""])[0][:200]
+            raise TrainError(f"checkpoint {path} does not fit this config ({type(e).__name__}: {first})") from None
+        log.info("resumed from %s (inner step %d, outer step %d)", path, self.opt.inner_steps_total,
+                 self.opt.outer_step)
+        return self.opt.inner_steps_total
+
+    def _load_checkpoint(self, ckpt: dict) -> None:
         self.model.load_state_dict(ckpt["model"])
         optimizer = ckpt["optimizer"]
         from_model = ckpt.get("global_params_from_model") or []
@@ -272,9 +306,6 @@ class Trainer:
         if self.scaler is not None and ckpt.get("scaler"):
             self.scaler.load_state_dict(ckpt["scaler"])
         set_rng_state(ckpt["rng"])
-        log.info("resumed from %s (inner step %d, outer step %d)", self.checkpoints.latest(),
-                 self.opt.inner_steps_total, self.opt.outer_step)
-        return self.opt.inner_steps_total
 
     def _join(self, resumed: bool) -> None:
         """Adopts θ_global and the step counters of a live peer, if there is one (DESIGN.md invariant 9)."""
@@ -283,6 +314,9 @@ class Trainer:
             state = self.comm.download_state(timeout=swarm.join_timeout, max_bytes=self.opt.shareable_state_bound())
         except LocalRankFailure:
             raise
+        except Interrupted:  # a stop was asked for: the loop ends at once, the checkpoint stays as it was
+            log.warning("state download interrupted")
+            return
         except Exception as e:  # the transport's own errors: policy decides
             if swarm.on_join_failure == "exit":
                 raise TrainError(f"could not download state from the swarm: {e}") from e
@@ -446,9 +480,10 @@ class Trainer:
         if not self.resume and CheckpointManager(self.run_dir).latest() is not None:
             raise TrainError(f"{self.run_dir} already holds checkpoints: pass --resume to continue that run, "
                              "or choose another --run.name or --run.dir")
-        self._build_model_and_data()  # before joining a swarm: a data problem fails fast
         if self.ranks.leader:
-            (self.run_dir / "config.toml").write_text(to_toml(self.cfg))
+            CheckpointManager(self.run_dir).remove_stale_temp_files()
+        self._build_model_and_data()  # before joining a swarm: a data problem fails fast
+        self._checkpoint = self._read_checkpoint() if self.resume else None  # a bad one too
         if self.ranks.multi:  # a worker of several processes joins the swarm from its rank 0 only
             self.comm = LocalRanks(functools.partial(make_communicator, self.cfg, self.run_dir)
                                    if self.ranks.leader else None, timeout=self._hand_off_timeout())
@@ -485,6 +520,8 @@ class Trainer:
         cfg = self.cfg
         resumed = self.resume and self._restore() is not None
         self._join(resumed)
+        if self.ranks.leader:
+            atomic_write(self.run_dir / "config.toml", lambda f: f.write(to_toml(self.cfg).encode()))
         result = TrainResult(self.run_dir)
         self.metrics.write("start", worker=cfg.worker, peer_id=self.comm.peer_id, device=str(self.device),
                            precision=self.precision, parameters=count_parameters(self.model),
@@ -640,6 +677,25 @@ class _Tally:
 
     def tokens_per_s(self) -> float:
         return self.tokens_per_step * self.steps / max(1e-9, time.perf_counter() - self.start)
+
+
+def check_model_fits(ckpt: dict, model: torch.nn.Module, cfg: Config, path: Path) -> None:
+    """Raises ``TrainError`` (one line) if the checkpoint's weights are not shaped like ``model``'s."""
+    mine = model.state_dict()
+    theirs = ckpt["model"] if isinstance(ckpt.get("model"), dict) else {}
+    problem = next((f"{k} is {tuple(theirs[k].shape)} there, {tuple(t.shape)} here" for k, t in mine.items()
+                    if k in theirs and hasattr(theirs[k], "shape") and theirs[k].shape != t.shape), None)
+    if problem is None and theirs.keys() != mine.keys():
+        missing, extra = sorted(mine.keys() - theirs.keys()), sorted(theirs.keys() - mine.keys())
+        problem = (f"{len(missing)} tensor(s) missing there (e.g. {missing[0]})" if missing
+                   else f"{len(extra)} tensor(s) unknown here (e.g. {extra[0]})")
+    if problem is None:
+        return
+    saved = (ckpt.get("config") or {}).get("model") or {}
+    ours = cfg.model.model_dump()
+    differ = [f"model.{k} = {saved[k]!r} there, {ours[k]!r} here" for k in ours if k in saved and saved[k] != ours[k]]
+    raise TrainError(f"checkpoint {path} holds a model of another shape ({'; '.join(differ) or problem}): "
+                     "resume with the model settings it was written with, or start a new run dir")
 
 
 def train(cfg: Config, *, resume: bool = False, stop_after: int | None = None) -> TrainResult:

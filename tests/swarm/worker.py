@@ -77,6 +77,7 @@ def main():
     p.add_argument("--mix", type=float, default=0.0)
     p.add_argument("--run-until-stopped", action="store_true", help="ignore --outer-steps; train until SIGTERM")
     p.add_argument("--aggregation", default="mean", choices=["mean", "centered-clip"])
+    p.add_argument("--config-fingerprint", default="", help="the settings fingerprint this worker publishes")
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s [{args.seed}] %(name)s: %(message)s")
     torch.set_num_threads(1)
@@ -88,7 +89,8 @@ def main():
                              straggler_wait=args.straggler_wait, allreduce_timeout=args.allreduce_timeout,
                              matchmaking_timeout=args.matchmaking_timeout,
                              heartbeat_interval=1.0, record_ttl=4.0, verify_timeout=3.0,
-                             aggregation=Aggregation(args.aggregation))
+                             aggregation=Aggregation(args.aggregation),
+                             config_fingerprint=args.config_fingerprint)
     comm = RecordingCommunicator(dht, settings)
     comm.dump_dir = args.dump
     if args.stall_in_allreduce:
