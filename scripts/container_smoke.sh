@@ -272,7 +272,8 @@ done
 say "starting the bootstrap (127.0.0.1:${ports[0]})"
 e run -d --name "$tag-bootstrap" --hostname "$tag-bootstrap" "${common[@]}" -e "OPENDILOCO_P2P_PORT=${ports[0]}" \
     -v "$tag-identity:/data/identity" "$image" dht --host-maddrs "/ip4/127.0.0.1/tcp/${ports[0]}" \
-    --identity-path /data/identity/bootstrap.key --addrs-file /data/swarm/bootstrap.addrs >/dev/null
+    --identity-path /data/identity/bootstrap.key --addrs-file /data/swarm/bootstrap.addrs >/dev/null 2>>"$work/engine.log" ||
+    { tail -n 5 "$work/engine.log" >&2; fail "could not start the bootstrap"; }
 peer=""
 deadline=$((SECONDS + timeout_s))
 while [ -z "$peer" ]; do
@@ -292,7 +293,7 @@ for w in a b; do
         --entrypoint join_swarm.sh "$image" \
         --peers-file /data/swarm/bootstrap.addrs --wait 60 --listen-ip 127.0.0.1 --run-id "$tag" \
         --run-dir "/data/runs/worker-$w" -- --optim.local-steps 5 --train.batch-size 4 --train.total-steps 100000 \
-        >/dev/null
+        >/dev/null 2>>"$work/engine.log" || { tail -n 5 "$work/engine.log" >&2; fail "could not start worker $w"; }
 done
 say "workers started; waiting for $outer_steps outer steps averaged by both with equal hashes"
 
@@ -359,10 +360,11 @@ done
 deadline=$((SECONDS + timeout_s))
 while :; do
     status=$(within 120 "$engine" run --rm --network host --label "$label" "${hc[@]}" "$image" status \
-        --swarm.initial-peers "$peer" --run-id "$tag" 2>&1 || true)
+        --swarm.initial-peers "$peer" --run-id "$tag" 2>>"$work/status.log" || true)
     last=$(printf '%s\n' "$status" | tail -n 1)
     case "$last" in *"2 live worker(s)"*) break ;; esac
-    [ "$SECONDS" -lt "$deadline" ] || { printf '%s\n' "$status" >&2; fail "opendiloco status did not list 2 live workers"; }
+    [ "$SECONDS" -lt "$deadline" ] ||
+        { printf '%s\n' "$status" >&2; tail -n 5 "$work/status.log" >&2; fail "opendiloco status did not list 2 live workers"; }
     sleep 3
 done
 printf '%s\n' "$status"
@@ -412,8 +414,8 @@ for w in ("a", "b"):
     print(f"worker {w}: stopped at outer step {outer}, inner step {inner}; checkpoints {files}, latest -> {ckpt}")
 '
 if ! within 120 "$engine" run --rm --label "$label" "${hc[@]}" -v "$tag-runs:/data/runs:ro" --entrypoint python "$image" \
-        -c "$check_py" >"$work/check.log" 2>&1; then
-    cat "$work/check.log" >&2
+        -c "$check_py" >"$work/check.log" 2>"$work/check.err"; then
+    cat "$work/check.log" "$work/check.err" >&2
     fail "checkpoints after SIGTERM"
 fi
 cat "$work/check.log"
