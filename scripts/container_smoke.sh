@@ -98,6 +98,7 @@ label="opendiloco-smoke=$tag"
 [ -n "$image" ] || image="localhost/opendiloco-smoke:$tag"
 made_image=0 made_base=0 server_pid=""
 containers=("$tag-bootstrap" "$tag-worker-a" "$tag-worker-b")
+helpers=("$tag-status" "$tag-check")  # short-lived --rm containers, named so that clean-up finds them
 volumes=("$tag-runs" "$tag-swarm" "$tag-identity")
 
 e() { "$engine" "$@"; }
@@ -117,7 +118,7 @@ dump_logs() {
 cleanup() {
     local rc=$? c
     trap - EXIT INT TERM
-    for c in "${containers[@]}"; do
+    for c in "${containers[@]}" "${helpers[@]}"; do
         if e container inspect "$c" >/dev/null 2>&1; then
             within 60 "$engine" stop -t 20 "$c" >/dev/null 2>&1 || true
             within 60 "$engine" rm -f -v "$c" >/dev/null 2>&1 || true  # -v: its anonymous volumes too
@@ -359,7 +360,8 @@ done
 # --- opendiloco status, from a container -------------------------------------------------------
 deadline=$((SECONDS + timeout_s))
 while :; do
-    status=$(within 120 "$engine" run --rm --network host --label "$label" "${hc[@]}" "$image" status \
+    e rm -f -v "$tag-status" >/dev/null 2>&1 || true  # one a timeout left behind
+    status=$(within 120 "$engine" run --rm --name "$tag-status" --network host --label "$label" "${hc[@]}" "$image" status \
         --swarm.initial-peers "$peer" --run-id "$tag" 2>>"$work/status.log" || true)
     last=$(printf '%s\n' "$status" | tail -n 1)
     case "$last" in *"2 live worker(s)"*) break ;; esac
@@ -413,7 +415,7 @@ for w in ("a", "b"):
     outer, inner, ckpt = ends[-1]["outer_step"], ends[-1]["inner_step"], latest.read_text().strip()
     print(f"worker {w}: stopped at outer step {outer}, inner step {inner}; checkpoints {files}, latest -> {ckpt}")
 '
-if ! within 120 "$engine" run --rm --label "$label" "${hc[@]}" -v "$tag-runs:/data/runs:ro" --entrypoint python "$image" \
+if ! within 120 "$engine" run --rm --name "$tag-check" --label "$label" "${hc[@]}" -v "$tag-runs:/data/runs:ro" --entrypoint python "$image" \
         -c "$check_py" >"$work/check.log" 2>"$work/check.err"; then
     cat "$work/check.log" "$work/check.err" >&2
     fail "checkpoints after SIGTERM"

@@ -77,6 +77,7 @@ def test_image_builds_and_a_swarm_of_containers_trains_and_stops_cleanly(tmp_pat
         pytest.skip(proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else "container_smoke.sh exit 2")
     assert proc.returncode == 0, out
     figures = json.loads(results.read_text())
+    print("container smoke figures:", json.dumps(figures))  # shown with pytest -s or -rP
     assert figures["outer_steps_averaged"] >= 3, figures
     assert figures["run_to_first_outer_step_s"] > 0, figures
     assert figures["image_bytes"] > 0, figures
