@@ -132,7 +132,10 @@ cleanup() {
         [ "$made_base" = 0 ] || e rmi -f "$base" >/dev/null 2>&1 || true
     fi
     [ -z "$server_pid" ] || kill "$server_pid" 2>/dev/null || true
-    rm -rf "$work"
+    # An interrupted debootstrap can leave /proc or /sys mounted in its tree: unmount, never descend.
+    awk -v w="$work/" 'index($2, w) == 1 {print $2}' /proc/mounts 2>/dev/null | sort -r |
+        while read -r m; do umount -l "$m" 2>/dev/null || true; done
+    rm -rf --one-file-system "$work"
     exit "$rc"
 }
 trap cleanup EXIT

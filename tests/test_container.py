@@ -96,3 +96,57 @@ def test_smoke_script_usage_errors_are_one_line_and_exit_2(bad):
 def test_smoke_script_help():
     proc = subprocess.run(["bash", str(SCRIPT), "--help"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and "--make-base" in proc.stdout and "set -euo" not in proc.stdout
+
+
+# -- join_swarm.sh and a peers file older than its bootstrap (a compose project restarted) ---------
+
+def _fake_opendiloco(tmp_path: Path) -> tuple[dict, Path]:
+    """PATH with an `opendiloco` that only records that it was started."""
+    bin_dir, started = tmp_path / "bin", tmp_path / "started"
+    bin_dir.mkdir()
+    fake = bin_dir / "opendiloco"
+    fake.write_text(f"#!/bin/sh\necho \"$@\" > {started}\n")
+    fake.chmod(0o755)
+    return {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}, started
+
+
+def test_join_swarm_sh_waits_until_a_peer_in_the_file_listens(tmp_path):
+    import socket
+    import time
+
+    env, started = _fake_opendiloco(tmp_path)
+    with socket.socket() as probe:  # a free port, nobody listening yet
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    addrs = tmp_path / "bootstrap.addrs"
+    addrs.write_text(f"/ip4/127.0.0.1/tcp/{port}/p2p/12D3KooWGgEAuNWLZb7GVo74gmgpNRfhpY9vUm7b21qfyvqF9wGL\n")
+    proc = subprocess.Popen(["bash", str(SCRIPT.parent / "join_swarm.sh"), "--peers-file", str(addrs), "--wait", "120"],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        time.sleep(3)
+        assert proc.poll() is None and not started.exists(), "started the trainer before the peer listened"
+        with socket.socket() as server:
+            server.bind(("127.0.0.1", port))
+            server.listen()
+            proc.wait(timeout=60)
+        assert proc.returncode == 0, proc.stderr.read()
+        assert f"/tcp/{port}/p2p/" in started.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_join_swarm_sh_gives_up_on_a_peers_file_nobody_answers(tmp_path):
+    import socket
+
+    env, started = _fake_opendiloco(tmp_path)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    addrs = tmp_path / "bootstrap.addrs"
+    addrs.write_text(f"/ip4/127.0.0.1/tcp/{port}/p2p/12D3KooWGgEAuNWLZb7GVo74gmgpNRfhpY9vUm7b21qfyvqF9wGL\n")
+    proc = subprocess.run(["bash", str(SCRIPT.parent / "join_swarm.sh"), "--peers-file", str(addrs), "--wait", "2"],
+                          env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "accepts connections" in proc.stderr, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith("join_swarm.sh: no peer in") and not started.exists()
