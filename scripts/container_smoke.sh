@@ -96,7 +96,7 @@ tag="odl-smoke-$$"
 work=$(mktemp -d "${TMPDIR:-/tmp}/$tag.XXXXXX")
 label="opendiloco-smoke=$tag"
 [ -n "$image" ] || image="localhost/opendiloco-smoke:$tag"
-made_image=0 made_base=0 server_pid=""
+made_image=0 made_base=0 server_pid="" child=""
 containers=("$tag-bootstrap" "$tag-worker-a" "$tag-worker-b")
 helpers=("$tag-status" "$tag-check")  # short-lived --rm containers, named so that clean-up finds them
 volumes=("$tag-runs" "$tag-swarm" "$tag-identity")
@@ -104,6 +104,16 @@ volumes=("$tag-runs" "$tag-swarm" "$tag-identity")
 e() { "$engine" "$@"; }
 # A command with a time limit (timeout(1) ends it, and only it).
 within() { local s=$1; shift; timeout --kill-after=10 "$s" "$@"; }
+# The same for the long steps, waited for in the background: bash runs a trap only once a
+# foreground command has ended, and `wait` lets Ctrl-C / SIGTERM through at once (clean-up ends it).
+within_bg() {
+    local rc=0
+    within "$@" &
+    child=$!
+    wait "$child" || rc=$?
+    child=""
+    return "$rc"
+}
 
 dump_logs() {
     local c
@@ -116,8 +126,10 @@ dump_logs() {
 }
 
 cleanup() {
-    local rc=$? c
+    local rc=$? c i
     trap - EXIT INT TERM
+    set +e  # clean up as much as possible, whatever fails
+    if [ -n "$child" ]; then kill -TERM "$child" 2>/dev/null || true; wait "$child" 2>/dev/null || true; fi
     for c in "${containers[@]}" "${helpers[@]}"; do
         if e container inspect "$c" >/dev/null 2>&1; then
             within 60 "$engine" stop -t 20 "$c" >/dev/null 2>&1 || true
@@ -127,15 +139,24 @@ cleanup() {
     for c in "${volumes[@]}"; do
         e volume inspect "$c" >/dev/null 2>&1 && { e volume rm -f "$c" >/dev/null 2>&1 || true; }
     done
-    if [ "$keep_image" = 0 ]; then
-        [ "$made_image" = 0 ] || e rmi -f "$image" >/dev/null 2>&1 || true
-        [ "$made_base" = 0 ] || e rmi -f "$base" >/dev/null 2>&1 || true
+    if [ "$made_image" = 1 ] && { [ "$keep_image" = 0 ] || ! e image inspect "$image" >/dev/null 2>&1; }; then
+        e rmi -f "$image" >/dev/null 2>&1
+        if [ "$engine" = podman ]; then  # what an interrupted build leaves: its containers, its layers
+            for c in $(podman ps -a --external --filter "label=$label" -q 2>/dev/null); do podman rm -f "$c" >/dev/null 2>&1; done
+            for c in $(podman images -a --filter "label=$label" -q 2>/dev/null); do podman rmi -f "$c" >/dev/null 2>&1; done
+        fi
     fi
+    [ "$made_base" = 0 ] || [ "$keep_image" = 1 ] || e rmi -f "$base" >/dev/null 2>&1
     [ -z "$server_pid" ] || kill "$server_pid" 2>/dev/null || true
-    # An interrupted debootstrap can leave /proc or /sys mounted in its tree: unmount, never descend.
-    awk -v w="$work/" 'index($2, w) == 1 {print $2}' /proc/mounts 2>/dev/null | sort -r |
-        while read -r m; do umount -l "$m" 2>/dev/null || true; done
-    rm -rf --one-file-system "$work"
+    # An interrupted debootstrap can leave /proc or /sys mounted in its tree (unmount them, never
+    # descend into them), and a process of it may still be writing there for a moment.
+    for i in 1 2 3 4 5 6 7 8 9 10; do
+        awk -v w="$work/" 'index($2, w) == 1 {print $2}' /proc/mounts 2>/dev/null | sort -r |
+            while read -r m; do umount -l "$m" 2>/dev/null; done
+        rm -rf --one-file-system "$work" 2>/dev/null && break
+        sleep 1
+    done
+    [ ! -e "$work" ] || echo "container_smoke.sh: could not remove $work" >&2
     exit "$rc"
 }
 trap cleanup EXIT
@@ -165,13 +186,13 @@ if [ "$build" = 1 ]; then
             [ "$(id -u)" = 0 ] || die "--make-base needs root (debootstrap)"
             say "making $base with debootstrap (minbase, bookworm) from $mirror"
             t0=$SECONDS
-            within "$timeout_s" debootstrap --variant=minbase bookworm "$work/rootfs" "$mirror" >"$work/debootstrap.log" 2>&1 ||
+            within_bg "$timeout_s" debootstrap --variant=minbase bookworm "$work/rootfs" "$mirror" >"$work/debootstrap.log" 2>&1 ||
                 { tail -n 20 "$work/debootstrap.log" >&2; die "debootstrap failed (log above)"; }
             rm -f "$work"/rootfs/var/cache/apt/archives/*.deb
+            made_base=1
             tar -C "$work/rootfs" -c . | within "$timeout_s" "$engine" import - "$base" >/dev/null 2>>"$work/import.log" ||
                 die "$engine import of the debootstrap tree failed"
             rm -rf "$work/rootfs"
-            made_base=1
             say "base made in $((SECONDS - t0))s"
         fi
     elif [ -z "$base" ]; then
@@ -242,7 +263,7 @@ if [ "$build" = 1 ]; then
     say "building $image from BASE=$base with $engine${wheels:+ (wheels from $wheels)}${ca_bundle:+ (CA bundle $ca_bundle)}"
     t0=$SECONDS
     made_image=1
-    if ! DOCKER_BUILDKIT=1 within "$timeout_s" "$engine" build "${fmt[@]}" --network host --label "$label" \
+    if ! DOCKER_BUILDKIT=1 within_bg "$timeout_s" "$engine" build "${fmt[@]}" --network host --label "$label" \
             --build-arg "BASE=$base" "${build_args[@]}" "${secret_args[@]}" -t "$image" "$root" >"$work/build.log" 2>&1; then
         tail -n 30 "$work/build.log" >&2
         fail "the build failed (last lines above)"
