@@ -5,6 +5,13 @@
 #                     --build-arg BASE=nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04 \
 #                     --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 .
 #
+# Behind a proxy, a TLS-inspecting gateway or with a local wheel folder, hand pip its settings at
+# build time as optional secrets (nothing of them stays in the image; see docs/deployment.md):
+#   docker build --secret id=pip_conf,src=build-pip.conf --secret id=ca_bundle,src=ca.crt .
+# `pip_conf` is a pip configuration file (index-url, proxy, find-links, and
+# `cert = /run/secrets/ca_bundle` to use the CA bundle); scripts/container_smoke.sh writes one.
+# HTTP(S)_PROXY / NO_PROXY build args (predefined, not recorded in the image) reach apt and pip.
+#
 # The container runs `opendiloco ...` (see docs/deployment.md):
 #   docker run -p 31337:31337 -v dht-id:/data/identity opendiloco dht \
 #     --host-maddrs /ip4/0.0.0.0/tcp/31337 --identity-path /data/identity/bootstrap.key
@@ -34,13 +41,16 @@ RUN python3 -m venv /opt/venv
 
 # torch first, pinned, from the index that matches the base (CPU or a CUDA build); the
 # constraint keeps the project's own install from swapping it for another build.
-RUN pip install --index-url "${TORCH_INDEX_URL}" --extra-index-url https://pypi.org/simple "torch==${TORCH_VERSION}" \
+RUN --mount=type=secret,id=pip_conf --mount=type=secret,id=ca_bundle \
+    PIP_CONFIG_FILE=/run/secrets/pip_conf \
+    pip install --index-url "${TORCH_INDEX_URL}" --extra-index-url https://pypi.org/simple "torch==${TORCH_VERSION}" \
     && pip freeze | grep -i '^torch==' > /opt/torch-constraint.txt
 
 WORKDIR /app
 COPY pyproject.toml README.md* ./
 COPY opendiloco ./opendiloco
-RUN pip install --constraint /opt/torch-constraint.txt . \
+RUN --mount=type=secret,id=pip_conf --mount=type=secret,id=ca_bundle \
+    PIP_CONFIG_FILE=/run/secrets/pip_conf pip install --constraint /opt/torch-constraint.txt . \
     && python -c "import torch, hivemind, opendiloco; print('torch', torch.__version__, 'hivemind', hivemind.__version__)"
 COPY configs ./configs
 COPY scripts/join_swarm.sh /usr/local/bin/join_swarm.sh

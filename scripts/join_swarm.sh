@@ -14,7 +14,9 @@
 #
 # Options:
 #   --peers-file FILE   initial peers, one multiaddr per line (as written by --addrs-file);
-#                       waits up to --wait seconds for it to appear
+#                       waits up to --wait seconds for it to appear and for a peer in it to
+#                       accept TCP connections (a file left by an earlier run may name a
+#                       bootstrap that is still starting)
 #   --wait SECONDS      how long to wait for --peers-file (default 300)
 #   --config FILE       training config (default $OPENDILOCO_CONFIG, else configs/tiny.toml)
 #   --run-id ID         swarm run id: only workers with the same id average together
@@ -73,6 +75,29 @@ if [ -n "$peers_file" ]; then
     while read -r line; do
         [ -n "$line" ] && peers+=("$line")
     done < "$peers_file"
+fi
+
+# 0: one of the peers accepts TCP connections; 1: none does yet; 2: none has a TCP address to try.
+tcp_reachable() {
+    local p rc=2
+    for p in "${peers[@]}"; do
+        [[ $p =~ ^/(ip4|ip6|dns4|dns6|dns)/([^/]+)/tcp/([0-9]+)(/|$) ]] || continue
+        rc=1
+        timeout 3 bash -c 'exec 3<>"/dev/tcp/$0/$1"' "${BASH_REMATCH[2]}" "${BASH_REMATCH[3]}" 2>/dev/null && return 0
+    done
+    return "$rc"
+}
+# A peers file outlives its bootstrap (a restarted compose project keeps the volume): wait, within
+# the same --wait, until a peer in it listens, or the trainer would find nobody and stop.
+if [ -n "$peers_file" ] && [ "$dry_run" = 0 ]; then
+    while :; do
+        rc=0
+        tcp_reachable || rc=$?
+        [ "$rc" = 1 ] || break
+        [ -n "${told:-}" ] || { told=1; echo "join_swarm.sh: waiting for a peer in $peers_file to accept connections" >&2; }
+        [ "$SECONDS" -lt "$deadline" ] || die "no peer in $peers_file accepts connections after ${wait_s}s (is the bootstrap running?)"
+        sleep 1
+    done
 fi
 [ ${#peers[@]} -gt 0 ] || die "give at least one peer address (/ip4/.../tcp/PORT/p2p/12D3KooW...) or --peers-file"
 for p in "${peers[@]}"; do
