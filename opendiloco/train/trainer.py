@@ -534,7 +534,9 @@ class Trainer:
                    disable=not (cfg.run.progress and self.ranks.leader), dynamic_ncols=True, desc=cfg.worker)
         tally = _Tally(tokens_per_step=cfg.train.batch_size * cfg.train.grad_accum * cfg.data.seq_len,
                        global_hash=self.opt.global_hash())  # θ_global changes only at outer steps: hash it then
-        stopping = False
+        stopping = stop.requested  # e.g. Ctrl-C during the join: no step at all
+        if isinstance(self.comm, LocalRanks):
+            _, stopping = self.comm.agree_step(0.0, stopping)
         while self.opt.schedule_step < cfg.train.total_steps and not stopping:
             if stop_after is not None and tally.steps >= stop_after:
                 result.stopped = True
