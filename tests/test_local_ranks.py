@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from opendiloco import DiLoCoOptimizer
-from opendiloco.comm import LocalRanks, SingleWorker, get_codec
+from opendiloco.comm import LocalRanks, SingleWorker
 from opendiloco.errors import BehindError
 from opendiloco.pacing import Pace
 
@@ -30,7 +30,8 @@ class _Scripted(SingleWorker):
     (answered by a peer's state), or a peer that is already waiting (pacing)."""
 
     def __init__(self, scenario: str, peer_state: dict | None):
-        super().__init__()
+        # A lossy format where error feedback is tested: the residual is the leader's to hand over.
+        super().__init__(compression="int4" if scenario == "streamed" else "none")
         self.scenario, self.peer_state = scenario, peer_state
 
     def start(self, flat, *, weight, key, out=None, error_out=None):
@@ -73,8 +74,6 @@ def _rank_main(rank: int, store: str, out: str, scenario: str) -> None:
         model = _model()
         ddp = torch.nn.parallel.DistributedDataParallel(model)
         leader = _Scripted(scenario, _peer_state()) if rank == 0 else None
-        if scenario == "streamed" and rank == 0:
-            leader.codec = get_codec("int4")  # a lossy format: the residual is the leader's to hand over
         comm = LocalRanks(leader)
         streamed = dict(fragments=2, overlap=1, error_feedback=True) if scenario == "streamed" else {}
         opt = DiLoCoOptimizer(model.parameters(), local_steps=H + 1 if streamed else H, communicator=comm,

@@ -188,10 +188,8 @@ class LocalRanks(Communicator):
         if mismatch is not None:  # received anyway, so that both sides made the same collectives
             raise LocalRankFailure(f"the leader's average has {header['numel']} {header['dtype']} values, this "
                                    f"rank expects {mismatch}")
-        if result is not None and flat is not result.flat:
-            result.flat.copy_(flat)
-        return AverageResult(result.flat if result is not None else flat, tuple(header["peers"]),
-                             header["total_weight"], header["seconds"], dict(header["extra"]))
+        return AverageResult(flat, tuple(header["peers"]), header["total_weight"], header["seconds"],
+                             dict(header["extra"]))
 
     # -- the rest of the interface: the leader acts, the others follow -----------------------
     def download_state(self, timeout, min_outer_step=None, max_bytes=None, majority_hash=None):
