@@ -464,12 +464,13 @@ class Trainer:
                 result = self._run_locked(stop_after)
             self.ranks.barrier()  # no process tears down its connections while another still uses them
             return result
-        except LocalRankFailure as e:
-            raise TrainError(f"a process of this worker failed, so the worker leaves the swarm: {e}") from e
         except RuntimeError as e:
-            if not self.ranks.multi or isinstance(e, TrainError) or not _lost_a_process(e):
+            # Our hand-off, or DDP's own collective, failed: another process of this worker died
+            # (torchrun ends the rest).
+            lost = isinstance(e, LocalRankFailure) or (
+                self.ranks.multi and not isinstance(e, TrainError) and _lost_a_process(e))
+            if not lost:
                 raise
-            # DDP's own collective failed: another process of this worker died (torchrun ends the rest).
             log.debug("collective failed", exc_info=True)
             raise TrainError(f"a process of this worker failed, so the worker leaves the swarm: "
                              f"{str(e).strip().splitlines()[0][:300]}") from e
