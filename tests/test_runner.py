@@ -361,7 +361,7 @@ def test_duplicate_or_out_of_order_part_is_refused():
     assert isinstance(outcome, PeerFailure)
 
 
-def _owner_answer(digest_of=None, total=2.0, values=None):
+def _owner_answer(digest_of=None, total=2.0, values=None, cut=None):
     """b as the owner of shard 1: reads a's contribution, answers with chosen results."""
 
     async def serve(stream):
@@ -375,7 +375,8 @@ def _owner_answer(digest_of=None, total=2.0, values=None):
             payload = (values if values is not None else torch.zeros(b - a)).half().numpy().tobytes()
             h.update(payload)
             await stream.send(Code.RESULT_PART, {"i": i}, payload)
-        await stream.send(Code.RESULT_END, {"digest": digest_of or h.hexdigest(), "clipped": [], "capped": []})
+        await stream.send(Code.RESULT_END, {"digest": digest_of or h.hexdigest(), "clipped": [], "capped": [],
+                                            **(cut or {})})
         try:
             await stream.recv(max_payload=0)
         except ProtocolError:
@@ -395,6 +396,15 @@ async def _contribute_honestly(stream):
 def test_digest_mismatch_from_an_owner_fails_the_round():
     outcome, _ = attack(_contribute_honestly, b_serves=_owner_answer(digest_of="0" * 64))
     assert isinstance(outcome, PeerFailure) and outcome.peers == {"b"} and "digest" in str(outcome)
+
+
+@pytest.mark.parametrize("cut", [{"clipped": ["mallory"]}, {"capped": ["a"] * 3}, {"clipped": [{"x": 1}]},
+                                 {"capped": "a"}], ids=["non-member", "too-many", "not-a-name", "not-a-list"])
+def test_an_owner_naming_whom_it_cut_is_checked(cut):
+    """The list of members an owner clipped or capped reaches every outer_step record: it may only
+    name members of the round, no more names than members, or the round fails naming the owner."""
+    outcome, _ = attack(_contribute_honestly, b_serves=_owner_answer(total=1.0, cut=cut))
+    assert isinstance(outcome, PeerFailure) and outcome.peers == {"b"}, outcome
 
 
 def test_non_finite_average_from_an_owner_is_refused():
