@@ -110,19 +110,51 @@ def _add_status(sub) -> None:
     p = sub.add_parser("status", help="print a table of the live workers of a run")
     p.add_argument("--swarm.initial-peers", dest="initial_peers", nargs="+", required=True)
     p.add_argument("--run-id", "--swarm.run-id", dest="run_id", default="opendiloco")
+    p.add_argument("--secret-file", default=None,
+                   help="the secret of a closed run (default: $OPENDILOCO_RUN_SECRET, $OPENDILOCO_RUN_SECRET_FILE)")
     p.set_defaults(func=cmd_status)
 
 
 def cmd_status(args) -> int:
+    from .swarm.membership import RunSecret
     from .swarm.node import SwarmError
     from .swarm.status import fetch_workers, format_table
+    from .train.config import ConfigError, check_run_id
 
     try:
-        workers = fetch_workers(args.initial_peers, args.run_id)
+        check_run_id(args.run_id)
+        secret = RunSecret.from_environment(args.secret_file)
+        workers = fetch_workers(args.initial_peers, args.run_id, secret)
+    except ConfigError as e:
+        print(f"opendiloco status: {e}", file=sys.stderr)
+        return EXIT_CONFIG
     except SwarmError as e:
         print(f"opendiloco status: {e}", file=sys.stderr)
         return EXIT_CONFIG
     print(format_table(workers, args.run_id))
+    return 0
+
+
+def _add_secret(sub) -> None:
+    p = sub.add_parser("secret", help="write a new random run secret to a file (for a closed run)",
+                       description="Writes 256 random bits, readable by you only, to PATH. Start every worker of "
+                                   "the run with OPENDILOCO_RUN_SECRET_FILE=PATH (or [swarm] secret_file = PATH).")
+    p.add_argument("path", type=Path, metavar="PATH", help="file to create (never overwritten)")
+    p.set_defaults(func=cmd_secret)
+
+
+def cmd_secret(args) -> int:
+    from .swarm.membership import new_secret_file
+
+    try:
+        new_secret_file(str(args.path))
+    except FileExistsError:
+        print(f"opendiloco secret: {args.path} already exists; not overwritten", file=sys.stderr)
+        return 1
+    except OSError as e:
+        print(f"opendiloco secret: cannot write {args.path}: {e.strerror or e}", file=sys.stderr)
+        return 1
+    print(f"wrote a new run secret to {args.path}")
     return 0
 
 
@@ -134,6 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_plot(sub)
     _add_dht(sub)
     _add_status(sub)
+    _add_secret(sub)
     return parser
 
 

@@ -10,18 +10,21 @@ class AveragingError(RuntimeError):
 class BehindError(AveragingError):
     """The group has already moved past this worker's outer step: load state from a peer instead."""
 
-    def __init__(self, message: str, *, group_outer_step: int, timeout: float | None = None):
+    def __init__(self, message: str, *, group_outer_step: int, timeout: float | None = None,
+                 expected_hash: str | None = None):
         super().__init__(message)
         self.group_outer_step = group_outer_step
         self.timeout = timeout
         """How long catching up may wait for a peer to reach ``group_outer_step`` (None: the caller's bound)."""
+        self.expected_hash = expected_hash
+        """The θ_global hash the run confirmed for ``group_outer_step``: only a state with it is adopted."""
 
 
 class DriftError(BehindError):
     """This worker's θ_global differs from the one most of the run holds at the same outer step."""
 
     def __init__(self, message: str, *, group_outer_step: int, majority_hash: str):
-        super().__init__(message, group_outer_step=group_outer_step)
+        super().__init__(message, group_outer_step=group_outer_step, expected_hash=majority_hash)
         self.majority_hash = majority_hash
 
 

@@ -525,7 +525,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
 
     def _catch_up(self, err: BehindError, seconds: float, own_finite: bool = True) -> SyncReport:
         log.warning("outer step %d: %s; loading state from a peer", self._outer_step, err)
-        majority = err.majority_hash if isinstance(err, DriftError) else None
+        majority = err.expected_hash  # what the run confirmed (None: "left out", the download finds it)
         try:
             timeout = min(self.catch_up_timeout, err.timeout or self.catch_up_timeout)
             state = self.communicator.download_state(
@@ -608,8 +608,10 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         if not isinstance(outer, dict) or not {"global_params", "optimizer"} <= outer.keys():
             raise ValueError("peer state's outer part needs 'global_params' and 'optimizer'")
         validate_tensors(outer["global_params"], self.outer.global_params, "global_params")
+        # A download names the hash the run confirmed (``confirmed_hash``, set by the receiver, never the donor).
+        expected_hash = expected_hash if expected_hash is not None else state.get("confirmed_hash")
         if expected_hash is not None and fragmented_hash(outer["global_params"], self.fragments) != expected_hash:
-            raise ValueError(f"peer state's θ_global is not the majority's {expected_hash}")
+            raise ValueError(f"peer state's θ_global is not the one the run confirmed ({expected_hash})")
         buffers = state.get("buffers", [])
         validate_tensors(buffers, self.outer.buffer_values(), "buffers")
         peer_local = state.get("local_step", 0)

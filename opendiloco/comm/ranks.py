@@ -53,6 +53,7 @@ def describe_error(e: BaseException) -> dict:
     if isinstance(e, BehindError):
         fields["group_outer_step"] = e.group_outer_step
         fields["timeout"] = e.timeout
+        fields["expected_hash"] = e.expected_hash
     if isinstance(e, DriftError):
         fields["majority_hash"] = e.majority_hash
     if isinstance(e, PeerFailure):
@@ -65,7 +66,8 @@ def rebuild_error(fields: dict) -> AveragingError:
     if kind == "DriftError":
         return DriftError(message, group_outer_step=fields["group_outer_step"], majority_hash=fields["majority_hash"])
     if kind == "BehindError":
-        return BehindError(message, group_outer_step=fields["group_outer_step"], timeout=fields["timeout"])
+        return BehindError(message, group_outer_step=fields["group_outer_step"], timeout=fields["timeout"],
+                           expected_hash=fields["expected_hash"])
     if kind == "PeerFailure":
         return PeerFailure(message, fields["peers"])
     return _ERRORS.get(kind, AveragingError)(message)

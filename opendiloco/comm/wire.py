@@ -42,6 +42,9 @@ class Code(enum.IntEnum):
     # matchmaking (swarm/matchmaking.py)
     GROUP = 8
     """A round's leader has published its group (meta: round key, attempt): read it from the DHT now."""
+    # membership (swarm/streams.py)
+    HELLO = 9
+    """The first frame of every stream in a closed run: the opener's proof that it holds the run secret."""
     # state transfer to joiners (swarm/state_transfer.py)
     STATE_REQUEST = 16
     STATE = 17

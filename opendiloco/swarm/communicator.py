@@ -43,8 +43,11 @@ from ..errors import AveragingError, Interrupted, PeerFailure, SwarmError
 from ..pacing import Pace
 from . import records
 from .matchmaking import Doorbell, Matchmaker, MatchmakingSettings
+from .membership import Membership, RunSecret
 from .node import start_dht, visible_maddrs
 from .presence import Presence
+from .quorum import confirmed
+from .signing import Identity
 from .state_transfer import StateServer, fetch_state
 from .streams import P2PStreams
 
@@ -94,9 +97,16 @@ class RoundState(enum.Enum):
 
 
 class SwarmCommunicator(Communicator):
-    def __init__(self, dht: hivemind.DHT, settings: SwarmSettings | None = None, *, own_dht: bool = True):
+    def __init__(self, dht: hivemind.DHT, settings: SwarmSettings | None = None, *, own_dht: bool = True,
+                 secret: RunSecret | None = None, identity: Identity | None = None):
+        """``secret``: the run secret (None: an open run). ``identity``: the key of the DHT node's p2p
+        identity, which signs this worker's records (``start_dht`` keeps it on the DHT it starts)."""
         self.dht = dht
         self.settings = s = settings or SwarmSettings()
+        self.membership = Membership(s.run_id, secret)
+        identity = identity if identity is not None else getattr(dht, "identity", None)
+        if identity is None or identity.peer_id != dht.peer_id.to_base58():
+            raise ValueError("the DHT's identity key is needed to sign records: start it with start_dht")
         if s.min_group_size < 1:
             raise ValueError("min_group_size must be >= 1")
         if not isinstance(s.part_numel, int) or s.part_numel < 1024 or s.part_numel % 1024:
@@ -114,11 +124,12 @@ class SwarmCommunicator(Communicator):
         self._thread = threading.Thread(target=self._loop.run_forever, name="opendiloco-comm", daemon=True)
         self._thread.start()
         self._rounds_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="opendiloco-round")
+        self.records = records.RunRecords(dht, self.membership, identity)
         self._call(self._setup(), timeout=30)
-        self.presence = Presence(dht, s.run_id, self._peer_id, self._loop,
+        self.presence = Presence(self.records, self._peer_id, self._loop,
                                  heartbeat_interval=s.heartbeat_interval, record_ttl=s.record_ttl,
                                  config=s.config_fingerprint)
-        self.matchmaker = Matchmaker(dht, self.presence, MatchmakingSettings(
+        self.matchmaker = Matchmaker(self.records, self.presence, MatchmakingSettings(
             run_id=s.run_id, min_group_size=s.min_group_size, matchmaking_timeout=s.matchmaking_timeout,
             straggler_wait=s.straggler_wait, max_wait=s.max_wait,
             record_ttl=s.max_wait + s.matchmaking_timeout + s.allreduce_timeout,
@@ -132,7 +143,9 @@ class SwarmCommunicator(Communicator):
     @classmethod
     def from_config(cls, cfg, run_dir: str | None = None, config_fingerprint: str = "") -> SwarmCommunicator:
         """Starts a DHT node from a ``SwarmConfig`` and wraps it; refuses a run whose live workers
-        have other settings (``SwarmError``)."""
+        have other settings (``SwarmError``). The run secret comes from the environment or
+        ``cfg.secret_file`` (``RunSecret.from_environment``)."""
+        secret = RunSecret.from_environment(cfg.secret_file)
         dht = start_dht(initial_peers=cfg.initial_peers, host_maddrs=cfg.host_maddrs,
                         announce_maddrs=cfg.announce_maddrs, identity_path=cfg.identity_path,
                         client_mode=cfg.client_mode)
@@ -141,7 +154,7 @@ class SwarmCommunicator(Communicator):
                                  config_fingerprint=config_fingerprint,
                                  aggregation=Aggregation(cfg.aggregation, clip_ratio=cfg.clip_ratio,
                                                          max_weight_ratio=cfg.max_weight_ratio))
-        comm = cls(dht, settings)
+        comm = cls(dht, settings, secret=secret)
         try:
             comm.refuse_other_settings()
         except BaseException:
@@ -150,6 +163,13 @@ class SwarmCommunicator(Communicator):
         addrs = visible_maddrs(dht)
         log.info("worker %s joined run %r; peers can join through: %s", comm.peer_id, settings.run_id,
                  " ".join(addrs))
+        if secret is None:
+            log.warning("run %r is open (no run secret): anyone who can reach a worker can read the run's records, "
+                        "download its state and join it; to close it, start every worker with the same secret in "
+                        "$OPENDILOCO_RUN_SECRET_FILE or [swarm] secret_file (docs/trust.md)", settings.run_id)
+        else:
+            log.info("run %r is closed: only workers started with its secret (%s) take part", settings.run_id,
+                     secret.source)
         if run_dir:
             os.makedirs(run_dir, exist_ok=True)
             with open(os.path.join(run_dir, "peer_addrs.txt"), "w") as f:
@@ -200,13 +220,14 @@ class SwarmCommunicator(Communicator):
         s = self.settings
         self.p2p = await self.dht.replicate_p2p()
         self.rounds = Rounds(wait_for_group=s.straggler_wait + s.verify_timeout)
-        self.reduce_streams = P2PStreams(self.p2p, f"opendiloco.{s.run_id}.reduce")
-        self.state_streams = P2PStreams(self.p2p, f"opendiloco.{s.run_id}.state")
+        ns, m = self.membership.namespace, self.membership
+        self.reduce_streams = P2PStreams(self.p2p, f"opendiloco.{ns}.reduce", m)
+        self.state_streams = P2PStreams(self.p2p, f"opendiloco.{ns}.state", m)
         await self.reduce_streams.listen(self.rounds.serve)
         self.state_server = StateServer(self.state_streams)
         await self.state_server.listen()
         self.doorbell = Doorbell()
-        self.match_streams = P2PStreams(self.p2p, f"opendiloco.{s.run_id}.match")
+        self.match_streams = P2PStreams(self.p2p, f"opendiloco.{ns}.match", m)
         await self.match_streams.listen(self._on_ring)
         self._background: set[asyncio.Task] = set()
 
@@ -251,11 +272,12 @@ class SwarmCommunicator(Communicator):
     async def _refresh_workers(self) -> None:
         """Keeps a snapshot of the run's records for ``peer_paces`` (asked after every inner step)."""
         interval = min(0.5, max(0.1, self.settings.heartbeat_interval / 8))  # 0.25 s by default
-        key = records.workers_key(self.settings.run_id)
+        key = self.records.workers_key()
         while True:
             try:
                 found = await self.dht.get(key, latest=True, return_future=True)
-                self._workers_snapshot = self.presence.same_settings(records.parse_workers(records.live_subkeys(found)))
+                self._workers_snapshot = self.presence.same_settings(
+                    records.parse_workers(self.records.live_subkeys(key, found, self.presence.max_ttl)))
             except Exception as e:  # the DHT may be busy or shutting down: keep the last snapshot
                 log.debug("refreshing the workers snapshot: %s", e)
             await asyncio.sleep(interval)
@@ -313,6 +335,7 @@ class SwarmCommunicator(Communicator):
                 attempt += 1
                 continue
             self.state = RoundState.DONE
+            self.presence.last_group = set(group.members)
             self.report_progress(last_sync_time=get_dht_time())
             return AverageResult(outcome.flat, group.members, outcome.total_weight, time.perf_counter() - began,
                                  extra={"attempts": len(errors) + 1, "group_id": group.group_id,
@@ -356,19 +379,29 @@ class SwarmCommunicator(Communicator):
 
     def download_state(self, timeout: float, min_outer_step: int | None = None,
                        max_bytes: int | None = None, majority_hash: str | None = None) -> dict | None:
-        """State from the most advanced live peer; None if the run has no other live worker."""
+        """The state the run confirms (``quorum``), from a live peer that holds it; None if the run has
+        no other live worker. The returned state names that hash (``confirmed_hash``, set here, never
+        by the donor), and ``load_shareable_state`` adopts it only if θ_global matches."""
         max_bytes = max_bytes if max_bytes is not None else 64 << 30
         deadline = time.monotonic() + timeout
         errors: dict[str, str] = {}
         while True:
             self._raise_if_interrupted(Interrupted("the worker is stopping: state download abandoned"))
-            others = [r for p, r in self.live_workers().items() if p != self._peer_id and r.outer_step >= 0]
+            workers = self.live_workers()
+            others = [r for p, r in workers.items() if p != self._peer_id and r.outer_step >= 0]
             if not others and min_outer_step is None:
                 if errors:  # the donors failed and left (died mid-download): not the same as "nobody there"
                     raise AveragingError(f"the peers serving state failed and left: {errors}")
                 return None
-            candidates = sorted((r for r in others if (min_outer_step is None or r.outer_step >= min_outer_step)
-                                 and (majority_hash is None or r.global_hash == majority_hash)),
+            if majority_hash is not None:
+                wanted = majority_hash
+            else:
+                # Catching up (a step to reach) weighs this worker's own state; joining does not.
+                mine = None if min_outer_step is None else self.presence.my_claim(self.presence.get("outer_step", -1))
+                claim = confirmed(workers, self._peer_id, mine, min_outer_step)
+                wanted = None if claim is None else claim.global_hash
+            candidates = sorted((r for r in others if wanted is not None and r.global_hash == wanted
+                                 and (min_outer_step is None or r.outer_step >= min_outer_step)),
                                 key=lambda r: -r.outer_step)
             for rec in candidates:
                 remaining = deadline - time.monotonic()
@@ -378,16 +411,20 @@ class SwarmCommunicator(Communicator):
                 try:
                     state = self._call(fetch_state(self.state_streams, rec.peer_id, min_outer_step, max_bytes),
                                        remaining, interruptible=True)
+                    if state.get("outer_step") != rec.outer_step:
+                        raise AveragingError(f"served outer step {state.get('outer_step')!r}, "
+                                             f"its record says {rec.outer_step}")
                 except Interrupted:
                     raise
                 except Exception as e:
                     errors[rec.peer_id[-8:]] = str(e) or type(e).__name__
                     continue
+                state["confirmed_hash"] = wanted
                 log.info("downloaded state of outer step %s from %s in %.2fs", state.get("outer_step"),
                          rec.peer_id[-8:], time.perf_counter() - t0)
                 return state
             if time.monotonic() >= deadline:
-                raise AveragingError(f"no peer served state within {timeout:.0f}s"
+                raise AveragingError(f"no peer served the state the run confirms within {timeout:.0f}s"
                                      + (f": {errors}" if errors else ""))
             self._interrupted.wait(0.5)
 

@@ -16,7 +16,6 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-import hivemind
 from hivemind.utils.timed_storage import get_dht_time
 
 from ..comm.base import RoundKey
@@ -41,6 +40,8 @@ class MatchmakingSettings:
     """Values per streamed part: members must agree on it (it is part of the announcement)."""
     config: str = ""
     """The config fingerprint: like the codec label, only announcements that carry ours are grouped."""
+    max_attempt_jump: int = 8
+    """An announced attempt number more than this ahead of ours is ignored."""
 
 
 class Doorbell:
@@ -71,15 +72,21 @@ class Doorbell:
 
 
 class Matchmaker:
-    def __init__(self, dht: hivemind.DHT, presence: Presence, settings: MatchmakingSettings, codec_name: str,
-                 interrupted: threading.Event, *, doorbell: Doorbell | None = None,
+    def __init__(self, run_records: records.RunRecords, presence: Presence, settings: MatchmakingSettings,
+                 codec_name: str, interrupted: threading.Event, *, doorbell: Doorbell | None = None,
                  ring_members: Callable[[Sequence[str], str, int], None] | None = None):
-        self.dht, self.presence, self.settings = dht, presence, settings
+        self.records, self.presence, self.settings = run_records, presence, settings
         self.codec_name, self.interrupted = codec_name, interrupted
         self.me = presence.peer_id
         self.doorbell = doorbell or Doorbell()
         self.ring_members = ring_members
         """Tells the other members (without waiting) that this worker published their group."""
+        self.taken: set[str] = set()
+        """Peers in groups of the current attempt that leave this worker out."""
+        self._taken_for = ""
+        self.no_shows: dict[str, int] = {}
+        """Peers that published a ready time and then did not come (by the round key they missed):
+        their ready time is not believed again until they take part in a round."""
 
     def form_group(self, key: RoundKey, attempt: int, numel: int, suspects=frozenset(),
                    workers: dict | None = None) -> tuple[Group, int]:
@@ -90,27 +97,32 @@ class Matchmaker:
         Raises ``BehindError`` when the run has moved past this worker.
         """
         s, me = self.settings, self.me
-        announce_key = records.round_key(s.run_id, key)
+        announce_key = self.records.round_key(key)
         began, announced, polls = get_dht_time(), None, 0
-        gkey = records.group_key(s.run_id, key, attempt)
+        gkey = self.records.group_key(key, attempt)
         while True:
             workers = workers if workers is not None else self.presence.live_workers()
             self.presence.raise_if_behind(workers, key.outer_step)
-            ready = {p: v for p, v in records.subkey_values(self.dht, announce_key).items()
-                     if isinstance(v, dict) and type(v.get("attempt")) is int}
-            attempt = max([attempt] + [v["attempt"] for v in ready.values()])
-            gkey = records.group_key(s.run_id, key, attempt)
+            ready = self._announcements(announce_key)
+            # An attempt number only counts if a live worker of the run announced it (no peer can
+            # push the run to attempt 10**9 and out of its retries).
+            attempt = max([attempt] + [v["attempt"] for p, v in ready.items() if p in workers
+                                       and v["attempt"] <= attempt + s.max_attempt_jump])
+            gkey = self.records.group_key(key, attempt)
             if announced != attempt:
                 value = {"attempt": attempt, "numel": numel, "codec": self.codec_name, "part": s.part_numel,
                          "config": s.config, "since": began}
-                records.store(self.dht, announce_key, value, get_dht_time() + s.record_ttl, subkey=me)
+                self.records.store(announce_key, value, get_dht_time() + s.record_ttl)
                 ready[me], announced = value, attempt
-            compatible = {p for p, v in ready.items() if v.get("attempt") == attempt and v.get("numel") == numel
-                          and v.get("codec") == self.codec_name and v.get("part") == s.part_numel
-                          and v.get("config", "") == s.config}
+            if gkey != self._taken_for:
+                self.taken, self._taken_for = set(), gkey
+            announced_ok = self._compatible(ready, attempt, numel)
+            compatible = announced_ok - (self.taken - {me})
             # Peers heading for this round: at its outer step, or one behind with a streamed round
-            # still in flight that they will apply before they come.
-            expected = ({p for p, r in workers.items() if r.heading == key.outer_step} - set(suspects)) | {me}
+            # still in flight that they will apply before they come. Peers already in a group that
+            # leaves us out are not waited for.
+            expected = ({p for p, r in workers.items() if r.heading == key.outer_step}
+                        - set(suspects) - self.taken) | {me}
             missing = expected - compatible
             enough = len(compatible) >= s.min_group_size
             now = get_dht_time()
@@ -119,6 +131,9 @@ class Matchmaker:
             shared = self._shared_start({p: ready[p] for p in compatible}, began, now)
             give_up_at = max((self._wait_until(workers[p], shared) for p in missing), default=shared)
             if enough and now >= give_up_at:
+                for p in missing:  # waited for, and not there: its next ready time is not believed
+                    if workers[p].ready_at is not None and workers[p].ready_at + s.straggler_wait <= now:
+                        self.no_shows[p] = key.outer_step
                 break
             self._raise_if_interrupted()
             if not enough and now >= max(shared + s.matchmaking_timeout, give_up_at):
@@ -128,12 +143,22 @@ class Matchmaker:
             # A leader may have closed the group already (it gave up on a straggler we still wait
             # for): its doorbell ring, or now and then the DHT, tells us.
             if self.doorbell.wait(str(key), attempt, 0) or polls % 10 == 0:
-                members = self._published(key, gkey, set(workers) | {me})
+                members = self._published(key, gkey, set(workers) | {me}, announced_ok)
                 if members is not None:
                     return self._group(key, attempt, members), attempt
             time.sleep(s.poll_interval)
             workers = None
-        return self._adopt_group(key, attempt, min(compatible), compatible, set(workers) | {me}), attempt
+        return self._adopt_group(key, attempt, announced_ok, set(workers) | {me}, numel), attempt
+
+    def _announcements(self, announce_key: str) -> dict[str, dict]:
+        return {p: v for p, v in self.records.subkey_values(announce_key, self.settings.record_ttl + 10).items()
+                if isinstance(v, dict) and type(v.get("attempt")) is int and v["attempt"] >= 0}
+
+    def _compatible(self, ready: dict[str, dict], attempt: int, numel: int) -> set[str]:
+        s = self.settings
+        return {p for p, v in ready.items() if v.get("attempt") == attempt and v.get("numel") == numel
+                and v.get("codec") == self.codec_name and v.get("part") == s.part_numel
+                and v.get("config", "") == s.config}
 
     def _wait_until(self, record, began: float) -> float:
         """Until when (DHT time) a live peer that is not ready yet is waited for.
@@ -144,7 +169,8 @@ class Matchmaker:
         for when its record expires, a hung one when its ready time has passed.
         """
         s = self.settings
-        expected = record.ready_at if record.ready_at is not None else began
+        believed = record.ready_at is not None and record.peer_id not in self.no_shows
+        expected = record.ready_at if believed else began
         return min(max(expected, began) + s.straggler_wait, began + s.max_wait)
 
     def _shared_start(self, announcements: dict, began: float, now: float) -> float:
@@ -153,52 +179,73 @@ class Matchmaker:
         times = [v.get("since") for v in announcements.values()]
         return min([began] + [t for t in times if isinstance(t, (int, float)) and oldest <= t <= now])
 
-    def _published(self, key: RoundKey, gkey: str, live: set[str]) -> tuple[str, ...] | None:
-        """The group published for this round and attempt, or None.
+    def _published(self, key: RoundKey, gkey: str, live: set[str], announced: set[str]) -> tuple[str, ...] | None:
+        """The group published for this round and attempt that holds this worker, or None.
 
         A group counts if its publisher leads it (the smallest member id), its members are
-        distinct, and some of them are alive; of several, the smallest publisher's wins.
-        Raises ``BehindError`` if it leaves this worker out.
+        distinct, every one of them announced this attempt with our settings (``announced``), and
+        some of them are alive; of several holding us, the smallest publisher's wins. Records are
+        signed, so a publisher can only speak for itself.
+
+        Groups that leave this worker out are other workers' business (``self.taken`` notes their
+        members, so nobody waits for them here), unless together they are at least half the run's
+        live workers: then the run moves on without us (``BehindError``: catch up to it).
         """
-        published = {p: tuple(sorted(set(m))) for p, m in records.subkey_values(self.dht, gkey).items()
+        published = {p: tuple(sorted(set(m))) for p, m in
+                     self.records.subkey_values(gkey, self.settings.record_ttl + 10).items()
                      if isinstance(m, list) and m and all(isinstance(x, str) for x in m)
-                     and len(set(m)) == len(m) and p == min(m) and live & set(m)}
-        if not published:
-            return None
-        members = published[min(published)]
-        if self.me not in members:
+                     and len(set(m)) == len(m) and p == min(m) and live & set(m) and set(m) <= announced}
+        holding_me = {p: m for p, m in published.items() if self.me in m}
+        if holding_me:
+            members = holding_me[min(holding_me)]
+            self._took_part(members)
+            return members
+        self.taken = set().union(*published.values()) if published else set()
+        if self.taken and 2 * len(self.taken) >= len(live | self.taken):
             raise BehindError(f"left out of the group for round {key}", group_outer_step=key.outer_step + 1)
-        return members
+        return None
+
+    def _took_part(self, members) -> None:
+        for m in members:
+            self.no_shows.pop(m, None)
 
     def _group(self, key: RoundKey, attempt: int, members: tuple[str, ...]) -> Group:
         return Group(make_group_id(self.settings.run_id, key, attempt, members), members, key)
 
-    def _adopt_group(self, key: RoundKey, attempt: int, leader: str | None, compatible: set[str],
-                     live: set[str]) -> Group:
+    def _adopt_group(self, key: RoundKey, attempt: int, compatible: set[str], live: set[str], numel: int) -> Group:
+        """Publishes the group if this worker leads it (the smallest id of those ready and not taken),
+        else waits for the leader's; ``compatible``: the peers that announced this attempt with our settings."""
         s, me = self.settings, self.me
-        gkey = records.group_key(s.run_id, key, attempt)
+        gkey = self.records.group_key(key, attempt)
+        announce_key = self.records.round_key(key)
         deadline = time.monotonic() + s.straggler_wait + s.matchmaking_timeout
         polls = 0
+        published_ours = False
         while True:
             # A group already closed for this round wins over our own view of who is ready.
-            members = self._published(key, gkey, live)
+            members = self._published(key, gkey, live, compatible)
             if members is not None:
                 return self._group(key, attempt, members)
-            if leader == me:
-                members = sorted(compatible)
-                records.store(self.dht, gkey, members, get_dht_time() + s.record_ttl, subkey=me)
+            candidates = compatible - (self.taken - {me})
+            if len(candidates) < s.min_group_size:
+                raise AveragingError(f"round {key}: {len(candidates)} peer(s) left for a group, need "
+                                     f"{s.min_group_size}")
+            if not published_ours and min(candidates) == me:
+                members = sorted(candidates)
+                self.records.store(gkey, members, get_dht_time() + s.record_ttl)
                 if self.ring_members is not None:
                     self.ring_members([m for m in members if m != me], str(key), attempt)
-                leader = None  # read it back: a concurrent leader with a smaller id would win
+                published_ours = True  # read it back: a concurrent leader with a smaller id would win
                 continue
             self._raise_if_interrupted()
             if time.monotonic() > deadline:
                 raise AveragingError(f"no group was published for round {key}")
             polls += 1
-            if polls % 10 == 0:  # now and then: has the run moved on, who is still alive?
+            if polls % 10 == 0:  # now and then: has the run moved on, who is still alive, who announced?
                 workers = self.presence.live_workers()
                 self.presence.raise_if_behind(workers, key.outer_step)
                 live = set(workers) | {me}
+                compatible |= self._compatible(self._announcements(announce_key), attempt, numel)
             self.doorbell.wait(str(key), attempt, s.poll_interval)
 
     def _raise_if_interrupted(self) -> None:

@@ -19,6 +19,8 @@ from hivemind.utils.multiaddr import Multiaddr
 
 from opendiloco.errors import SwarmError
 
+from .signing import Identity, SignedRecordValidator
+
 log = logging.getLogger(__name__)
 
 
@@ -114,8 +116,11 @@ class WorkerBoundDHT(hivemind.DHT):
     """A hivemind DHT whose process (and its p2pd) exits when the process that started it dies.
 
     Plain hivemind leaves the DHT process and p2pd running for minutes after its parent is
-    SIGKILLed (HIVEMIND_NOTES.md); a watchdog thread in the DHT process ends both at once.
+    SIGKILLed; a watchdog thread in the DHT process ends both at once.
+    ``identity``: the key of its p2p identity, which signs the records this node's worker stores.
     """
+
+    identity: Identity | None = None
 
     def run(self) -> None:
         _keep_tasks_referenced()
@@ -146,7 +151,11 @@ def start_dht(
     use_relay: bool = True,
     startup_timeout: float = 30.0,
 ) -> hivemind.DHT:
-    """Starts a DHT node (joining ``initial_peers`` if any), with clear errors on bad input."""
+    """Starts a DHT node (joining ``initial_peers`` if any), with clear errors on bad input.
+
+    The node stores only records signed by their writer (``SignedRecordValidator``). Without an
+    ``identity_path`` it gets a fresh identity; either way its key is kept as ``dht.identity``.
+    """
     initial_peers = parse_maddrs(initial_peers, what="initial peer", require_peer_id=True)
     host_maddrs = parse_maddrs(host_maddrs, what="host_maddrs")
     announce_maddrs = parse_maddrs(announce_maddrs, what="announce_maddrs")
@@ -159,11 +168,30 @@ def start_dht(
                   use_auto_relay=client_mode and use_relay, startup_timeout=startup_timeout)
     if announce_maddrs:
         kwargs["announce_maddrs"] = announce_maddrs
+    temporary = None
     if identity_path:
         ensure_identity(identity_path)
-        kwargs["identity_path"] = identity_path
+    else:
+        _, identity_path = temporary = Identity.temporary()
+    try:
+        identity = Identity.from_file(identity_path)
+    except (OSError, ValueError) as e:
+        raise SwarmError(f"identity {identity_path!r} cannot be used: {e}") from None
+    kwargs["identity_path"] = identity_path
+    try:
+        dht = _start(initial_peers, identity, startup_timeout, kwargs)
+    finally:
+        if temporary is not None:  # p2pd has read it (or failed to): the key lives on in memory only
+            _remove_temporary_identity(temporary[1])
+    return dht
+
+
+def _start(initial_peers: list[str], identity: Identity, startup_timeout: float, kwargs: dict) -> hivemind.DHT:
     start = time.monotonic()
-    dht = WorkerBoundDHT(initial_peers=initial_peers or None, start=True, await_ready=False, **kwargs)
+    dht = WorkerBoundDHT(initial_peers=initial_peers or None, start=True, await_ready=False,
+                         record_validators=[SignedRecordValidator()], **kwargs)
+    dht.identity = identity
+    identity_path = kwargs["identity_path"]
     try:
         dht.wait_until_ready(timeout=startup_timeout)
     except (TimeoutError, concurrent.futures.TimeoutError):  # distinct types before Python 3.11
@@ -181,6 +209,15 @@ def start_dht(
             raise SwarmError(f"identity {identity_path!r} is already used by a live peer: {msg}") from None
         raise SwarmError(f"could not start the DHT node: {msg}") from None
     return dht
+
+
+def _remove_temporary_identity(path: str) -> None:
+    try:
+        os.chmod(path, 0o600)
+        os.unlink(path)
+        os.rmdir(os.path.dirname(path))
+    except OSError as e:
+        log.debug("could not remove the temporary identity %s: %s", path, e)
 
 
 def visible_maddrs(dht: hivemind.DHT) -> list[str]:

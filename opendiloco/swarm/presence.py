@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import threading
 
-import hivemind
 from hivemind.utils.timed_storage import get_dht_time
 
 from ..errors import BehindError, DriftError
 from . import records
+from .quorum import Claim, confirmed_ahead
 
 log = logging.getLogger(__name__)
+
+CLOCK_SLACK = 10.0
+"""Seconds a record may claim to live beyond its kind's TTL (peers' clocks differ a little)."""
 
 
 class Presence:
@@ -23,13 +27,19 @@ class Presence:
     worker drops out of the live set by itself.
     """
 
-    def __init__(self, dht: hivemind.DHT, run_id: str, peer_id: str, loop: asyncio.AbstractEventLoop, *,
+    def __init__(self, run_records: records.RunRecords, peer_id: str, loop: asyncio.AbstractEventLoop, *,
                  heartbeat_interval: float, record_ttl: float, config: str = ""):
-        self.dht, self.run_id, self.peer_id, self.loop = dht, run_id, peer_id, loop
+        self.records, self.peer_id, self.loop = run_records, peer_id, loop
+        self.run_id = run_records.membership.run_id
         self.heartbeat_interval, self.record_ttl = heartbeat_interval, record_ttl
+        self.max_ttl = record_ttl + CLOCK_SLACK
+        """A progress record set to live longer than this is a forgery (or a broken clock): ignored."""
         self.config = config
         """This worker's config fingerprint: workers with another one are not part of its run."""
         self._foreign: set[str] = set()
+        self._unconfirmed_ahead: set[str] = set()
+        self.last_group: set[str] = set()
+        """The members of this worker's last completed round (set by the communicator)."""
         self._progress: dict = {"outer_step": -1, "config": config}
         self._lock = threading.Lock()
         self._publishing: set = set()
@@ -62,8 +72,7 @@ class Presence:
             rec = records.WorkerRecord(peer_id=self.peer_id, time=get_dht_time(), left=left,
                                        **{k: v for k, v in self._progress.items()
                                           if k in records.WorkerRecord.__dataclass_fields__})
-        await self.dht.store(records.workers_key(self.run_id), rec.to_value(), get_dht_time() + self.record_ttl,
-                             subkey=self.peer_id, return_future=True)
+        await self.records.store_async(self.records.workers_key(), rec.to_value(), get_dht_time() + self.record_ttl)
 
     async def _beat(self) -> None:
         while True:
@@ -75,7 +84,7 @@ class Presence:
 
     def live_workers(self) -> dict[str, records.WorkerRecord]:
         """The run's live workers with this worker's settings (others are left out, with a warning)."""
-        return self.same_settings(records.read_workers(self.dht, self.run_id))
+        return self.same_settings(self.records.read_workers(self.max_ttl))
 
     def same_settings(self, workers: dict[str, records.WorkerRecord]) -> dict[str, records.WorkerRecord]:
         out = {}
@@ -91,28 +100,54 @@ class Presence:
 
     def other_settings(self) -> list[records.WorkerRecord]:
         """Live workers of the run whose config fingerprint differs from this worker's."""
-        return [r for p, r in records.read_workers(self.dht, self.run_id).items()
+        return [r for p, r in self.records.read_workers(self.max_ttl).items()
                 if p != self.peer_id and r.config != self.config]
 
+    def my_claim(self, outer_step: int) -> Claim | None:
+        mine = self.get("global_hash")
+        return Claim(outer_step, mine) if mine and outer_step >= 0 else None
+
     def raise_if_behind(self, workers: dict[str, records.WorkerRecord], outer_step: int) -> None:
-        ahead = [r.outer_step for p, r in workers.items() if p != self.peer_id and r.outer_step > outer_step]
-        if ahead:
-            raise BehindError(f"peers are at outer step {max(ahead)}, this worker at {outer_step}",
-                              group_outer_step=max(ahead))
+        """``BehindError`` if the run confirms a state ahead of this worker's (``quorum``); one peer's
+        claim to be ahead triggers nothing."""
+        mine = self.my_claim(outer_step) or Claim(outer_step, "")
+        claim = confirmed_ahead(workers, self.peer_id, mine)
+        if claim is not None:
+            raise BehindError(f"the run is at outer step {claim.outer_step} (θ_global {claim.global_hash}), "
+                              f"this worker at {outer_step}", group_outer_step=claim.outer_step,
+                              expected_hash=claim.global_hash)
+        ahead = {p for p, r in workers.items() if p != self.peer_id and r.outer_step > outer_step}
+        if ahead and not self._unconfirmed_ahead >= ahead:
+            log.warning("%d peer(s) say they are ahead (outer step %d) without the run confirming it; ignored",
+                        len(ahead), max(workers[p].outer_step for p in ahead))
+        self._unconfirmed_ahead = ahead
 
     def raise_if_drifted(self, outer_step: int, workers: dict[str, records.WorkerRecord]) -> None:
-        """Compares our θ_global hash with the other workers at the same outer step (majority wins)."""
-        mine = self.get("global_hash")
-        if not mine:
+        """``DriftError`` if the run confirms another θ_global than ours (``quorum``): a claim with more
+        votes than ours and at least half of them, at our outer step or behind it.
+
+        Behind it: a worker that went on alone (its group left the others out) is the one that
+        drifted, and goes back to the run's state. Members of our last round that have not yet
+        published its result are not counted against us: they are on their way to our state.
+        """
+        mine = self.my_claim(outer_step)
+        if mine is None:
             return
-        counts: dict[str, int] = {mine: 1}
+        counts: collections.Counter = collections.Counter({mine: 1})
         for peer, rec in workers.items():
-            if peer != self.peer_id and rec.outer_step == outer_step and rec.global_hash:
-                counts[rec.global_hash] = counts.get(rec.global_hash, 0) + 1
-        majority, votes = max(counts.items(), key=lambda kv: kv[1])
-        if majority != mine and votes > counts[mine]:
-            raise DriftError(f"θ_global drifted: hash {mine} vs {majority} held by {votes} peer(s) at outer step "
-                             f"{outer_step}", group_outer_step=outer_step, majority_hash=majority)
+            if peer == self.peer_id or rec.outer_step < 0 or not rec.global_hash:
+                continue
+            if rec.outer_step < outer_step and peer in self.last_group:
+                continue
+            counts[Claim(rec.outer_step, rec.global_hash)] += 1
+        best, votes = max(counts.items(), key=lambda kv: (kv[1], -kv[0].outer_step, kv[0] == mine))
+        if best == mine or best.outer_step > outer_step or votes <= counts[mine] \
+                or 2 * votes < sum(counts.values()):
+            return
+        raise DriftError(f"θ_global drifted: hash {mine.global_hash} at outer step {outer_step}, the run holds "
+                         f"{best.global_hash} at outer step {best.outer_step} ({votes} of "
+                         f"{sum(counts.values())} workers)", group_outer_step=best.outer_step,
+                         majority_hash=best.global_hash)
 
     async def leave(self) -> None:
         """Stops the heartbeat and tells the run this worker left (others stop waiting for it at once)."""

@@ -1,11 +1,16 @@
-"""What workers publish in the DHT, under keys namespaced by ``run_id``.
+"""What workers publish in the DHT, under keys in their run's namespace (``membership.py``).
 
 - ``{run}.workers``: one subkey per live worker, its progress (refreshed by a heartbeat, so a
   frozen or dead worker's record expires);
 - ``{run}.round.{k}``: workers ready to average outer step ``k``;
 - ``{run}.group.{k}.{attempt}``: the group the round's leader closed.
 
-(``k`` is a round key: the outer step, and the fragment where the model is streamed in parts.)
+(``k`` is a round key: the outer step, and the fragment where the model is streamed in parts;
+``{run}`` is the run id, followed in a closed run by a namespace only members can derive.)
+
+Every record is signed by its writer under its own peer id (``signing.py``), and sealed in a
+closed run; a reader drops any record that fails either check, or that claims to live longer
+than its kind may (a forged record cannot outlive its writer's heartbeat by more than that).
 """
 
 from __future__ import annotations
@@ -16,24 +21,17 @@ import math
 from dataclasses import asdict, dataclass, fields
 
 import hivemind
+import msgpack
 from hivemind.utils.timed_storage import get_dht_time
 
 from opendiloco.errors import AveragingError
 from opendiloco.pacing import Pace
 
+from . import signing
+from .membership import Membership
+from .signing import Identity
+
 log = logging.getLogger(__name__)
-
-
-def workers_key(run_id: str) -> str:
-    return f"{run_id}.workers"
-
-
-def round_key(run_id: str, key) -> str:
-    return f"{run_id}.round.{key}"
-
-
-def group_key(run_id: str, key, attempt: int) -> str:
-    return f"{run_id}.group.{key}.{attempt}"
 
 
 @dataclass
@@ -128,27 +126,71 @@ def wait_dht(future, what: str, timeout: float = DHT_CALL_TIMEOUT):
         raise AveragingError(f"the DHT did not answer a {what} within {timeout:.0f}s") from None
 
 
-def store(dht: hivemind.DHT, key: str, value, expiration_time: float, subkey: str) -> None:
-    """Stores ``value`` under ``key``/``subkey`` until ``expiration_time`` (DHT time), bounded by ``wait_dht``."""
-    wait_dht(dht.store(key, value, expiration_time, subkey=subkey, return_future=True), "store")
+class RunRecords:
+    """The run's records in the DHT, as one worker (or a reader such as ``opendiloco status``) sees them.
 
+    Writing needs the worker's ``Identity``; reading needs only the membership.
+    """
 
-def subkey_values(dht: hivemind.DHT, key: str) -> dict[str, object]:
-    """All live subkey -> value pairs stored under ``key`` (empty if none)."""
-    return live_subkeys(wait_dht(dht.get(key, latest=True, return_future=True), "get"))
+    def __init__(self, dht: hivemind.DHT, membership: Membership, identity: Identity | None = None):
+        self.dht, self.membership, self.identity = dht, membership, identity
 
+    # -- keys --------------------------------------------------------------------------------------
+    def workers_key(self) -> str:
+        return f"{self.membership.namespace}.workers"
 
-def read_workers(dht: hivemind.DHT, run_id: str) -> dict[str, WorkerRecord]:
-    """Live workers of a run (those that left cleanly are dropped)."""
-    return parse_workers(subkey_values(dht, workers_key(run_id)))
+    def round_key(self, key) -> str:
+        return f"{self.membership.namespace}.round.{key}"
 
+    def group_key(self, key, attempt: int) -> str:
+        return f"{self.membership.namespace}.group.{key}.{attempt}"
 
-def live_subkeys(found) -> dict[str, object]:
-    """The unexpired subkey -> value pairs of a ``dht.get`` answer."""
-    if found is None or not isinstance(found.value, dict):
-        return {}
-    now = get_dht_time()
-    return {str(sk): item.value for sk, item in found.value.items() if item.expiration_time > now}
+    # -- writing -----------------------------------------------------------------------------------
+    def _envelope(self, key: str, value, expiration_time: float) -> bytes:
+        if self.identity is None:
+            raise RuntimeError("this reader has no identity to sign records with")
+        subkey = self.identity.peer_id
+        body = self.membership.seal(msgpack.packb(value, use_bin_type=True), signing.key_id(key) + subkey.encode())
+        return self.identity.envelope(key, subkey, expiration_time, body)
+
+    def store(self, key: str, value, expiration_time: float) -> None:
+        """Stores ``value`` under ``key`` and this worker's peer id until ``expiration_time`` (DHT time)."""
+        envelope = self._envelope(key, value, expiration_time)
+        wait_dht(self.dht.store(key, envelope, expiration_time, subkey=self.identity.peer_id, return_future=True),
+                 "store")
+
+    async def store_async(self, key: str, value, expiration_time: float) -> None:
+        envelope = self._envelope(key, value, expiration_time)
+        await self.dht.store(key, envelope, expiration_time, subkey=self.identity.peer_id, return_future=True)
+
+    # -- reading -----------------------------------------------------------------------------------
+    def subkey_values(self, key: str, max_ttl: float) -> dict[str, object]:
+        """All live, valid peer id -> value pairs stored under ``key`` (empty if none)."""
+        return self.live_subkeys(key, wait_dht(self.dht.get(key, latest=True, return_future=True), "get"), max_ttl)
+
+    def live_subkeys(self, key: str, found, max_ttl: float) -> dict[str, object]:
+        """The unexpired, valid records of a ``dht.get`` answer for ``key``; a record set to expire more
+        than ``max_ttl`` seconds from now is dropped (its writer could otherwise outlive itself)."""
+        if found is None or not isinstance(found.value, dict):
+            return {}
+        now, kid = get_dht_time(), signing.key_id(key)
+        out = {}
+        for subkey, item in found.value.items():
+            if not now < item.expiration_time <= now + max_ttl:
+                continue
+            body = signing.open_envelope(kid, subkey, item.expiration_time, item.value)
+            plain = None if body is None else self.membership.unseal(body, kid + subkey.encode())
+            if plain is None:
+                continue
+            try:
+                out[subkey] = msgpack.unpackb(plain, raw=False, strict_map_key=True)
+            except (ValueError, TypeError, msgpack.UnpackException):
+                continue
+        return out
+
+    def read_workers(self, max_ttl: float = 3600.0) -> dict[str, WorkerRecord]:
+        """Live workers of the run (those that left cleanly are dropped)."""
+        return parse_workers(self.subkey_values(self.workers_key(), max_ttl))
 
 
 def parse_workers(values: dict[str, object]) -> dict[str, WorkerRecord]:

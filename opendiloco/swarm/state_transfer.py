@@ -1,15 +1,20 @@
 """State transfer: serving this worker's θ_global and outer state to joiners, and downloading a peer's.
 
 The state travels as one ``torch.save`` payload in bounded frames, with its digest. A donor
-serves at most ``MAX_CONCURRENT_SERVES`` requests at a time; a receiver refuses an
-announcement larger than ``max_bytes`` before reading any of it.
+serves at most ``MAX_CONCURRENT_SERVES`` requests at a time, one per peer, and at most
+``SERVES_PER_PEER`` to one peer per ``SERVE_WINDOW_S`` (more are refused before anything is
+serialized); in a closed run only members reach it at all (``streams.py``). A receiver refuses an
+announcement larger than ``max_bytes`` before reading any of it. The digest guards the transfer
+only: *which* state to adopt is the run's decision (``quorum.py``), checked by the receiver.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import io
 import logging
+import time
 
 import torch
 
@@ -24,6 +29,8 @@ log = logging.getLogger(__name__)
 
 CHUNK_BYTES = 1 << 20
 MAX_CONCURRENT_SERVES = 2
+SERVES_PER_PEER = 4
+SERVE_WINDOW_S = 60.0
 SEND_TIMEOUT_BASE = 30.0
 MIN_RATE_BYTES_PER_S = 1 << 20
 """A requester reading slower than 1 MiB/s (plus 30 s) is dropped."""
@@ -40,17 +47,38 @@ class StateServer:
         self.streams = streams
         self.provider: StateProvider | None = None
         self._slots: asyncio.Semaphore | None = None
+        self._serving: set[str] = set()
+        self._served: dict[str, collections.deque] = {}
+        """Recent serve times by peer (monotonic), for the per-peer rate limit."""
+
+    def _take_turn(self, peer: str) -> None:
+        """Counts a request of ``peer``, or raises ``ProtocolError`` if it is over its share."""
+        now = time.monotonic()
+        for other in [p for p, times in self._served.items() if not times or now - times[-1] > SERVE_WINDOW_S]:
+            del self._served[other]  # forget peers that have been quiet for a window
+        times = self._served.setdefault(peer, collections.deque())
+        while times and now - times[0] > SERVE_WINDOW_S:
+            times.popleft()
+        if peer in self._serving:
+            raise ProtocolError("one state download at a time per peer")
+        if len(times) >= SERVES_PER_PEER:
+            raise ProtocolError(f"at most {SERVES_PER_PEER} state downloads per peer per {SERVE_WINDOW_S:.0f}s")
+        times.append(now)
 
     async def listen(self) -> None:
         self._slots = asyncio.Semaphore(MAX_CONCURRENT_SERVES)
         await self.streams.listen(self._serve)
 
     async def _serve(self, stream: ByteStream) -> None:
+        counted = False
         try:
             request = await asyncio.wait_for(stream.recv(max_payload=0, expect=Code.STATE_REQUEST), 10)
             min_step = request.meta.get("min_outer_step")
             if self.provider is None:
                 raise ProtocolError("this worker has no state to share yet")
+            self._take_turn(stream.remote)
+            self._serving.add(stream.remote)
+            counted = True
             async with self._slots:
                 loop = asyncio.get_running_loop()
                 outer_step, payload, digest = await loop.run_in_executor(None, self._serialize)
@@ -68,6 +96,8 @@ class StateServer:
         except Exception as e:
             await stream.refuse(str(e) if isinstance(e, ProtocolError) else type(e).__name__)
         finally:
+            if counted:
+                self._serving.discard(stream.remote)
             stream.close()
 
     def _serialize(self) -> tuple[int, memoryview, str]:

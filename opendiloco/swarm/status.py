@@ -10,14 +10,17 @@ from hivemind.utils.timed_storage import get_dht_time
 from opendiloco.errors import AveragingError
 
 from . import records
+from .membership import Membership, RunSecret
 from .node import SwarmError, start_dht
 
 
-def fetch_workers(initial_peers: Sequence[str], run_id: str, settle: float = 1.0) -> list[records.WorkerRecord]:
+def fetch_workers(initial_peers: Sequence[str], run_id: str, secret: RunSecret | None = None,
+                  settle: float = 1.0) -> list[records.WorkerRecord]:
+    """The run's live workers; a closed run's records can be read only with its ``secret``."""
     dht = start_dht(initial_peers=initial_peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"], client_mode=True)
     try:
         time.sleep(settle)  # let the routing table fill before asking
-        workers = records.read_workers(dht, run_id)
+        workers = records.RunRecords(dht, Membership(run_id, secret)).read_workers()
     except AveragingError as e:  # the DHT did not answer in time
         raise SwarmError(str(e)) from None
     finally:

@@ -2,29 +2,64 @@
 
 libp2p authenticates the remote end of every stream; ``ByteStream.remote`` is that peer id,
 never something a peer wrote. Frames and their bounds are ``opendiloco.comm.wire``'s.
+
+In a closed run every stream opens with ``HELLO``: the opener's proof of the run secret, bound
+to the protocol and both peer ids (``Membership.stream_proof``). A stream without a valid one
+is refused before its handler sees a byte of it.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from collections.abc import Awaitable, Callable
 
 from hivemind.p2p import P2P, PeerID
 
-from ..comm.wire import ByteStream
+from ..comm.wire import ByteStream, Code
+from .membership import Membership
+
+log = logging.getLogger(__name__)
+
+HELLO_TIMEOUT = 10.0
 
 
 class P2PStreams:
     """One named stream protocol on a p2p node: ``connect`` opens a stream, ``listen`` serves them."""
 
-    def __init__(self, p2p: P2P, name: str):
+    def __init__(self, p2p: P2P, name: str, membership: Membership | None = None):
         self.p2p, self.name = p2p, name
+        self.membership = membership if membership is not None and membership.closed else None
+        self.me = p2p.peer_id.to_base58()
+        self.refused = 0
+        """Streams refused for want of a valid proof (for status and tests)."""
 
     async def listen(self, on_stream: Callable[[ByteStream], Awaitable[None]]) -> None:
         async def handle(info, reader, writer):
-            await on_stream(ByteStream(reader, writer, remote=info.peer_id.to_base58()))
+            stream = ByteStream(reader, writer, remote=info.peer_id.to_base58())
+            if self.membership is not None and not await self._admit(stream):
+                return
+            await on_stream(stream)
 
         await self.p2p.add_binary_stream_handler(self.name, handle)
 
+    async def _admit(self, stream: ByteStream) -> bool:
+        try:
+            hello = await asyncio.wait_for(stream.recv(max_payload=0, expect=Code.HELLO), HELLO_TIMEOUT)
+            if self.membership.admits(hello.meta.get("proof"), self.name, stream.remote, self.me):
+                return True
+            reason = "not a member of this run"
+        except Exception as e:  # garbage, silence, or a closed stream: the same answer
+            reason = f"no valid membership proof ({type(e).__name__})"
+        self.refused += 1
+        log.debug("refused a %s stream from %s: %s", self.name, stream.remote[-8:], reason)
+        await stream.refuse("not a member of this run")
+        stream.close()
+        return False
+
     async def connect(self, peer: str) -> ByteStream:
         _, reader, writer = await self.p2p.call_binary_stream_handler(PeerID.from_base58(peer), self.name)
-        return ByteStream(reader, writer, remote=peer)
+        stream = ByteStream(reader, writer, remote=peer)
+        if self.membership is not None:
+            await stream.send(Code.HELLO, {"proof": self.membership.stream_proof(self.name, self.me, peer)})
+        return stream

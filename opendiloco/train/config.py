@@ -35,6 +35,14 @@ INT_MAX = 2**63 - 1
 SECONDS_MAX = 86400.0
 """A timeout or wait longer than a day is a typo; an infinite one overflows the event loop's timers."""
 _ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+def check_run_id(run_id: str) -> str:
+    """``run_id`` if it is one (what ``[swarm] run_id`` accepts), else ``ConfigError``."""
+    if not isinstance(run_id, str) or not _ID.match(run_id):
+        raise ConfigError(f"{run_id!r} is not a run id: 1 to 128 letters, digits, '.', '_' or '-', "
+                          "starting with a letter or digit")
+    return run_id
 _BASE58 = "123456789ABCDEFGHJKLMNPQRSTUVWXYZabcdefghijkmnopqrstuvwxyz"
 
 
@@ -275,14 +283,18 @@ class SwarmConfig(Section):
     """A contribution's part is scaled down to at most this multiple of the group's median norm (inf: off)."""
     max_weight_ratio: float = Field(4.0, ge=1)
     """A claimed weight counts at most this multiple of the group's median weight (inf: off)."""
+    secret_file: str | None = None
+    """A file holding the run secret: only workers started with it take part (a closed run). Unset:
+    $OPENDILOCO_RUN_SECRET, else $OPENDILOCO_RUN_SECRET_FILE, else the run is open. The secret itself
+    is never a config value (config.toml is written to the run dir)."""
 
     @field_validator("run_id")
     @classmethod
     def _run_id(cls, v):
-        if not _ID.match(v):
-            raise ValueError(f"{v!r} is not a run id: 1 to 128 letters, digits, '.', '_' or '-', "
-                             "starting with a letter or digit")
-        return v
+        try:
+            return check_run_id(v)
+        except ConfigError as e:
+            raise ValueError(str(e)) from None
 
     @field_validator("compression", "result_compression")
     @classmethod

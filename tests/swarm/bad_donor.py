@@ -13,6 +13,7 @@ from hivemind.utils.timed_storage import get_dht_time
 
 from opendiloco.comm.wire import Code
 from opendiloco.swarm import records
+from opendiloco.swarm.membership import Membership
 from opendiloco.swarm.node import start_dht
 from opendiloco.swarm.streams import P2PStreams
 
@@ -39,11 +40,11 @@ async def main_async(args) -> None:
     peer_id = dht.peer_id.to_base58()
     p2p = await dht.replicate_p2p()
     await P2PStreams(p2p, f"opendiloco.{args.run_id}.state").listen(lambda stream: serve(args, stream))
+    book = records.RunRecords(dht, Membership.open(args.run_id), dht.identity)
     while True:  # a heartbeat, as a live worker's
         rec = records.WorkerRecord(peer_id=peer_id, outer_step=args.outer_step, inner_step=4 * args.outer_step,
-                                   time=get_dht_time(), config=args.config)
-        await dht.store(records.workers_key(args.run_id), rec.to_value(), get_dht_time() + RECORD_TTL,
-                        subkey=peer_id, return_future=True)
+                                   time=get_dht_time(), config=args.config, global_hash="0123456789abcdef")
+        await book.store_async(book.workers_key(), rec.to_value(), get_dht_time() + RECORD_TTL)
         with open(args.marker + ".up", "w") as f:
             f.write(peer_id)
         await asyncio.sleep(1.0)

@@ -19,6 +19,7 @@ import torch
 from opendiloco import DiLoCoOptimizer
 from opendiloco.comm.aggregation import Aggregation
 from opendiloco.swarm.communicator import SwarmCommunicator, SwarmSettings
+from opendiloco.swarm.membership import RunSecret
 from opendiloco.swarm.node import start_dht
 
 
@@ -91,7 +92,7 @@ def main():
                              heartbeat_interval=1.0, record_ttl=4.0, verify_timeout=3.0,
                              aggregation=Aggregation(args.aggregation),
                              config_fingerprint=args.config_fingerprint)
-    comm = RecordingCommunicator(dht, settings)
+    comm = RecordingCommunicator(dht, settings, secret=RunSecret.from_environment())  # closed if the env says so
     comm.dump_dir = args.dump
     if args.stall_in_allreduce:
         comm.stall_at = (int(args.stall_in_allreduce[0]), args.stall_in_allreduce[1])

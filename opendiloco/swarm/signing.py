@@ -1,0 +1,164 @@
+"""Signed DHT records, bound to their writer's peer id.
+
+Plain hivemind records are unsigned and a subkey may name anyone, so a peer could write
+"progress of worker X" or "group published by X". Here every record a worker stores is an
+envelope ``MAGIC | msgpack([public key, body, signature])``:
+
+- its subkey is the writer's peer id, and that id must be the one the public key derives
+  (libp2p's rule: the multihash of the key), the same id that authenticates the writer's streams;
+- the signature (RSA-PSS, the key of the worker's p2p identity) covers the DHT key id, the
+  subkey, the expiration time and the body, so a record cannot be moved, re-dated or edited.
+
+``SignedRecordValidator`` runs inside every DHT node of ours (hivemind calls it on each store):
+a node refuses any record that is not such an envelope, so nobody can displace a worker's
+record by storing one with a later expiry under its subkey. Readers check again
+(``open_envelope``), because the node that answers a read may not be ours.
+The body is the membership's (``membership.py``): sealed in a closed run, plain in an open one.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import os
+import tempfile
+import threading
+
+import msgpack
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import padding, rsa
+from hivemind.dht.routing import DHTID
+from hivemind.dht.validation import DHTRecord, RecordValidatorBase
+from hivemind.p2p import P2P, PeerID
+from hivemind.proto import crypto_pb2
+
+MAGIC = b"odl1"
+MAX_ENVELOPE_BYTES = 64 << 10
+"""Records are small (a progress record is under 1 KiB); anything larger is refused unread."""
+_PSS = padding.PSS(mgf=padding.MGF1(hashes.SHA256()), salt_length=32)
+
+
+def key_id(key: str) -> bytes:
+    """The id hivemind stores ``key`` under (what a storage node sees instead of the key)."""
+    return DHTID.generate(source=key).to_bytes()
+
+
+def peer_id_of(public_der: bytes) -> str:
+    """The libp2p peer id of an RSA public key (DER SubjectPublicKeyInfo), base58."""
+    encoded = crypto_pb2.PublicKey(key_type=crypto_pb2.RSA, data=public_der).SerializeToString()
+    return PeerID(b"\x12\x20" + hashlib.sha256(encoded).digest()).to_base58()  # multihash: sha2-256, 32 bytes
+
+
+def _signed_part(key_id_bytes: bytes, subkey: str, expiration_time: float, body: bytes) -> bytes:
+    return msgpack.packb([key_id_bytes, subkey, float(expiration_time), body], use_bin_type=True)
+
+
+class Identity:
+    """A worker's p2p identity key: its peer id, and the signer of its records."""
+
+    def __init__(self, private_key: rsa.RSAPrivateKey):
+        self._key = private_key
+        self.public_der = private_key.public_key().public_bytes(
+            serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+        self.peer_id = peer_id_of(self.public_der)
+
+    def __repr__(self) -> str:
+        return f"Identity({self.peer_id})"
+
+    @classmethod
+    def from_file(cls, path: str) -> Identity:
+        """Loads a libp2p identity file (as ``P2P.generate_identity`` writes it: an RSA key)."""
+        with open(path, "rb") as f:
+            proto = crypto_pb2.PrivateKey.FromString(f.read())
+        if proto.key_type != crypto_pb2.RSA:
+            raise ValueError(f"identity {path!r} is not an RSA key; records are signed with RSA")
+        key = serialization.load_der_private_key(proto.data, password=None)
+        if not isinstance(key, rsa.RSAPrivateKey):
+            raise ValueError(f"identity {path!r} is not an RSA key")
+        return cls(key)
+
+    @classmethod
+    def temporary(cls) -> tuple[Identity, str]:
+        """A fresh identity and a private file holding it (for p2pd to start with; delete it after)."""
+        directory = tempfile.mkdtemp(prefix="opendiloco-identity-")
+        path = os.path.join(directory, "identity.key")
+        P2P.generate_identity(path)
+        return cls.from_file(path), path
+
+    def envelope(self, key: str, subkey: str, expiration_time: float, body: bytes) -> bytes:
+        if subkey != self.peer_id:
+            raise ValueError("a worker signs records under its own peer id only")
+        signature = self._key.sign(_signed_part(key_id(key), subkey, expiration_time, body), _PSS, hashes.SHA256())
+        return MAGIC + msgpack.packb([self.public_der, body, signature], use_bin_type=True)
+
+
+class _VerifiedCache:
+    """Envelopes already verified (a heartbeat re-reads the same ones): bounded, thread-safe."""
+
+    def __init__(self, size: int = 4096):
+        self._seen: collections.OrderedDict = collections.OrderedDict()
+        self._size, self._lock = size, threading.Lock()
+
+    def get(self, token):
+        with self._lock:
+            if token in self._seen:
+                self._seen.move_to_end(token)
+                return self._seen[token]
+        return None
+
+    def put(self, token, value) -> None:
+        with self._lock:
+            self._seen[token] = value
+            while len(self._seen) > self._size:
+                self._seen.popitem(last=False)
+
+
+_verified = _VerifiedCache()
+
+
+def open_envelope(key_id_bytes: bytes, subkey, expiration_time: float, raw) -> bytes | None:
+    """The body of a valid envelope stored under ``subkey``, or None (unsigned, signed by
+    someone else than ``subkey``, edited, moved or re-dated)."""
+    if not isinstance(raw, bytes) or not isinstance(subkey, str) or len(raw) > MAX_ENVELOPE_BYTES \
+            or not raw.startswith(MAGIC):
+        return None
+    token = (key_id_bytes, subkey, float(expiration_time), raw)
+    cached = _verified.get(token)
+    if cached is not None:
+        return cached
+    try:
+        public_der, body, signature = msgpack.unpackb(raw[len(MAGIC):], raw=False)
+        if not all(isinstance(x, bytes) for x in (public_der, body, signature)) or len(public_der) > 1024:
+            return None
+        if peer_id_of(public_der) != subkey:
+            return None
+        key = serialization.load_der_public_key(public_der)
+        if not isinstance(key, rsa.RSAPublicKey) or not 2048 <= key.key_size <= 4096:
+            return None
+        key.verify(signature, _signed_part(key_id_bytes, subkey, expiration_time, body), _PSS, hashes.SHA256())
+    except (InvalidSignature, ValueError, TypeError, msgpack.UnpackException, UnicodeDecodeError):
+        return None
+    _verified.put(token, body)
+    return body
+
+
+class SignedRecordValidator(RecordValidatorBase):
+    """Runs in our DHT nodes: a record is stored only if it is an envelope signed by its subkey's peer."""
+
+    def validate(self, record: DHTRecord) -> bool:
+        try:
+            subkey = msgpack.unpackb(record.subkey, raw=False) if record.subkey else None
+            raw = msgpack.unpackb(record.value, raw=False)
+        except (ValueError, TypeError, msgpack.UnpackException, UnicodeDecodeError):
+            return False
+        return open_envelope(record.key, subkey, record.expiration_time, raw) is not None
+
+    def sign_value(self, record: DHTRecord) -> bytes:
+        return record.value  # signed before it reaches the DHT (the key lives in the worker's process)
+
+    def strip_value(self, record: DHTRecord) -> bytes:
+        return record.value
+
+    def merge_with(self, other: RecordValidatorBase) -> bool:
+        return isinstance(other, SignedRecordValidator)
