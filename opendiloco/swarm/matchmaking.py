@@ -131,8 +131,8 @@ class Matchmaker:
             shared = self._shared_start({p: ready[p] for p in compatible}, began, now)
             give_up_at = max((self._wait_until(workers[p], shared) for p in missing), default=shared)
             if enough and now >= give_up_at:
-                for p in missing:  # waited for, and not there: its next ready time is not believed
-                    if workers[p].ready_at is not None and workers[p].ready_at + s.straggler_wait <= now:
+                for p in missing:  # it promised a time and is not here: its next promise is not believed
+                    if workers[p].ready_at is not None:
                         self.no_shows[p] = key.outer_step
                 break
             self._raise_if_interrupted()

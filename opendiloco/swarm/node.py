@@ -87,7 +87,7 @@ def ensure_identity(path: str) -> None:
     """Creates a persistent peer identity (a private key file) if there is none yet."""
     if not os.path.exists(path):
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        P2P.generate_identity(path)
+        P2P.generate_identity(path)  # RSA: hivemind checks that such a file's id is not taken
         log.info("created a new peer identity at %s", path)
 
 
@@ -171,8 +171,9 @@ def start_dht(
     temporary = None
     if identity_path:
         ensure_identity(identity_path)
-    else:
+    else:  # a fresh Ed25519 key: nobody else can hold it, so hivemind's check (RSA files only) is skipped
         _, identity_path = temporary = Identity.temporary()
+        kwargs["check_if_identity_free"] = False
     try:
         identity = Identity.from_file(identity_path)
     except (OSError, ValueError) as e:

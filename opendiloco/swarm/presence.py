@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import collections
 import logging
 import threading
 
@@ -11,7 +10,7 @@ from hivemind.utils.timed_storage import get_dht_time
 
 from ..errors import BehindError, DriftError
 from . import records
-from .quorum import Claim, confirmed_ahead
+from .quorum import Claim, confirmed_ahead, drifted
 
 log = logging.getLogger(__name__)
 
@@ -131,22 +130,13 @@ class Presence:
         published its result are not counted against us: they are on their way to our state.
         """
         mine = self.my_claim(outer_step)
-        if mine is None:
+        best = None if mine is None else drifted(workers, self.peer_id, mine, self.last_group)
+        if best is None:
             return
-        counts: collections.Counter = collections.Counter({mine: 1})
-        for peer, rec in workers.items():
-            if peer == self.peer_id or rec.outer_step < 0 or not rec.global_hash:
-                continue
-            if rec.outer_step < outer_step and peer in self.last_group:
-                continue
-            counts[Claim(rec.outer_step, rec.global_hash)] += 1
-        best, votes = max(counts.items(), key=lambda kv: (kv[1], -kv[0].outer_step, kv[0] == mine))
-        if best == mine or best.outer_step > outer_step or votes <= counts[mine] \
-                or 2 * votes < sum(counts.values()):
-            return
+        votes = sum(1 for p, r in workers.items() if p != self.peer_id and Claim(r.outer_step, r.global_hash) == best)
         raise DriftError(f"θ_global drifted: hash {mine.global_hash} at outer step {outer_step}, the run holds "
                          f"{best.global_hash} at outer step {best.outer_step} ({votes} of "
-                         f"{sum(counts.values())} workers)", group_outer_step=best.outer_step,
+                         f"{len(workers)} workers)", group_outer_step=best.outer_step,
                          majority_hash=best.global_hash)
 
     async def leave(self) -> None:

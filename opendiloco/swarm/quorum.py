@@ -10,7 +10,8 @@ rules, the same for every worker:
   of two or more others therefore triggers nothing;
 - **joining**: a worker with no state of its own takes the claim with the most votes, ties to
   the lower outer step, so an outlier claiming to be far ahead never wins a tie;
-- **drift** (``Presence.raise_if_drifted``): at the same outer step, a strict majority wins.
+- **drift** (``drifted``): a claim with more votes than this worker's own, and at least half of
+  them, at its outer step or behind it, wins (a worker that went on alone goes back).
 
 In a run of two each worker is half the run: there, as in any run whose live workers are half
 attackers, no vote can tell who is honest. Signatures stop impersonation, not Sybils: in an open
@@ -68,3 +69,23 @@ def confirmed(workers: Mapping, me: str | None = None, mine: Claim | None = None
     votes = _votes(workers, me, None)
     best = _best(votes, [c for c in votes if min_outer_step is None or c.outer_step >= min_outer_step])
     return None if best is None else best[0]
+
+
+def drifted(workers: Mapping, me: str, mine: Claim, in_flight=frozenset()) -> Claim | None:
+    """The state the run confirms instead of ``mine`` at our outer step or behind it, if any (drift).
+
+    Behind it: a worker that went on alone is the one that drifted, and goes back to the run's
+    state. Peers ``in_flight`` (members of our last round) that are behind us are not counted:
+    they have not yet published the result we hold.
+    """
+    counts: collections.Counter = collections.Counter({mine: 1})
+    for peer, rec in workers.items():
+        if peer == me or rec.outer_step < 0 or not rec.global_hash:
+            continue
+        if rec.outer_step < mine.outer_step and peer in in_flight:
+            continue
+        counts[Claim(rec.outer_step, rec.global_hash)] += 1
+    best, votes = max(counts.items(), key=lambda kv: (kv[1], -kv[0].outer_step, kv[0] == mine))
+    if best == mine or best.outer_step > mine.outer_step or votes <= counts[mine] or 2 * votes < sum(counts.values()):
+        return None
+    return best

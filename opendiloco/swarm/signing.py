@@ -6,8 +6,9 @@ envelope ``MAGIC | msgpack([public key, body, signature])``:
 
 - its subkey is the writer's peer id, and that id must be the one the public key derives
   (libp2p's rule: the multihash of the key), the same id that authenticates the writer's streams;
-- the signature (RSA-PSS, the key of the worker's p2p identity) covers the DHT key id, the
-  subkey, the expiration time and the body, so a record cannot be moved, re-dated or edited.
+- the signature (the key of the worker's p2p identity: Ed25519, or RSA-PSS for an RSA identity
+  file) covers the DHT key id, the subkey, the expiration time and the body, so a record cannot be
+  moved, re-dated or edited.
 
 ``SignedRecordValidator`` runs inside every DHT node of ours (hivemind calls it on each store):
 a node refuses any record that is not such an envelope, so nobody can displace a worker's
@@ -27,10 +28,11 @@ import threading
 import msgpack
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import padding, rsa
+from cryptography.hazmat.primitives.asymmetric import ed25519, padding, rsa
+from google.protobuf.message import DecodeError
 from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
-from hivemind.p2p import P2P, PeerID
+from hivemind.p2p import PeerID
 from hivemind.proto import crypto_pb2
 
 MAGIC = b"odl1"
@@ -44,10 +46,30 @@ def key_id(key: str) -> bytes:
     return DHTID.generate(source=key).to_bytes()
 
 
-def peer_id_of(public_der: bytes) -> str:
-    """The libp2p peer id of an RSA public key (DER SubjectPublicKeyInfo), base58."""
-    encoded = crypto_pb2.PublicKey(key_type=crypto_pb2.RSA, data=public_der).SerializeToString()
-    return PeerID(b"\x12\x20" + hashlib.sha256(encoded).digest()).to_base58()  # multihash: sha2-256, 32 bytes
+def peer_id_of(public_key: bytes) -> str:
+    """The libp2p peer id of a public key (its libp2p protobuf encoding), base58."""
+    if len(public_key) <= 42:  # libp2p: short keys (Ed25519) are inlined, longer ones hashed
+        return PeerID(b"\x00" + bytes([len(public_key)]) + public_key).to_base58()
+    return PeerID(b"\x12\x20" + hashlib.sha256(public_key).digest()).to_base58()  # multihash: sha2-256
+
+
+def _load_public(public_key: bytes):
+    """The verifying key of a libp2p protobuf public key, or None (another type, a weak RSA key)."""
+    proto = crypto_pb2.PublicKey.FromString(public_key)
+    if proto.key_type == crypto_pb2.Ed25519 and len(proto.data) == 32:
+        return ed25519.Ed25519PublicKey.from_public_bytes(proto.data)
+    if proto.key_type == crypto_pb2.RSA and len(proto.data) <= 1024:
+        key = serialization.load_der_public_key(proto.data)
+        if isinstance(key, rsa.RSAPublicKey) and 2048 <= key.key_size <= 4096:
+            return key
+    return None
+
+
+def _verify(key, signature: bytes, data: bytes) -> None:
+    if isinstance(key, ed25519.Ed25519PublicKey):
+        key.verify(signature, data)
+    else:
+        key.verify(signature, data, _PSS, hashes.SHA256())
 
 
 def _signed_part(key_id_bytes: bytes, subkey: str, expiration_time: float, body: bytes) -> bytes:
@@ -57,40 +79,67 @@ def _signed_part(key_id_bytes: bytes, subkey: str, expiration_time: float, body:
 class Identity:
     """A worker's p2p identity key: its peer id, and the signer of its records."""
 
-    def __init__(self, private_key: rsa.RSAPrivateKey):
+    def __init__(self, private_key: ed25519.Ed25519PrivateKey | rsa.RSAPrivateKey):
         self._key = private_key
-        self.public_der = private_key.public_key().public_bytes(
-            serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
-        self.peer_id = peer_id_of(self.public_der)
+        if isinstance(private_key, ed25519.Ed25519PrivateKey):
+            raw = private_key.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+            proto = crypto_pb2.PublicKey(key_type=crypto_pb2.Ed25519, data=raw)
+        else:
+            der = private_key.public_key().public_bytes(serialization.Encoding.DER,
+                                                        serialization.PublicFormat.SubjectPublicKeyInfo)
+            proto = crypto_pb2.PublicKey(key_type=crypto_pb2.RSA, data=der)
+        self.public_key = proto.SerializeToString()
+        self.peer_id = peer_id_of(self.public_key)
 
     def __repr__(self) -> str:
         return f"Identity({self.peer_id})"
 
     @classmethod
     def from_file(cls, path: str) -> Identity:
-        """Loads a libp2p identity file (as ``P2P.generate_identity`` writes it: an RSA key)."""
+        """Loads a libp2p identity file: Ed25519 (ours) or RSA (``P2P.generate_identity``'s)."""
         with open(path, "rb") as f:
-            proto = crypto_pb2.PrivateKey.FromString(f.read())
-        if proto.key_type != crypto_pb2.RSA:
-            raise ValueError(f"identity {path!r} is not an RSA key; records are signed with RSA")
-        key = serialization.load_der_private_key(proto.data, password=None)
-        if not isinstance(key, rsa.RSAPrivateKey):
-            raise ValueError(f"identity {path!r} is not an RSA key")
-        return cls(key)
+            try:
+                proto = crypto_pb2.PrivateKey.FromString(f.read())
+            except DecodeError:
+                raise ValueError(f"identity {path!r} is not a libp2p key file") from None
+        if proto.key_type == crypto_pb2.Ed25519 and len(proto.data) in (64, 96):
+            return cls(ed25519.Ed25519PrivateKey.from_private_bytes(proto.data[:32]))
+        if proto.key_type == crypto_pb2.RSA:
+            key = serialization.load_der_private_key(proto.data, password=None)
+            if isinstance(key, rsa.RSAPrivateKey):
+                return cls(key)
+        raise ValueError(f"identity {path!r} is neither an Ed25519 nor an RSA key")
+
+    @staticmethod
+    def generate(path: str) -> None:
+        """Writes a new Ed25519 identity file (libp2p's format; readable by its owner only)."""
+        key = ed25519.Ed25519PrivateKey.generate()
+        seed = key.private_bytes(serialization.Encoding.Raw, serialization.PrivateFormat.Raw,
+                                 serialization.NoEncryption())
+        public = key.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+        data = crypto_pb2.PrivateKey(key_type=crypto_pb2.Ed25519, data=seed + public).SerializeToString()
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o400)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
 
     @classmethod
     def temporary(cls) -> tuple[Identity, str]:
         """A fresh identity and a private file holding it (for p2pd to start with; delete it after)."""
         directory = tempfile.mkdtemp(prefix="opendiloco-identity-")
         path = os.path.join(directory, "identity.key")
-        P2P.generate_identity(path)
+        cls.generate(path)
         return cls.from_file(path), path
+
+    def sign(self, data: bytes) -> bytes:
+        if isinstance(self._key, ed25519.Ed25519PrivateKey):
+            return self._key.sign(data)
+        return self._key.sign(data, _PSS, hashes.SHA256())
 
     def envelope(self, key: str, subkey: str, expiration_time: float, body: bytes) -> bytes:
         if subkey != self.peer_id:
             raise ValueError("a worker signs records under its own peer id only")
-        signature = self._key.sign(_signed_part(key_id(key), subkey, expiration_time, body), _PSS, hashes.SHA256())
-        return MAGIC + msgpack.packb([self.public_der, body, signature], use_bin_type=True)
+        signature = self.sign(_signed_part(key_id(key), subkey, expiration_time, body))
+        return MAGIC + msgpack.packb([self.public_key, body, signature], use_bin_type=True)
 
 
 class _VerifiedCache:
@@ -128,16 +177,16 @@ def open_envelope(key_id_bytes: bytes, subkey, expiration_time: float, raw) -> b
     if cached is not None:
         return cached
     try:
-        public_der, body, signature = msgpack.unpackb(raw[len(MAGIC):], raw=False)
-        if not all(isinstance(x, bytes) for x in (public_der, body, signature)) or len(public_der) > 1024:
+        public_key, body, signature = msgpack.unpackb(raw[len(MAGIC):], raw=False)
+        if not all(isinstance(x, bytes) for x in (public_key, body, signature)) or len(public_key) > 1100:
             return None
-        if peer_id_of(public_der) != subkey:
+        if peer_id_of(public_key) != subkey:
             return None
-        key = serialization.load_der_public_key(public_der)
-        if not isinstance(key, rsa.RSAPublicKey) or not 2048 <= key.key_size <= 4096:
+        key = _load_public(public_key)
+        if key is None:
             return None
-        key.verify(signature, _signed_part(key_id_bytes, subkey, expiration_time, body), _PSS, hashes.SHA256())
-    except (InvalidSignature, ValueError, TypeError, msgpack.UnpackException, UnicodeDecodeError):
+        _verify(key, signature, _signed_part(key_id_bytes, subkey, expiration_time, body))
+    except (InvalidSignature, ValueError, TypeError, msgpack.UnpackException, UnicodeDecodeError, DecodeError):
         return None
     _verified.put(token, body)
     return body

@@ -328,7 +328,13 @@ class Trainer:
             log.info("peers are at outer step %s, not ahead of our checkpoint; keeping it", state.get("outer_step"))
             return
         before = self.opt.inner_steps_total
-        self.opt.load_shareable_state(state)
+        try:
+            self.opt.load_shareable_state(state)
+        except ValueError as e:  # not the state the run confirmed, or not this model's: nothing was changed
+            if swarm.on_join_failure == "exit":
+                raise TrainError(f"refused the state downloaded from the swarm: {e}") from None
+            log.warning("refused the state downloaded from the swarm (%s); starting from our own state", e)
+            return
         set_schedule_position(self.scheduler, self.opt.schedule_step)
         ahead = self.opt.inner_steps_total - before
         if ahead > 0:

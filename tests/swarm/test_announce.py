@@ -16,7 +16,9 @@ import time
 import pytest
 from hivemind.utils.timed_storage import get_dht_time
 
+from opendiloco.swarm.membership import Membership
 from opendiloco.swarm.node import SwarmError, start_dht, visible_maddrs
+from opendiloco.swarm.records import RunRecords
 from opendiloco.testing.proctree import alive, descendants
 
 from .conftest import ROOT
@@ -81,11 +83,15 @@ def test_node_advertises_exactly_its_announce_maddrs_and_peers_reach_it_there(dh
     assert node_id in seen, seen
     assert seen[node_id] == [announced], seen[node_id]
 
-    # And the DHT works over that connection in both directions.
-    assert other.store("announce-test", "from-other", expiration_time=get_dht_time() + 30)
-    assert node.get("announce-test", latest=True).value == "from-other"
-    assert node.store("announce-test-2", "from-node", expiration_time=get_dht_time() + 30)
-    assert other.get("announce-test-2", latest=True).value == "from-node"
+    # And the DHT works over that connection in both directions (with signed records, the only kind
+    # our nodes store: an unsigned one is refused).
+    assert not other.store("announce-test-0", "unsigned", expiration_time=get_dht_time() + 30)
+    from_other = RunRecords(other, Membership.open("announce"), other.identity)
+    from_node = RunRecords(node, Membership.open("announce"), node.identity)
+    from_other.store("announce-test", "from-other", get_dht_time() + 30)
+    assert from_node.subkey_values("announce-test", 60) == {other.identity.peer_id: "from-other"}
+    from_node.store("announce-test-2", "from-node", get_dht_time() + 30)
+    assert from_other.subkey_values("announce-test-2", 60) == {node_id: "from-node"}
 
 
 def test_several_announce_maddrs_including_dns_are_all_advertised(dhts):

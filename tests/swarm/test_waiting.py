@@ -9,8 +9,9 @@ from opendiloco.swarm.status import format_table
 SETTINGS = MatchmakingSettings(run_id="r", straggler_wait=5.0, max_wait=600.0)
 
 
-def wait_until(record, began=1000.0):
-    return Matchmaker._wait_until(SimpleNamespace(settings=SETTINGS), record, began)
+def wait_until(record, began=1000.0, no_shows=()):
+    return Matchmaker._wait_until(SimpleNamespace(settings=SETTINGS, no_shows=dict.fromkeys(no_shows, 0)), record,
+                                  began)
 
 
 def test_a_slow_peer_is_waited_for_until_its_own_ready_time_plus_grace():
@@ -26,6 +27,12 @@ def test_a_peer_without_a_ready_time_or_past_it_gets_only_the_grace():
 
 def test_no_peer_is_waited_for_longer_than_max_wait():
     assert wait_until(WorkerRecord("p", ready_at=1e9)) == 1600.0
+
+
+def test_a_no_show_gets_only_the_grace_until_it_takes_part_again():
+    # It said "ready at 1120" once and never came: its next promise is not believed.
+    assert wait_until(WorkerRecord("p", ready_at=1120.0), no_shows={"p"}) == 1005.0
+    assert wait_until(WorkerRecord("q", ready_at=1120.0), no_shows={"p"}) == 1125.0
 
 
 def test_records_with_bad_numbers_are_ignored():

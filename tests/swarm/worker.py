@@ -72,6 +72,7 @@ def main():
                    help="perturb θ_global after the first ok sync at or after this outer step")
     p.add_argument("--join-timeout", type=float, default=30.0)
     p.add_argument("--matchmaking-timeout", type=float, default=30.0)
+    p.add_argument("--max-wait", type=float, default=600.0)
     p.add_argument("--pace", default="fixed", choices=["fixed", "swarm"])
     p.add_argument("--fragments", type=int, default=1)
     p.add_argument("--overlap", type=int, default=0)
@@ -88,7 +89,7 @@ def main():
     settings = SwarmSettings(run_id=args.run_id, compression=args.compression, min_group_size=args.min_group_size,
                              result_compression=args.result_compression,
                              straggler_wait=args.straggler_wait, allreduce_timeout=args.allreduce_timeout,
-                             matchmaking_timeout=args.matchmaking_timeout,
+                             matchmaking_timeout=args.matchmaking_timeout, max_wait=args.max_wait,
                              heartbeat_interval=1.0, record_ttl=4.0, verify_timeout=3.0,
                              aggregation=Aggregation(args.aggregation),
                              config_fingerprint=args.config_fingerprint)

@@ -1,0 +1,126 @@
+"""A closed run against an outsider (no secret) and an insider (the secret, bad intent).
+
+The attackers are small scripts beside this file; the honest workers are tests/swarm/worker.py
+started with the run secret in their environment.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from opendiloco.swarm.membership import Membership, RunSecret
+from opendiloco.swarm.state_transfer import SERVES_PER_PEER
+from tests.swarm.conftest import WORKER
+
+pytestmark = [pytest.mark.swarm, pytest.mark.timeout(420)]
+
+HERE = Path(__file__).parent
+SECRET = "a-closed-run-secret-0123456789"
+RUN = "closed"
+HONEST = dict(run_id=RUN, run_until_stopped=True, local_steps=10, step_delay=0.1, straggler_wait=3,
+              allreduce_timeout=20, matchmaking_timeout=30, max_wait=15)
+
+
+def start_honest(swarm, n: int = 2):
+    return [swarm.spawn([sys.executable, str(WORKER), "--peers-file", str(swarm.peers_file), "--out",
+                         str(swarm.out(f"honest{i}")), "--seed", str(i + 1)]
+                        + [a for k, v in HONEST.items() for a in ((f"--{k.replace('_', '-')}",) if v is True
+                                                                   else (f"--{k.replace('_', '-')}", str(v)))],
+                        f"honest{i}", env={"OPENDILOCO_RUN_SECRET": SECRET}) for i in range(n)]
+
+
+def wait_for(condition, timeout: float, what, swarm):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"{what}: " + " | ".join(swarm.log(f"honest{i}") for i in range(2))
+        time.sleep(0.3)
+
+
+def steps_together(swarm) -> list[int]:
+    """Outer steps at which both honest workers hold the same θ_global (from their ok rounds)."""
+    by = [{r["outer_step"]: r["global_hash"] for r in swarm.records(f"honest{i}") if r["ok"]} for i in range(2)]
+    return sorted(k for k in by[0] if by[1].get(k) == by[0][k])
+
+
+def stop(swarm, procs):
+    for proc in procs:
+        proc.terminate()
+    swarm.wait(procs, timeout=60)
+
+
+def test_an_outsider_can_neither_read_publish_download_nor_contribute(swarm):
+    swarm.bootstrap()
+    honest = start_honest(swarm)
+    wait_for(lambda: len(steps_together(swarm)) >= 1, 150, "no common outer step", swarm)
+    ids = [swarm.records(f"honest{i}", "start")[0]["peer_id"] for i in range(2)]
+    names = Membership(RUN, RunSecret(SECRET.encode(), "test"))  # the names leak; the secret does not
+    before, attacked_at = len(steps_together(swarm)), time.time()
+    out = swarm.tmp / "outsider.json"
+    attacker = swarm.spawn([sys.executable, str(HERE / "attack_outsider.py"), "--peers-file", str(swarm.peers_file),
+                            "--out", str(out), "--run-id", RUN, "--workers-key", f"{names.namespace}.workers",
+                            "--state-protocol", f"opendiloco.{names.namespace}.state",
+                            "--reduce-protocol", f"opendiloco.{names.namespace}.reduce",
+                            "--match-protocol", f"opendiloco.{names.namespace}.match", "--targets", *ids],
+                           "outsider")
+    swarm.wait([attacker], timeout=120)
+    report = json.loads(out.read_text())
+
+    # It found the run's records (it named the key) and learnt nothing from them.
+    assert report["raw_records"] >= 2 and not report["plaintext_seen"]
+    assert report["open_reader"] == 0 and report["wrong_secret_reader"] == 0
+    # Every stream was refused before its protocol began, with or without a made-up proof.
+    for kind in ("state", "contribute", "ring"):
+        assert len(report[kind]) == 4 and all("not a member of this run" in r for r in report[kind]), report
+    # Its record "10**6 steps ahead" was never read as a worker: the run went on, just the two of them.
+    wait_for(lambda: len(steps_together(swarm)) >= before + 3, 150, "the run stalled", swarm)
+    stop(swarm, honest)
+    for i in range(2):
+        rounds = swarm.records(f"honest{i}")
+        assert all(report["peer_id"] not in r["peers"] for r in rounds)
+        assert not any("caught up" in (r["reason"] or "") for r in rounds if r["time"] > attacked_at), rounds
+
+
+def test_an_insider_cannot_take_over_impersonate_stall_or_exhaust(swarm):
+    swarm.bootstrap()
+    honest = start_honest(swarm)
+    wait_for(lambda: len(steps_together(swarm)) >= 1, 150, "no common outer step", swarm)
+    out = swarm.tmp / "insider.json"
+    started = time.time()
+    attacker = swarm.spawn([sys.executable, str(HERE / "attack_insider.py"), "--peers-file", str(swarm.peers_file),
+                            "--out", str(out), "--run-id", RUN, "--duration", "45"], "insider",
+                           env={"OPENDILOCO_RUN_SECRET": SECRET})
+    swarm.wait([attacker], timeout=240)
+    report = json.loads(out.read_text())
+    ended = time.time()
+    wait_for(lambda: len([k for k in steps_together(swarm)]) >= 4, 150, "the run stalled", swarm)
+    stop(swarm, honest)
+
+    # It is a member, so it could download a state once; the hammer got one at a time, a few in all.
+    assert report["downloaded_outer_step"] >= 1
+    served = report["hammer"].get("served", 0)
+    assert 1 <= served <= SERVES_PER_PEER - 1, report["hammer"]  # one of its turns went to the download
+    assert sum(n for o, n in report["hammer"].items() if o.startswith("refused")) == 12 - served
+    # Records in other workers' names were refused by every DHT node.
+    assert report["forged_stores"] and not any(report["forged_stores"])
+
+    for i in range(2):
+        rounds = swarm.records(f"honest{i}")
+        # No takeover: never a state from anyone while it claimed to be ahead; θ_global stays sane.
+        attacked = [r for r in rounds if started <= r["time"] <= ended + 10]
+        assert attacked, rounds
+        assert not any("caught up" in (r["reason"] or "") or "healed" in (r["reason"] or "") for r in attacked)
+        assert all(math.isfinite(r["loss"]) and r["loss"] < 0.5 for r in rounds[-3:]), rounds[-3:]  # θ = 1000: > 1e5
+        # No stall: it announced itself "ready in an hour" for the run's rounds; a round waits for it at
+        # most max_wait once, then only straggler_wait (it is a no-show), never a whole hour.
+        ok = [r["time"] for r in rounds if r["ok"]]
+        gaps = [b - a for a, b in zip(ok, ok[1:])]
+        assert max(gaps) < HONEST["max_wait"] + HONEST["straggler_wait"] + HONEST["allreduce_timeout"], gaps
+        assert sum(gap >= HONEST["max_wait"] for gap in gaps) <= 1, gaps
+        assert all(report["peer_id"] not in r["peers"] for r in rounds)
+    assert len(steps_together(swarm)) >= 4
