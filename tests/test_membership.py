@@ -181,7 +181,10 @@ def test_joining_takes_the_most_votes_ties_to_the_lower_step():
 @pytest.mark.parametrize("others, mine, last_group, expected", [
     # same step, a strict majority elsewhere
     (dict(a=(3, "h"), b=(3, "h")), Claim(3, "mine"), set(), Claim(3, "h")),
-    (dict(a=(3, "h")), Claim(3, "mine"), set(), None),  # one against one
+    # a tie at our step: the smallest hash, on every worker alike (a run of two heals)
+    (dict(a=(3, "h")), Claim(3, "mine"), set(), Claim(3, "h")),
+    (dict(a=(3, "z")), Claim(3, "mine"), set(), None),
+    (dict(a=(3, "h"), b=(3, "mine"), c=(3, "g")), Claim(3, "mine"), set(), None),  # ours is held by more
     (dict(a=(3, "h"), b=(3, "g"), c=(3, "mine")), Claim(3, "mine"), set(), None),
     # went on alone: the run's majority holds an earlier state
     (dict(a=(1, "h"), b=(1, "h")), Claim(5, "mine"), {"me"}, Claim(1, "h")),

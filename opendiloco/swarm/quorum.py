@@ -11,7 +11,8 @@ rules, the same for every worker:
 - **joining**: a worker with no state of its own takes the claim with the most votes, ties to
   the lower outer step, so an outlier claiming to be far ahead never wins a tie;
 - **drift** (``drifted``): a claim with more votes than this worker's own, and at least half of
-  them, at its outer step or behind it, wins (a worker that went on alone goes back).
+  them, at its outer step or behind it, wins (a worker that went on alone goes back); of claims
+  tied at its own outer step, the smallest hash wins, on every worker alike.
 
 In a run of two each worker is half the run: there, as in any run whose live workers are half
 attackers, no vote can tell who is honest. Signatures stop impersonation, not Sybils: in an open
@@ -86,6 +87,13 @@ def drifted(workers: Mapping, me: str, mine: Claim, in_flight=frozenset()) -> Cl
             continue
         counts[Claim(rec.outer_step, rec.global_hash)] += 1
     best, votes = max(counts.items(), key=lambda kv: (kv[1], -kv[0].outer_step, kv[0] == mine))
-    if best == mine or best.outer_step > mine.outer_step or votes <= counts[mine] or 2 * votes < sum(counts.values()):
-        return None
-    return best
+    if best != mine and best.outer_step <= mine.outer_step and votes > counts[mine] \
+            and 2 * votes >= sum(counts.values()):
+        return best
+    # A tie at our own outer step (two groups went on apart, e.g. two workers of a run of two): the
+    # smallest hash among the most held wins, the same choice on every worker, so the run heals.
+    same = {c: n for c, n in counts.items() if c.outer_step == mine.outer_step}
+    tied = sorted(c.global_hash for c, n in same.items() if n == counts[mine])
+    if max(same.values()) == counts[mine] and tied[0] != mine.global_hash:
+        return Claim(mine.outer_step, tied[0])
+    return None
