@@ -44,6 +44,31 @@ class PeerFailure(AveragingError):
         self.peers = frozenset(peers)
 
 
+class InDoubt(PeerFailure):
+    """This worker's attempt failed after its whole contribution went out and its shard's whole result
+    reached some members (``ask``): they may have completed the round, which they apply even without
+    every member's confirmation. The communicator asks them before it retries (``runner.resolve``)."""
+
+    def __init__(self, message: str, peers, *, group_id: str, me: str, members, ask, held=None):
+        super().__init__(message, peers)
+        self.group_id, self.me = group_id, me
+        self.members = tuple(members)
+        """The round's members (this worker included)."""
+        self.ask = tuple(ask)
+        self.held = held
+        """The whole verified average (a ``RoundOutcome``) where every shard reached this worker, else None."""
+
+
+class RoundCounted(BehindError):
+    """This worker's attempt failed, but its group completed the round without it (``completed``), or may
+    have (no member could say): its contribution is, or may be, in the group's average. It adopts the
+    group's state at ``group_outer_step`` and never applies or carries that work again."""
+
+    def __init__(self, message: str, *, group_outer_step: int, completed: bool, timeout: float | None = None):
+        super().__init__(message, group_outer_step=group_outer_step, timeout=timeout)
+        self.completed = completed
+
+
 class SwarmError(RuntimeError):
     """A clear, user-facing problem with joining or running the swarm."""
 

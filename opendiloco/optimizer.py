@@ -15,7 +15,7 @@ import torch
 from .comm.base import Communicator, CompletedWork, RoundKey, Work
 from .comm.buffers import FlatBuffer, all_finite, unflatten
 from .comm.local import SingleWorker
-from .errors import AveragingError, BehindError, DriftError, LocalRankFailure
+from .errors import AveragingError, BehindError, DriftError, LocalRankFailure, RoundCounted
 from .outer import OptimizerFactory, OuterState, fragmented_hash, validate_tensors
 from .pacing import PACES, Pace, round_due, seconds_to_target
 from .staging import DeviceSnapshot
@@ -526,6 +526,8 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
     def _catch_up(self, err: BehindError, seconds: float, own_finite: bool = True) -> SyncReport:
         log.warning("outer step %d: %s; loading state from a peer", self._outer_step, err)
         majority = err.expected_hash  # what the run confirmed (None: "left out", the download finds it)
+        if isinstance(err, RoundCounted):
+            return self._adopt_counted(err, seconds, own_finite)
         try:
             timeout = min(self.catch_up_timeout, err.timeout or self.catch_up_timeout)
             state = self.communicator.download_state(
@@ -542,7 +544,10 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
             keep = self.outer.pseudo_gradients() if self.pace == "swarm" and not drift and own_finite else None
             carry = keep is not None and all(all_finite(d) for d in keep)
             keep = keep if carry else None
-            self.load_shareable_state(state, min_outer_step=err.group_outer_step, expected_hash=majority,
+            # The communicator names the hash the run confirmed for the state it got (the run may have
+            # moved on a round while it asked); a communicator that does not, the one the error named.
+            self.load_shareable_state(state, min_outer_step=err.group_outer_step,
+                                      expected_hash=state.get("confirmed_hash") or majority,
                                       keep_local=keep)
         except LocalRankFailure:  # the worker's own processes lost one another: not a peer's defect
             raise
@@ -554,6 +559,47 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
             reason += f", local work of {self._uncommitted_steps} step(s) carried into the next round"
         return SyncReport(self._outer_step, False, allreduce_s=seconds, global_hash=self.global_hash(),
                           reason=reason, dropped_steps=dropped, extra={"caught_up": True, "carried": carry})
+
+    def _adopt_counted(self, err: RoundCounted, seconds: float, own_finite: bool) -> SyncReport:
+        """The round failed here, but the group completed it without this worker (or may have): its work of
+        the round is in the group's average, so it is neither applied nor carried; θ_global becomes the
+        group's. Steps taken since the round began (overlap) are in no average and are dropped with the
+        local weights. The round's steps count as contributed when a member said it completed the round
+        (and they were finite: else zeros went out), as dropped when nobody could say."""
+        later = min(self._local_step, self._uncommitted_steps)  # taken after the round's snapshot
+        in_round = self._uncommitted_steps - later
+        contributed = in_round if err.completed and own_finite else 0
+        dropped = self._uncommitted_steps - contributed
+        step = self._outer_step
+        try:
+            state = self.communicator.download_state(
+                min(self.catch_up_timeout, err.timeout or self.catch_up_timeout), min_outer_step=err.group_outer_step,
+                max_bytes=self.shareable_state_bound())
+            if state is None:
+                raise AveragingError("no live peer to download state from")
+            self.load_shareable_state(state, min_outer_step=err.group_outer_step)
+            failure = None
+        except LocalRankFailure:
+            raise
+        except Exception as e:  # a peer's state is input from the network: any defect is a failed download
+            failure = f"{type(e).__name__}: {e}"
+            with self._state_lock:  # the local weights hold work the group has (or may have) counted
+                self.outer.reset_local()
+        self._uncommitted_steps = 0
+        self._fragment_work = [0.0] * self.num_fragments
+        self._contributed_steps += contributed
+        self._dropped_steps += dropped
+        outcome = "completed round" if err.completed else "may have completed round"
+        reason = (f"the group {outcome} {step} without this worker's confirmation; "
+                  + (f"adopted its state (local work of {contributed + dropped} step(s) not applied again: "
+                     f"{contributed} contributed, {dropped} dropped)" if failure is None else
+                     f"its local work is dropped ({contributed} step(s) contributed, {dropped} dropped); could not "
+                     f"download the group's state: {failure}"))
+        log.warning("outer step %d: %s", step, reason)
+        return SyncReport(self._outer_step, False, allreduce_s=seconds, global_hash=self.global_hash(),
+                          reason=reason, contributed_steps=contributed, dropped_steps=dropped,
+                          extra={"caught_up": failure is None, "carried": False, "counted": True,
+                                 "completed": err.completed})
 
     # -- state for joiners -------------------------------------------------------------------
     def shareable_state(self) -> dict:

@@ -17,7 +17,7 @@ import torch.multiprocessing as mp
 
 from opendiloco import DiLoCoOptimizer
 from opendiloco.comm import LocalRanks, SingleWorker
-from opendiloco.errors import BehindError
+from opendiloco.errors import BehindError, RoundCounted
 from opendiloco.pacing import Pace
 
 pytestmark = pytest.mark.timeout(180)
@@ -37,10 +37,12 @@ class _Scripted(SingleWorker):
     def start(self, flat, *, weight, key, out=None, error_out=None):
         if self.scenario == "behind" and key.outer_step == 1:
             raise BehindError("the group is at outer step 2", group_outer_step=2)
+        if self.scenario == "counted" and key.outer_step == 1:
+            raise RoundCounted("the group completed round 1 without us", group_outer_step=2, completed=True)
         return super().start(flat, weight=weight, key=key, out=out, error_out=error_out)
 
     def download_state(self, timeout, min_outer_step=None, max_bytes=None, majority_hash=None):
-        return self.peer_state if self.scenario == "behind" else None
+        return self.peer_state if self.scenario in ("behind", "counted") else None
 
     def peer_paces(self, outer_step):
         # A peer that waits for us: under pace="swarm" the round is due after one step.
@@ -137,6 +139,12 @@ def test_a_state_download_reaches_every_rank(tmp_path):
     peer = DiLoCoOptimizer(_model().parameters(), local_steps=H)
     peer.load_shareable_state(_peer_state())
     assert caught_up[0]["hash"] == peer.global_hash()
+
+
+def test_a_round_the_group_counted_is_adopted_on_every_rank(tmp_path):
+    reports = _same_on_both_ranks(_run(tmp_path, "counted"))
+    adopted = [r for r in reports if "completed round 1" in r["reason"]]
+    assert len(adopted) == 1 and adopted[0]["outer_step"] == 2 and adopted[0]["dropped"] == 0, reports
 
 
 def test_pacing_follows_the_leaders_decision(tmp_path):

@@ -190,6 +190,9 @@ def test_joining_takes_the_most_votes_ties_to_the_lower_step():
     (dict(a=(1, "h"), b=(1, "h")), Claim(5, "mine"), {"me"}, Claim(1, "h")),
     # ... but members of our last round are on their way to our state
     (dict(a=(1, "h"), b=(1, "h")), Claim(2, "mine"), {"me", "a", "b"}, None),
+    # ... and count for it: a pair that went on together is not pulled back by a pair left behind
+    # (its partner's record still names the step before, while it publishes ours)
+    (dict(a=(1, "h"), b=(1, "h"), c=(4, "old")), Claim(5, "mine"), {"me", "c"}, None),
     # a majority ahead is catching up's business, not drift
     (dict(a=(4, "h"), b=(4, "h")), Claim(3, "mine"), set(), None),
 ])

@@ -17,6 +17,7 @@ from torch import nn
 
 from opendiloco import AverageResult, Communicator, DiLoCoOptimizer, InProcessGroup, SingleWorker
 from opendiloco.comm.base import CompletedWork
+from opendiloco.errors import RoundCounted
 from opendiloco.outer import tensors_hash
 
 SGD1 = functools.partial(torch.optim.SGD, lr=1.0)  # outer SGD, lr 1, no momentum: θ_global := mean(θ_local)
@@ -683,3 +684,86 @@ def test_catching_up_from_a_broken_state_is_a_failed_round_not_a_crash():
     h0 = victim.global_hash()
     report = victim.sync()
     assert not report.ok and "could not catch up" in report.reason and victim.global_hash() == h0
+
+
+class CountedRound(SingleWorker):
+    """A group that completed this worker's round ``at`` without it (or may have: ``completed``); the state
+    it reached is ``state`` (None: nobody serves one)."""
+
+    def __init__(self, state, at, completed=True):
+        super().__init__()
+        self.state, self.at, self.completed = state, at, completed
+        self.asked = []
+
+    def start(self, flat, *, weight, key, out=None, error_out=None):
+        if key.outer_step == self.at:
+            return CompletedWork(error=RoundCounted("the group completed it", group_outer_step=key.outer_step + 1,
+                                                    completed=self.completed))
+        return super().start(flat, weight=weight, key=key, out=out, error_out=error_out)
+
+    def download_state(self, timeout, min_outer_step=None, max_bytes=None, majority_hash=None):
+        self.asked.append(min_outer_step)
+        return copy.deepcopy(self.state)
+
+
+def _donor(pace, H, steps, **kw):
+    model = mlp(0)
+    donor = DiLoCoOptimizer(model.parameters(), local_steps=H, inner_optimizer=ADAMW, communicator=SingleWorker(),
+                            pace=pace, **kw)
+    for s in range(steps):
+        train_step(model, donor, *batch(1, s))
+    return donor
+
+
+@pytest.mark.parametrize("pace", ["fixed", "swarm"])
+@pytest.mark.parametrize("completed", [True, False], ids=["completed", "unknown"])
+def test_a_round_the_group_counted_is_adopted_never_applied_or_carried_again(pace, completed):
+    """A worker whose round failed here but which its group completed (its contribution is in the group's
+    average) takes the group's state; under pace="swarm" too, it does not carry the work into its next
+    round (a worker only left out does). Its steps were contributed, or dropped if nobody could say."""
+    H = 5
+    donor = _donor(pace, H, 2 * H)  # at outer step 2
+    model = mlp(0)
+    comm = CountedRound(donor.shareable_state(), at=1, completed=completed)
+    opt = DiLoCoOptimizer(model.parameters(), local_steps=H, inner_optimizer=ADAMW, communicator=comm, pace=pace)
+    for s in range(2 * H):
+        train_step(model, opt, *batch(0, s))
+    report = opt.last_sync
+    assert not report.ok and report.extra["counted"] and not report.extra["carried"], report
+    assert comm.asked == [2]  # the state after the round it took part in
+    assert opt.outer_step == 2 and opt.global_hash() == donor.global_hash()
+    assert all(torch.equal(p.detach(), g) for p, g in zip(model.parameters(), opt.outer.global_params))
+    assert (report.contributed_steps, report.dropped_steps) == ((H, 0) if completed else (0, H))
+    assert (opt.contributed_steps, opt.dropped_steps) == ((2 * H, 0) if completed else (H, H))
+    assert ("the group completed round 1" in report.reason) == completed, report.reason
+
+
+def test_a_counted_round_whose_state_cannot_be_downloaded_still_never_carries_its_work():
+    H = 5
+    model = mlp(0)
+    comm = CountedRound(None, at=1)
+    opt = DiLoCoOptimizer(model.parameters(), local_steps=H, inner_optimizer=ADAMW, communicator=comm, pace="swarm")
+    for s in range(2 * H):
+        train_step(model, opt, *batch(0, s))
+    report = opt.last_sync
+    assert not report.ok and "could not download" in report.reason, report.reason
+    assert opt.outer_step == 1  # θ_global stays; the local weights restart from it: the work is not carried
+    assert all(torch.equal(p.detach(), g) for p, g in zip(model.parameters(), opt.outer.global_params))
+    assert (opt.contributed_steps, opt.dropped_steps) == (2 * H, 0)
+
+
+def test_a_streamed_round_the_group_counted_drops_only_the_steps_taken_since_it_began():
+    """fragments=2, overlap=1: event 0's round lands at step 3 (steps 1-3 counted), event 1's starts at
+    step 4 and lands at step 5, which is in no average: step 4 was contributed, step 5 is dropped."""
+    H = 4
+    donor = _donor("fixed", H, 3 * 2 + 1, fragments=2, overlap=1)  # events 0, 1, 2 landed: outer step 3
+    model = mlp(0)
+    comm = CountedRound(donor.shareable_state(), at=1)
+    opt = DiLoCoOptimizer(model.parameters(), local_steps=H, inner_optimizer=ADAMW, communicator=comm,
+                          fragments=2, overlap=1)
+    for s in range(5):
+        train_step(model, opt, *batch(0, s))
+    report = opt.last_sync
+    assert report.extra["counted"] and comm.asked == [2] and opt.outer_step == 3, report
+    assert (report.contributed_steps, report.dropped_steps) == (1, 1)
+    assert (opt.contributed_steps, opt.dropped_steps) == (4, 1)

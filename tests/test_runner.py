@@ -16,9 +16,18 @@ import torch
 from opendiloco.comm.aggregation import Aggregation
 from opendiloco.comm.base import RoundKey
 from opendiloco.comm.compression import get_codec
-from opendiloco.comm.runner import Group, RoundRunner, ShardReducer, part_bounds, shard_bounds
+from opendiloco.comm.runner import (
+    Answer,
+    Group,
+    RoundRunner,
+    ShardReducer,
+    ask_outcome,
+    part_bounds,
+    resolve,
+    shard_bounds,
+)
 from opendiloco.comm.wire import PREFIX, ByteStream, Code, Refused, memory_pipe
-from opendiloco.errors import AveragingError, PeerFailure, ProtocolError
+from opendiloco.errors import AveragingError, InDoubt, PeerFailure, ProtocolError, RoundCounted
 from opendiloco.fingerprint import new_hasher
 from opendiloco.testing.memory import MemoryNetwork
 
@@ -566,3 +575,406 @@ def test_a_flood_of_streams_naming_unknown_rounds_is_bounded():
     assert sum("unknown group" in r for r in reasons) == 4  # those waited out wait_for_group
     assert torch.equal(outcomes[0].flat, outcomes[1].flat)
     assert not waiting  # every waiting slot was given back
+
+
+# -- a member cut off mid round ends with its group's outcome ---------------------------------------------
+#
+# Members apply a round once they hold every shard, even if a member's CONFIRM never came. A member
+# whose own attempt failed must therefore never retry (and apply its work alone, or carry it) a
+# round that another member applied: it asks them (``resolve``) and ends with the group's outcome.
+
+MEMBERS = ("a", "b", "c")
+CUT_N = 6 * PART + 7  # shards of 2003 and 2002 values: 3 parts each
+
+
+class Tap:
+    """The victim's end of a stream: frames pass through, and ``CutNetwork`` sees each of them."""
+
+    def __init__(self, stream: ByteStream, net: CutNetwork):
+        self.stream, self.net, self.remote = stream, net, stream.remote
+        self.parts = None
+
+    async def send(self, code, meta=None, payload=b""):
+        if self.net.frozen:
+            return  # into the void
+        self.net.seen("send", code, self, meta, before=True)
+        await self.stream.send(code, meta, payload)
+        self.net.seen("send", code, self, meta)
+
+    async def recv(self, **kw):
+        while True:
+            if self.net.frozen:
+                await asyncio.Event().wait()  # nothing reaches the victim any more (until cancelled)
+            frame = await self.stream.recv(**kw)
+            if frame.code not in self.net.drop:
+                break
+        self.net.seen("recv", frame.code, self, frame.meta)
+        return frame
+
+    async def refuse(self, reason):
+        await self.stream.refuse(reason)
+
+    def close(self):
+        self.stream.close()
+
+
+class CutNetwork(MemoryNetwork):
+    """The victim's round streams, cut (both ends closed) or frozen (nothing in or out, silently) at one
+    point of the protocol; ``drop``: frames the victim never receives. Streams opened after it are whole,
+    unless the victim died there (``dead``: cut, and ``on_death`` called; nobody reaches it any more)."""
+
+    def __init__(self, victim: str, at: str, *, freeze: bool = False, dead: bool = False, drop=(), **kw):
+        super().__init__(**kw)
+        self.victim, self.at, self.freeze, self.dead, self.drop = victim, at, freeze, dead, frozenset(drop)
+        self.on_death = None
+        self.pipes: list[tuple[ByteStream, ByteStream]] = []
+        self.counts: dict[str, int] = {}
+        self.done = self.frozen = False
+
+    def connector(self, me):
+        async def connect(peer):
+            if peer not in self.handlers:
+                raise ConnectionRefusedError(f"no peer {peer}")
+            mine, theirs = memory_pipe(me, peer)
+            if self.victim in (me, peer) and not self.done:
+                self.pipes.append((mine, theirs))
+                if me == self.victim:
+                    mine = Tap(mine, self)
+                else:
+                    theirs = Tap(theirs, self)
+            task = asyncio.create_task(self.handlers[peer](theirs))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+            return mine
+
+        return connect
+
+    def seen(self, way, code, tap, meta, before=False):
+        if self.done:
+            return
+        name = f"{way}-{code.name}" + ("-before" if before else "")
+        self.counts[name] = self.counts.get(name, 0) + 1
+        if code == Code.CONTRIBUTE and way == "send" and not before:
+            tap.parts = meta["parts"]
+        if code == Code.PART and way == "send" and not before and meta["i"] == tap.parts - 1:
+            self.counts["parts-out"] = self.counts.get("parts-out", 0) + 1
+        others = len(MEMBERS) - 1
+        trigger = {
+            "before-contribute": self.counts.get("send-CONTRIBUTE-before") == 1,
+            "mid-parts": self.counts.get("send-PART") == 1,
+            "after-parts": self.counts.get("parts-out") == others,
+            "mid-results": self.counts.get("recv-RESULT_PART") == 1,
+            "after-results": self.counts.get("send-CONFIRM-before") == 1,
+            "after-confirm": self.counts.get("send-CONFIRM") == others,
+            "owner-mid-results": self.counts.get("send-RESULT_END") == 1,
+            "owner-after-results": self.counts.get("send-RESULT_END") == others,
+            "all-out": self.counts.get("send-RESULT_END") == others and self.counts.get("parts-out") == others,
+        }[self.at]
+        if trigger:
+            self.done = True
+            if self.freeze:
+                self.frozen = True
+                return
+            for a, b in self.pipes:
+                a.close()
+                b.close()
+            if self.dead:
+                del self.handlers[self.victim]
+                self.on_death()
+
+
+def cut_round(victim: str, at: str, *, timeout=5.0, confirm_timeout=2.0, **cut):
+    """Runs a round of three members with ``victim``'s streams cut at ``at``; each member whose attempt
+    failed in doubt asks the others, as the swarm does. Returns ({member: (what it does, its outcome or
+    error)}, the flats, whether the cut happened, the runners). What a member does: "applied" (its own
+    round), "adopted" (the average it held, which the group completed), "counted" (``RoundCounted``: adopt
+    the group's state), "retry" (nobody can have applied the round), or "dead" (the victim, killed)."""
+    g = torch.Generator().manual_seed(len(at))
+    flats = [torch.randn(CUT_N, generator=g) for _ in MEMBERS]
+
+    async def scenario():
+        net = CutNetwork(victim, at, wait_for_group=2.0, **cut)
+        for m in MEMBERS:
+            net.add(m)
+        group = Group("g", MEMBERS, RoundKey(4))
+        runners = {m: RoundRunner(group, m, f, 1.0, get_codec("fp16"), part_numel=PART, timeout=timeout,
+                                  confirm_timeout=confirm_timeout) for m, f in zip(MEMBERS, flats)}
+        for m, r in runners.items():
+            await net.rounds[m].register(r)
+
+        async def member(m):
+            try:
+                try:
+                    return "applied", await runners[m].run(net.connector(m))
+                finally:
+                    net.rounds[m].finish("g")
+            except InDoubt as doubt:
+                try:
+                    outcome = await resolve(doubt, net.connector(m), group.key, timeout + confirm_timeout,
+                                            net.rounds[m], gone=lambda peer: peer not in net.handlers)
+                except RoundCounted as e:
+                    return "counted", e
+                return ("adopted", outcome) if outcome is not None else ("retry", doubt)
+            except AveragingError as e:
+                return "retry", e
+
+        tasks = [asyncio.create_task(member(m)) for m in MEMBERS]
+        net.on_death = tasks[MEMBERS.index(victim)].cancel
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+        await net.drain()
+        results = [("dead", None) if isinstance(r, asyncio.CancelledError) else r for r in results]
+        return dict(zip(MEMBERS, results)), net.done, runners
+
+    results, happened, runners = run(scenario(), timeout=60)
+    return results, flats, happened, runners
+
+
+def assert_one_outcome(results, flats):
+    """Everyone ends with the round's one outcome: if any member applied it, every member applied the
+    same average (every contribution in it once) or adopts the group's state; else all retry."""
+    want = reference(flats, [1.0] * len(flats), "fp16")
+    applied = {m: o for m, (what, o) in results.items() if what in ("applied", "adopted")}
+    for m, o in applied.items():
+        assert torch.equal(o.flat, want), m
+    if applied:
+        for m, (what, o) in results.items():
+            assert what != "retry", f"{m} would retry (and apply or carry its work again) a round others applied: {o}"
+            if what == "counted":
+                assert o.completed and o.group_outer_step == 5, o
+    else:
+        assert all(what == "retry" for what, _ in results.values()), results
+    return applied
+
+
+CUTS = ["before-contribute", "mid-parts", "after-parts", "mid-results", "after-results", "after-confirm",
+        "owner-mid-results", "owner-after-results"]
+
+
+@pytest.mark.parametrize("at", CUTS)
+@pytest.mark.parametrize("victim", ["a", "c"])
+@pytest.mark.parametrize("lost", [False, True], ids=["confirms-kept", "confirms-lost"])
+def test_a_member_cut_at_any_step_ends_with_its_groups_outcome(victim, at, lost):
+    """``lost``: the others' CONFIRMs never reach the victim, so it never completes before the cut."""
+    results, flats, happened, _ = cut_round(victim, at, drop={Code.CONFIRM} if lost else ())
+    assert happened
+    assert_one_outcome(results, flats)
+
+
+@pytest.mark.parametrize("at", CUTS)
+@pytest.mark.parametrize("victim", ["a", "c"])
+def test_a_member_killed_at_any_step_leaves_the_others_with_one_outcome(victim, at):
+    """The victim dies at the cut: nobody can ask it any more, and it has left the run (had it completed
+    the round, its state left with it). The survivors end alike, and never wait for it or drop their work
+    for it: if neither applied the round, both retry."""
+    results, flats, happened, _ = cut_round(victim, at, dead=True)
+    assert happened
+    survivors = [m for m in MEMBERS if m != victim]
+    if results[victim][0] == "dead":
+        results = {m: results[m] for m in survivors}
+    assert_one_outcome(results, flats)
+
+
+@pytest.mark.parametrize("at", ["all-out", "after-confirm"])
+def test_a_frozen_member_ends_with_its_groups_outcome(at):
+    """The victim goes silent instead (its streams hang): the others wait out the confirmations, the victim
+    its round's timeout."""
+    results, flats, happened, _ = cut_round("c", at, freeze=True, timeout=4.0, confirm_timeout=0.5)
+    assert happened
+    applied = assert_one_outcome(results, flats)
+    assert set(applied) >= {"a", "b"}, results  # the others held every shard and applied without c's word
+    what, outcome = results["c"]
+    if at == "all-out":  # c's parts and shard reached them, their shards never reached c
+        assert what == "counted" and outcome.completed, results
+    else:
+        assert what in ("adopted", "applied"), results
+
+
+def test_a_member_whose_confirmations_were_lost_applies_the_average_the_group_applied():
+    """The reported case: c's CONFIRMs reach a and b, theirs never reach c, then c's streams close ("stream
+    closed ... after 0 bytes"). a and b apply; c must not retry (and count its contribution twice): it
+    holds the very average they applied, and applies it."""
+    results, flats, happened, _ = cut_round("c", "after-confirm", drop={Code.CONFIRM})
+    assert happened
+    assert results["a"][0] == results["b"][0] == "applied"
+    what, outcome = results["c"]
+    assert what == "adopted", results
+    assert outcome.digest == results["a"][1].digest and torch.equal(outcome.flat, results["a"][1].flat)
+    assert_one_outcome(results, flats)
+
+
+@pytest.mark.parametrize("at", ["before-contribute", "mid-parts"])
+@pytest.mark.parametrize("victim", ["a", "c"])
+def test_a_member_cut_before_its_parts_went_out_leaves_nobody_in_doubt(victim, at):
+    """No shard completes without every member's parts: every member retries at once, asking nobody."""
+    results, _, happened, _ = cut_round(victim, at)
+    assert happened
+    for what, error in results.values():
+        assert what == "retry" and not isinstance(error, InDoubt), error
+
+
+# -- asking a member whether it completed a round -----------------------------------------------------------
+
+def _runner(group, me, digest=None, sent_to=()):
+    r = RoundRunner(group, me, torch.zeros(N), 1.0, get_codec("fp16"), part_numel=PART, timeout=5)
+    r._results_out.update(sent_to)
+    if digest is not None:
+        r.finished, r.digest = True, digest
+        r.ended.set()
+    return r
+
+
+def _doubt(ask, members=("a", "b", "d"), held=None):
+    return InDoubt("cut", set(ask), group_id="g", me="a", members=members, ask=ask, held=held)
+
+
+def test_a_member_answers_once_its_round_has_ended():
+    group = Group("g", ("a", "b"), RoundKey(0))
+
+    async def scenario():
+        net = MemoryNetwork()
+        net.add("a")
+        runner = _runner(group, "a", sent_to=["b"])
+        runner._shard_digests[1] = "0" * 64  # it holds all that b sends: it may still complete (in _verify)
+        runner.reducer._next_part["b"] = len(runner.reducer.parts)
+        await net.rounds["a"].register(runner)
+        asked = asyncio.create_task(ask_outcome(net.connector("b"), "a", "g", group.members))
+        await asyncio.sleep(0.05)
+        pending = not asked.done()
+        runner.finished, runner.digest = True, "ab" * 16
+        runner.ended.set()
+        answer = await asked
+        net.rounds["a"].finish("g")
+        after = await ask_outcome(net.connector("b"), "a", "g", group.members)
+        unknown = await ask_outcome(net.connector("b"), "a", "another-round", group.members)
+        return pending, answer, after, unknown
+
+    pending, answer, after, unknown = run(scenario())
+    assert pending  # no answer while the round still runs there
+    assert answer == after == Answer("done", "ab" * 16, frozenset({"b"}))
+    assert unknown == Answer("unknown")
+
+
+def test_a_round_still_waiting_for_the_asker_fails_at_once():
+    """b asks, so its attempt failed: a's round, still waiting for b's parts, will never get them. It fails
+    now (naming b) and answers "failed", instead of holding b until a's round times out."""
+    group = Group("g", ("a", "b"), RoundKey(0))
+
+    async def scenario():
+        net = MemoryNetwork()
+        net.add("a")
+
+        async def b_sits(stream):  # b reads a's contribution to its shard, and sends nothing of its own
+            try:
+                while True:
+                    await stream.recv(max_payload=1 << 20)
+            except ProtocolError:
+                pass
+
+        net.add("b", handler=b_sits)
+        runner = RoundRunner(group, "a", torch.randn(N), 1.0, get_codec("fp16"), part_numel=PART, timeout=600)
+        await net.rounds["a"].register(runner)
+        task = asyncio.create_task(runner.run(net.connector("a")))
+        await asyncio.sleep(0.05)
+        answer = await ask_outcome(net.connector("b"), "a", "g", group.members)
+        outcome = (await asyncio.gather(task, return_exceptions=True))[0]
+        return answer, outcome
+
+    answer, outcome = run(scenario())
+    assert answer.state == "failed"
+    assert isinstance(outcome, PeerFailure) and not isinstance(outcome, InDoubt) and outcome.peers == {"b"}
+
+
+def test_an_outsider_asking_about_a_round_is_refused():
+    group = Group("g", ("a", "b"), RoundKey(0))
+
+    async def scenario():
+        net = MemoryNetwork()
+        net.add("a")
+        await net.rounds["a"].register(_runner(group, "a", digest="cd" * 16))
+        net.rounds["a"].finish("g")
+        with pytest.raises(Refused, match="not a member"):
+            await ask_outcome(net.connector("z"), "a", "g", group.members)
+        return await ask_outcome(net.connector("b"), "a", "g", group.members)
+
+    assert run(scenario()).digest == "cd" * 16
+
+
+@pytest.mark.parametrize("answer", [
+    {"group_id": "g", "state": "maybe", "digest": "", "sent_to": []},
+    {"group_id": "g", "state": "done", "digest": "x" * 10, "sent_to": []},
+    {"group_id": "g", "state": "done", "digest": "a" * 10_000, "sent_to": []},
+    {"group_id": "other", "state": "failed", "digest": "", "sent_to": []},
+    {"group_id": "g", "state": 1, "digest": "", "sent_to": []},
+    {"group_id": "g", "state": "failed", "digest": ""},
+    {"group_id": "g", "state": "failed", "digest": "", "sent_to": ["mallory"]},
+    {"group_id": "g", "state": "failed", "digest": "", "sent_to": ["a"] * 4},
+], ids=["unknown-state", "digest-not-hex", "huge-digest", "another-round", "state-not-a-string", "no-sent-to",
+        "sent-to-outsider", "sent-to-too-long"])
+def test_an_answer_out_of_form_is_no_answer_and_silence_counts_the_work(answer):
+    """A member that answers nothing that fits (or nothing at all) may have completed the round: the asker
+    does not retry; it adopts the run's state and drops the work (``RoundCounted``, not completed)."""
+
+    async def scenario():
+        net = MemoryNetwork()
+
+        async def b_answers(stream):
+            await stream.recv(max_payload=0, expect=Code.ASK_OUTCOME)
+            await stream.send(Code.OUTCOME, answer)
+            stream.close()
+
+        net.add("b", handler=b_answers)
+        with pytest.raises(RoundCounted) as caught:
+            await resolve(_doubt(("b",), members=("a", "b")), net.connector("a"), RoundKey(6), timeout=0.5)
+        return caught.value
+
+    error = run(scenario())
+    assert not error.completed and error.group_outer_step == 7
+
+
+def test_one_done_is_enough_and_silence_counts_the_work():
+    async def scenario():
+        net = MemoryNetwork()
+        net.add("b")
+        group = Group("g", ("a", "b", "d"), RoundKey(2))
+        await net.rounds["b"].register(_runner(group, "b", digest="ef" * 16, sent_to=["a", "d"]))
+        net.rounds["b"].finish("g")
+        with pytest.raises(RoundCounted) as silent:  # d is unreachable, and b sent d its shard: d may be done
+            await resolve(_doubt(("d",)), net.connector("a"), group.key, timeout=0.3)
+        with pytest.raises(RoundCounted) as done:  # b's "done" ends it at once
+            await resolve(_doubt(("b", "d")), net.connector("a"), group.key, timeout=30)
+        return silent.value, done.value
+
+    silent, done = run(scenario())
+    assert not silent.completed and done.completed and done.group_outer_step == 3
+
+
+def test_an_unreachable_member_that_lacked_a_shard_is_ruled_out():
+    """d is gone; b failed the round and never began sending d its shard: d cannot have completed it, so
+    a retries at once instead of waiting out d and dropping its work."""
+
+    async def scenario():
+        net = MemoryNetwork()
+        net.add("b")
+        group = Group("g", ("a", "b", "d"), RoundKey(2))
+        await net.rounds["b"].register(_runner(group, "b", sent_to=["a"]))
+        net.rounds["b"].finish("g")
+        return await resolve(_doubt(("b", "d")), net.connector("a"), group.key, timeout=30)
+
+    assert run(scenario()) is None
+
+
+def test_a_done_from_a_member_that_cannot_have_completed_is_not_believed():
+    """b never got a's shard (it is not in ``ask``): its "done" is impossible, and changes nothing."""
+
+    async def scenario():
+        net = MemoryNetwork()
+        net.add("b")
+        net.add("d")
+        group = Group("g", ("a", "b", "d"), RoundKey(2))
+        await net.rounds["b"].register(_runner(group, "b", digest="ef" * 16))
+        await net.rounds["d"].register(_runner(group, "d"))
+        for m in ("b", "d"):
+            net.rounds[m].finish("g")
+        return await resolve(_doubt(("d",)), net.connector("a"), group.key, timeout=30)
+
+    assert run(scenario()) is None

@@ -35,6 +35,7 @@ from ..errors import (
     NonFiniteError,
     PeerFailure,
     ProtocolError,
+    RoundCounted,
 )
 from .base import AverageResult, Communicator, CompletedWork, RoundKey, Work
 
@@ -43,7 +44,7 @@ log = logging.getLogger(__name__)
 __all__ = ["LocalRanks"]
 
 _ERRORS = {cls.__name__: cls for cls in (AveragingError, BehindError, DriftError, Interrupted, NonFiniteError,
-                                         PeerFailure, ProtocolError)}
+                                         PeerFailure, ProtocolError, RoundCounted)}
 
 
 def describe_error(e: BaseException) -> dict:
@@ -56,6 +57,8 @@ def describe_error(e: BaseException) -> dict:
         fields["expected_hash"] = e.expected_hash
     if isinstance(e, DriftError):
         fields["majority_hash"] = e.majority_hash
+    if isinstance(e, RoundCounted):
+        fields["completed"] = e.completed
     if isinstance(e, PeerFailure):
         fields["peers"] = sorted(e.peers)
     return fields
@@ -65,6 +68,9 @@ def rebuild_error(fields: dict) -> AveragingError:
     kind, message = fields["type"], fields["message"]
     if kind == "DriftError":
         return DriftError(message, group_outer_step=fields["group_outer_step"], majority_hash=fields["majority_hash"])
+    if kind == "RoundCounted":
+        return RoundCounted(message, group_outer_step=fields["group_outer_step"], completed=fields["completed"],
+                            timeout=fields["timeout"])
     if kind == "BehindError":
         return BehindError(message, group_outer_step=fields["group_outer_step"], timeout=fields["timeout"],
                            expected_hash=fields["expected_hash"])

@@ -30,7 +30,7 @@ from dataclasses import field as dataclass_field
 
 import torch
 
-from ..errors import AveragingError, PeerFailure, ProtocolError
+from ..errors import AveragingError, InDoubt, PeerFailure, ProtocolError, RoundCounted
 from ..fingerprint import new_hasher
 from .aggregation import Aggregation
 from .base import RoundKey
@@ -187,6 +187,9 @@ class ShardReducer:
     def done(self) -> bool:
         return self.digest is not None
 
+    def has_all_parts(self, member: str) -> bool:
+        return self._next_part.get(member, 0) >= len(self.parts)
+
 
 class RoundRunner:
     """This worker's side of one round: its contribution to every shard, and the shard it owns."""
@@ -225,10 +228,26 @@ class RoundRunner:
         self._failed = asyncio.Event()
         self._confirms: dict[str, str] = {}
         self._serving: set[str] = set()
+        self._parts_out: set[int] = set()
+        """Owners this worker has sent (or begun sending) its last part of their shard to."""
+        self._results_out: set[str] = set()
+        """Members this worker has sent (or begun sending) the end of its own shard's result to."""
         self.finished = False
+        self.digest: str | None = None
+        """The whole average's digest, once the round has completed here."""
+        self.ended = asyncio.Event()
+        """Set when ``run`` has returned or raised: the round's outcome here is final."""
 
     # -- the round, as the member that started it sees it -------------------------------------------
     async def run(self, connect: Connect) -> RoundOutcome:
+        """The round: its verified average, or ``AveragingError`` (``InDoubt`` where members may have
+        completed it: see ``may_have_completed``)."""
+        try:
+            return await self._run(connect)
+        finally:
+            self.ended.set()
+
+    async def _run(self, connect: Connect) -> RoundOutcome:
         began = time.perf_counter()
         others = [j for j in range(len(self.members)) if j != self.my_index]
         tasks = [asyncio.create_task(self._exchange(j, connect)) for j in others]
@@ -246,26 +265,77 @@ class RoundRunner:
             totals = {round(t, 9) for t in self._shard_totals.values()}
             if len(totals) != 1:
                 raise ProtocolError(f"shards report different total weights {sorted(totals)}")
-            whole = new_hasher()
-            whole.update("".join(self._shard_digests[j] for j in range(len(self.members))).encode())
-            digest = whole.hexdigest()[:32]
+            digest = self._whole_digest()
             confirmed, missing = await self._verify(digest)
         except BaseException as e:
             await self._fail(e if isinstance(e, Exception) else AveragingError("round cancelled"))
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-            if isinstance(e, AveragingError):
-                raise
             if isinstance(e, asyncio.CancelledError):
                 raise
-            raise AveragingError(f"{type(e).__name__}: {e}") from e
-        self.finished = True
+            failure = e if isinstance(e, AveragingError) else AveragingError(f"{type(e).__name__}: {e}")
+            ask = self.may_have_completed()
+            if ask:  # this worker cannot tell on its own whether the round happened: resolve() asks them
+                raise InDoubt(str(failure), getattr(failure, "peers", ()), group_id=self.group.group_id, me=self.me,
+                              members=self.members, ask=ask, held=self._held(began)) from e
+            if failure is e:
+                raise
+            raise failure from e
+        self.digest, self.finished = digest, True
+        return self._outcome(digest, began, confirmed, missing)
+
+    def _whole_digest(self) -> str:
+        whole = new_hasher()
+        whole.update("".join(self._shard_digests[j] for j in range(len(self.members))).encode())
+        return whole.hexdigest()[:32]
+
+    def _outcome(self, digest: str, began: float, confirmed: tuple[str, ...], missing: tuple[str, ...]) -> RoundOutcome:
         self._bounded["clipped"] |= self.reducer.clipped
         self._bounded["capped"] |= set(self.reducer.capped)
         return RoundOutcome(self.out, self._shard_totals[self.my_index], digest, self.bytes_sent,
                             time.perf_counter() - began, confirmed, missing,
                             {k: sorted(v) for k, v in self._bounded.items()})
+
+    @property
+    def sent_to(self) -> frozenset[str]:
+        """The members this worker has begun sending the end of its own shard's result to."""
+        return frozenset(self._results_out)
+
+    def waits_on(self, member: str) -> bool:
+        """Whether this round still needs bytes from ``member``: its parts of our shard, or its shard."""
+        return self.members.index(member) not in self._shard_digests or not self.reducer.has_all_parts(member)
+
+    async def give_up_on(self, member: str) -> None:
+        """``member``'s attempt failed (it asks how the round ended): what we still wait for from it will
+        never come, so the round fails here now instead of at its timeout."""
+        await self._fail(PeerFailure(f"{member[-8:]} failed its attempt before this worker had all it sends",
+                                     {member}))
+
+    def may_have_completed(self) -> tuple[str, ...]:
+        """The members that may have completed this round, whatever happened here (empty: nobody did).
+
+        A member completes only with every shard's result, and shard j's result comes only from its
+        owner j, once every member's parts of it are in. So nobody completes before this worker has
+        sent its last part to every other owner, and only a member that got the end of this worker's
+        own shard can. Sends count from their start: a frame may arrive although its send failed.
+        """
+        if len(self._parts_out) < len(self.members) - 1:
+            return ()
+        return tuple(sorted(self._results_out))
+
+    def _held(self, began: float) -> RoundOutcome | None:
+        """The whole average if every shard reached this worker verified and no member confirmed
+        another one (a failed attempt may still hold it), else None."""
+        if len(self._shard_digests) != len(self.members) or None in self._shard_digests.values() \
+                or len({round(t, 9) for t in self._shard_totals.values()}) != 1:
+            return None
+        digest = self._whole_digest()
+        if any(d != digest for d in self._confirms.values()):
+            return None
+        confirmed = tuple(sorted(self._confirms))
+        missing = tuple(sorted(set(self.members) - {self.me} - set(confirmed)))
+        return self._outcome(digest, began, confirmed, missing)
 
     async def _exchange(self, j: int, connect: Connect) -> None:
         """Streams our parts of shard j to its owner; receives and checks the owner's averaged parts."""
@@ -282,6 +352,8 @@ class RoundRunner:
             async def send_parts():
                 for i, (pa, pb) in enumerate(parts):
                     payload = self._encode(a + pa, a + pb)
+                    if i == len(parts) - 1:
+                        self._parts_out.add(j)
                     await stream.send(Code.PART, {"i": i}, payload)
                     self.bytes_sent += payload_size(payload)
 
@@ -365,20 +437,26 @@ class RoundRunner:
         """Tells every member our digest and waits for theirs; a different one refuses the round."""
         streams = list(self._confirm_streams.values())
         self._confirm_streams.clear()
-        for stream in streams:
-            try:
-                await stream.send(Code.CONFIRM, {"digest": digest})
-            except Exception as e:  # a member that died after the transfer: it just won't confirm
-                log.debug("could not confirm to %s: %s", stream.remote[-8:], e)
-            stream.close()
         others = set(self.members) - {self.me}
+        try:
+            for stream in streams:
+                try:
+                    await stream.send(Code.CONFIRM, {"digest": digest})
+                except Exception as e:  # a member that died after the transfer: it just won't confirm
+                    log.debug("could not confirm to %s: %s", stream.remote[-8:], e)
+            async with self._changed:
+                self._changed.notify_all()
+                try:
+                    await asyncio.wait_for(self._changed.wait_for(lambda: others <= self._confirms.keys()
+                                                                  or self.error is not None), self.confirm_timeout)
+                except asyncio.TimeoutError:
+                    pass
+        finally:
+            # Closed once the confirmations are in (or not coming), not right after our CONFIRM: the member
+            # reads it, then closes its end; this end going away first gives a transport a chance to lose it.
+            for stream in streams:
+                stream.close()
         async with self._changed:
-            self._changed.notify_all()
-            try:
-                await asyncio.wait_for(self._changed.wait_for(lambda: others <= self._confirms.keys()
-                                                              or self.error is not None), self.confirm_timeout)
-            except asyncio.TimeoutError:
-                pass
             self._raise_if_failed()
             wrong = {p for p, d in self._confirms.items() if d != digest}
             if wrong:
@@ -439,6 +517,7 @@ class RoundRunner:
             payload = await self._result(i)
             await stream.send(Code.RESULT_PART, {"i": i}, payload)
             self.bytes_sent += payload_size(payload)
+        self._results_out.add(stream.remote)  # from here on, that member may complete the round
         await stream.send(Code.RESULT_END, {"digest": self.reducer.digest, "clipped": sorted(self.reducer.clipped),
                                             "capped": self.reducer.capped})
 
@@ -498,6 +577,17 @@ class RoundRunner:
             stream.close()
 
 
+@dataclass
+class Ended:
+    """What this worker remembers of a finished round, to answer its members' ``ASK_OUTCOME``."""
+
+    members: tuple[str, ...]
+    digest: str | None
+    """The average's digest if the round completed here (or the group completed it: ``Rounds.settle``)."""
+    sent_to: frozenset[str]
+    """The members this worker began sending the end of its own shard's result to."""
+
+
 class Rounds:
     """The rounds this worker is in, by group id, so that incoming streams find theirs.
 
@@ -505,7 +595,9 @@ class Rounds:
     ``wait_for_group`` seconds. At most ``max_waiting_per_peer`` streams of one peer, and
     ``max_waiting`` in all, wait like that; more are refused at once, so a flood of streams that
     name rounds nobody knows holds neither tasks nor memory. Finished group ids are remembered, so
-    a replayed message of an earlier round is refused at once.
+    a replayed message of an earlier round is refused at once, with their members and outcome, so
+    that a member whose attempt failed in doubt can ask whether this worker completed it
+    (``ASK_OUTCOME``; ``resolve``).
     """
 
     def __init__(self, wait_for_group: float = 10.0, remember: int = 1024, max_waiting: int = 64,
@@ -515,7 +607,9 @@ class Rounds:
         self._waiting: collections.Counter = collections.Counter()
         """Streams waiting for their round to be registered, by remote peer."""
         self._active: dict[str, RoundRunner] = {}
-        self._finished: collections.OrderedDict = collections.OrderedDict()
+        self._finished: collections.OrderedDict[str, Ended] = collections.OrderedDict()
+        self._asking: collections.Counter = collections.Counter()
+        """Questions waiting for a round of this worker to end, by remote peer."""
         self._registered = asyncio.Condition()
 
     async def register(self, runner: RoundRunner) -> None:
@@ -524,16 +618,41 @@ class Rounds:
             self._registered.notify_all()
 
     def finish(self, group_id: str) -> None:
-        self._active.pop(group_id, None)
-        self._finished[group_id] = True
+        runner = self._active.pop(group_id, None)
+        if runner is None and group_id in self._finished:
+            return
+        self._finished[group_id] = Ended((), None, frozenset()) if runner is None else \
+            Ended(runner.members, runner.digest if runner.finished else None, runner.sent_to)
         while len(self._finished) > self.remember:
             self._finished.popitem(last=False)
+
+    def settle(self, group_id: str, digest: str) -> None:
+        """A round that failed here in doubt turned out completed by its group (``resolve``): say so when asked."""
+        if group_id in self._finished:
+            self._finished[group_id].digest = digest
+
+    def outcome(self, group_id: str) -> dict:
+        """A round here, as ``OUTCOME`` tells it: its state (done, failed, running or unknown), the digest
+        if done, and the members this worker began sending its shard's end to."""
+        runner = self._active.get(group_id)
+        if runner is not None:
+            state = "done" if runner.finished else "failed" if runner.ended.is_set() else "running"
+            ended = Ended(runner.members, runner.digest if runner.finished else None, runner.sent_to)
+        else:
+            ended = self._finished.get(group_id)
+            state = "unknown" if ended is None else "done" if ended.digest else "failed"
+        return {"group_id": group_id, "state": state, "digest": (ended.digest or "") if ended else "",
+                "sent_to": sorted(ended.sent_to) if ended else []}
 
     async def serve(self, stream: ByteStream) -> None:
         """Entry point for an incoming stream: the opening frame names the round; its runner serves it."""
         try:
-            opening = await asyncio.wait_for(stream.recv(max_payload=0, expect=Code.CONTRIBUTE), self.wait_for_group)
+            opening = await asyncio.wait_for(stream.recv(max_payload=0, expect=(Code.CONTRIBUTE, Code.ASK_OUTCOME)),
+                                             self.wait_for_group)
             group_id = meta_field(opening.meta, "group_id", str)
+            if opening.code == Code.ASK_OUTCOME:
+                await self._answer(stream, group_id)
+                return
             if meta_field(opening.meta, "sender", str) != stream.remote:
                 raise ProtocolError("sender field does not match the authenticated peer id")
             runner = await self._find(group_id, stream.remote)
@@ -549,6 +668,38 @@ class Rounds:
             await asyncio.wait_for(runner.serve(stream, opening.meta), runner.timeout + runner.confirm_timeout)
         except asyncio.TimeoutError:
             log.debug("contribution stream from %s outlived its round", stream.remote[-8:])
+            stream.close()
+
+    async def _answer(self, stream: ByteStream, group_id: str) -> None:
+        """Tells a member of round ``group_id`` whether the round completed here, once it has ended here
+        (waiting at most as long as the round may still last). Only members of the round are answered. A
+        member asks only once its own attempt failed: if the round here still waits for its bytes, it fails
+        now."""
+        remote = stream.remote
+        runner = self._active.get(group_id)
+        ended = self._finished.get(group_id)
+        members = runner.members if runner is not None else ended.members if ended is not None else ()
+        if (runner is not None or ended is not None) and remote not in members:
+            raise ProtocolError(f"{remote[-8:]} is not a member of round {group_id}")
+        if runner is not None and not runner.ended.is_set():
+            if runner.waits_on(remote):  # it asks because its attempt failed: what we wait for never comes
+                await runner.give_up_on(remote)
+            if self._asking[remote] >= self.max_waiting_per_peer:
+                raise ProtocolError(f"too many questions of {remote[-8:]} waiting; {group_id} refused")
+            self._asking[remote] += 1
+            try:
+                await asyncio.wait_for(runner.ended.wait(), runner.timeout + runner.confirm_timeout)
+            except asyncio.TimeoutError:
+                pass  # answered "running": the member may ask again
+            finally:
+                self._asking[remote] -= 1
+                if not self._asking[remote]:
+                    del self._asking[remote]
+        try:
+            await stream.send(Code.OUTCOME, self.outcome(group_id))
+        except Exception as e:  # the member is gone: nothing to tell
+            log.debug("could not answer %s about round %s: %s", remote[-8:], group_id, e)
+        finally:
             stream.close()
 
     async def _find(self, group_id: str, remote: str) -> RoundRunner:
@@ -572,3 +723,140 @@ class Rounds:
         if group_id not in self._active:
             raise ProtocolError(f"round {group_id} is already finished")
         return self._active[group_id]
+
+
+# -- a failed attempt in doubt ------------------------------------------------------------------------
+
+ANSWERS = ("done", "failed", "running", "unknown")
+"""What a member says of a round: it completed (and applied) it, failed it, is still in it, never knew it."""
+MAX_DIGEST_CHARS = 64
+HEX = frozenset("0123456789abcdef")
+
+
+@dataclass(frozen=True)
+class Answer:
+    state: str
+    digest: str = ""
+    sent_to: frozenset[str] = frozenset()
+    """The members the answering member began sending its shard's end to (final once it is done or failed)."""
+
+
+async def ask_outcome(connect: Connect, peer: str, group_id: str, members: Sequence[str]) -> Answer:
+    """``peer``'s answer about round ``group_id`` (of ``members``); ``ProtocolError`` if it does not fit.
+
+    The answer comes on the stream this worker opened to ``peer``: from that authenticated peer.
+    """
+    stream = await connect(peer)
+    try:
+        await stream.send(Code.ASK_OUTCOME, {"group_id": group_id})
+        frame = await stream.recv(max_payload=0, expect=Code.OUTCOME)
+    finally:
+        stream.close()
+    state, digest = meta_field(frame.meta, "state", str), meta_field(frame.meta, "digest", str)
+    sent_to = meta_field(frame.meta, "sent_to", list)
+    if meta_field(frame.meta, "group_id", str) != group_id or state not in ANSWERS:
+        raise ProtocolError(f"{peer[-8:]} answered {state[:20]!r} about another round or in no known terms")
+    if state == "done" and not (0 < len(digest) <= MAX_DIGEST_CHARS and set(digest) <= HEX):
+        raise ProtocolError(f"{peer[-8:]} answered done with a malformed digest")
+    if len(sent_to) > len(members) or not all(isinstance(m, str) and m in members for m in sent_to):
+        raise ProtocolError(f"{peer[-8:]} named non-members")
+    return Answer(state, digest if state == "done" else "", frozenset(sent_to))
+
+
+async def find_outcome(connect: Connect, doubt: InDoubt, timeout: float, gone: Callable[[str], bool] | None = None,
+                       pause: float = 0.25) -> tuple[str | None, dict[str, str]]:
+    """Asks the other members of the round of ``doubt`` at once whether they completed it: (the digest,
+    answers) as soon as one that may have (``doubt.ask``) says it did; (None, answers) once none of them can
+    have (each said it failed it, or is ruled out), or when ``timeout`` runs out.
+
+    A member of ``doubt.ask`` that cannot be reached, answers out of form, "running" or "unknown" is asked
+    again until ``timeout``, unless it is ruled out: a member completes only with every owner's shard, so
+    one that another owner never began sending its shard's end to (that owner's final answer says so) has
+    not. The others are asked only for that. A member that does not answer and has left the run
+    (``gone(peer)``) is not waited for: had it completed the round, its state left with it, and the
+    members' retry counts their work once in every state that remains. ``answers``: the last state of
+    each member of ``doubt.ask`` ("unanswered" where none came, "gone", or "ruled out" where none is
+    needed any more).
+    """
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    answers = {m: "unanswered" for m in doubt.members if m != doubt.me}
+    final: dict[str, frozenset[str]] = {}  # sent_to of the members that are done or failed
+    found: list[str] = []
+
+    def ruled_out(m: str) -> bool:
+        return any(m not in sent_to for p, sent_to in final.items() if p != m)
+
+    def decided() -> bool:
+        return bool(found) or all(answers[m] in ("failed", "gone") or ruled_out(m) for m in doubt.ask)
+
+    async def ask(peer: str) -> None:
+        while (remaining := deadline - loop.time()) > 0:
+            try:
+                answer = await asyncio.wait_for(ask_outcome(connect, peer, doubt.group_id, doubt.members), remaining)
+            except asyncio.TimeoutError:
+                return
+            except Exception as e:  # unreachable, refused, or out of form: not an answer
+                log.debug("asking %s about round %s: %s", peer[-8:], doubt.group_id, e)
+                answer = Answer("unanswered")
+            answers[peer] = answer.state
+            if answer.state == "unanswered" and gone is not None and gone(peer):
+                answers[peer] = "gone"
+                return
+            if answer.state in ("done", "failed"):
+                final[peer] = answer.sent_to
+                if answer.state == "done" and peer in doubt.ask:  # only those can have completed it
+                    found.append(answer.digest)
+                return
+            await asyncio.sleep(min(pause, max(0.0, deadline - loop.time())))
+
+    pending = {asyncio.create_task(ask(m)) for m in answers}
+    try:
+        while pending and not decided():
+            _, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+    for m in doubt.ask:
+        if answers[m] not in ("failed", "gone") and ruled_out(m) and not found:
+            answers[m] = "ruled out"
+    return (found[0] if found else None), {m: answers[m] for m in doubt.ask}
+
+
+async def resolve(doubt: InDoubt, connect: Connect, key: RoundKey, timeout: float,
+                  rounds: Rounds | None = None, gone: Callable[[str], bool] | None = None) -> RoundOutcome | None:
+    """The group's outcome of an attempt that failed here in doubt, so that this worker ends with it.
+
+    - A member completed the round: this worker's contribution is in the average. If this worker
+      holds that very average (the same digest), it is returned to be applied; else ``RoundCounted``
+      (completed): adopt the group's state, never apply or carry the work again.
+    - No member that is still there can have completed it (``find_outcome``): None, retry.
+    - Otherwise (no answer within ``timeout``): ``RoundCounted`` (not completed). Correctness over
+      goodput: the work may have been counted, so it is dropped, and the run's state adopted.
+
+    ``rounds`` (this worker's) learns that the round completed, to tell members that ask in turn.
+    ``gone(peer)``: whether a member has left the run (see ``find_outcome``).
+    """
+    digest, answers = await find_outcome(connect, doubt, timeout, gone)
+    gid, step = doubt.group_id, key.outer_step + 1
+    if digest is not None:
+        if rounds is not None:
+            rounds.settle(gid, digest)
+        if doubt.held is not None and doubt.held.digest == digest:
+            log.warning("round %s failed here (%s), but the group completed it with the average this worker holds "
+                        "(%s): applying it", gid, doubt, digest)
+            return doubt.held
+        raise RoundCounted(f"the group completed round {key} ({gid}) without this worker's confirmation (here: "
+                           f"{doubt}); adopting its state", group_outer_step=step, completed=True)
+    if all(a in ("failed", "ruled out", "gone") for a in answers.values()):
+        log.info("round %s: no member can have completed it (%s): retrying", gid,
+                 ", ".join(f"{p[-8:]} {a}" for p, a in sorted(answers.items())))
+        return None
+    silent = sorted(p[-8:] for p, a in answers.items() if a not in ("failed", "ruled out", "gone"))
+    log.warning("round %s: %s did not say within %.0fs whether they completed it; this worker's contribution may "
+                "have been counted, so its local work is dropped and the run's state adopted (correctness over "
+                "goodput)", gid, silent, timeout)
+    raise RoundCounted(f"nobody could say whether round {key} ({gid}) completed without this worker "
+                       f"({', '.join(silent)} silent; here: {doubt}); adopting the run's state",
+                       group_outer_step=step, completed=False)

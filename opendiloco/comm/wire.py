@@ -45,6 +45,11 @@ class Code(enum.IntEnum):
     # membership (swarm/streams.py)
     HELLO = 9
     """The first frame of every stream in a closed run: the opener's proof that it holds the run secret."""
+    # a failed attempt in doubt (runner.py)
+    ASK_OUTCOME = 10
+    """A member whose attempt failed asks another member of it: did you complete round ``group_id``?"""
+    OUTCOME = 11
+    """The answer: ``state`` (done, failed, running or unknown) and, when done, the average's ``digest``."""
     # state transfer to joiners (swarm/state_transfer.py)
     STATE_REQUEST = 16
     STATE = 17

@@ -9,11 +9,14 @@ states, one job per module:
     GROUP     matchmaking.py   the run's live workers ready for this key form a group
     EXCHANGE  comm/runner.py   streamed reduce-scatter / all-gather over p2p streams (streams.py)
     VERIFY    comm/runner.py   every member confirms the digest of the whole average
+    SETTLE    comm/runner.py   an attempt that failed here after members may have completed it asks them
     DONE / FAILED
 
-A failed attempt changes nothing and is retried with whoever is still there; a worker that finds
-the group ahead of it raises ``BehindError`` so that its optimizer downloads state
-(state_transfer.py) instead.
+A failed attempt changes nothing and is retried with whoever is still there, unless members may
+have completed it (they apply without every confirmation): then this worker asks them, and ends
+with the group's outcome (``runner.resolve``): it applies the average it holds, adopts the group's
+state (``RoundCounted``), or retries when they all failed it. A worker that finds the group ahead
+of it raises ``BehindError`` so that its optimizer downloads state (state_transfer.py) instead.
 """
 
 from __future__ import annotations
@@ -36,10 +39,10 @@ from hivemind.utils.timed_storage import get_dht_time
 from ..comm.aggregation import Aggregation
 from ..comm.base import AverageResult, Communicator, FutureWork, RoundKey, StateProvider, Work
 from ..comm.compression import codec_label, get_codec
-from ..comm.runner import DEFAULT_PART_NUMEL, Group, RoundOutcome, RoundRunner, Rounds
+from ..comm.runner import DEFAULT_PART_NUMEL, Group, RoundOutcome, RoundRunner, Rounds, resolve
 from ..comm.wire import ByteStream, Code
 from ..comm.wire import field as meta_field
-from ..errors import AveragingError, Interrupted, PeerFailure, SwarmError
+from ..errors import AveragingError, InDoubt, Interrupted, PeerFailure, RoundCounted, SwarmError
 from ..pacing import Pace
 from . import records
 from .matchmaking import Doorbell, Matchmaker, MatchmakingSettings
@@ -80,6 +83,16 @@ class SwarmSettings:
     refused at start (``refuse_other_settings``) and never grouped with, waited for or downloaded from."""
 
 
+LEAVE_TIMEOUT = 1.0
+"""How long ``close`` waits, at most, for the record that tells the run this worker left (its peers stop
+waiting for it at once). It goes out as soon as the worker is asked to stop, while the checkpoint is
+written; on a working network it takes milliseconds. A DHT whose peers do not answer would keep it
+for seconds (hivemind's 3 s per request): not waited for. Unannounced, a worker drops out of the run
+when its record expires (``record_ttl``)."""
+CLOSE_STEP_TIMEOUT = 1.0
+"""How long ``close`` waits for each of its other steps (cancelling tasks, the p2p replica, the loop)."""
+
+
 async def _cancel_other_tasks() -> None:
     tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
     for task in tasks:
@@ -92,6 +105,7 @@ class RoundState(enum.Enum):
     GROUP = "group"
     EXCHANGE = "exchange"
     VERIFY = "verify"
+    SETTLE = "settle"
     DONE = "done"
     FAILED = "failed"
 
@@ -119,12 +133,14 @@ class SwarmCommunicator(Communicator):
         self._interrupted = threading.Event()
         self.state = RoundState.DONE
         """The state of the latest round (for status and tests)."""
+        self._runner: RoundRunner | None = None
+        """The latest attempt's runner (what a stop in the middle of it may leave in doubt)."""
 
         self._loop = uvloop.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="opendiloco-comm", daemon=True)
         self._thread.start()
         self._rounds_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="opendiloco-round")
-        self.records = records.RunRecords(dht, self.membership, identity)
+        self.records = records.RunRecords(dht, self.membership, identity, interrupted=self._interrupted)
         self._call(self._setup(), timeout=30)
         self.presence = Presence(self.records, self._peer_id, self._loop,
                                  heartbeat_interval=s.heartbeat_interval, record_ttl=s.record_ttl,
@@ -136,9 +152,11 @@ class SwarmCommunicator(Communicator):
             poll_interval=s.poll_interval, part_numel=s.part_numel, config=s.config_fingerprint),
             f"{codec_label(self.codec, self.result_codec)}|{s.aggregation.label}",
             self._interrupted,
-            doorbell=self.doorbell, ring_members=self._ring_members)
+            doorbell=self.doorbell, ring_members=self._ring_members,
+            joiners=lambda step: self.state_server.recent_joiners(step, within=s.straggler_wait + 10.0))
         self._workers_snapshot: dict[str, records.WorkerRecord] = {}
         self._pace_refresh = asyncio.run_coroutine_threadsafe(self._refresh_workers(), self._loop)
+        self._leaving = asyncio.run_coroutine_threadsafe(self._leave_when_stopping(), self._loop)
 
     @classmethod
     def from_config(cls, cfg, run_dir: str | None = None, config_fingerprint: str = "") -> SwarmCommunicator:
@@ -203,15 +221,15 @@ class SwarmCommunicator(Communicator):
         deadline = time.monotonic() + timeout
         try:
             while True:
-                try:
-                    slice_s = min(0.2, max(0.0, deadline - time.monotonic())) if interruptible else timeout
-                    return future.result(slice_s)
+                try:  # a result that is there is taken, even when stopping (a completed round is kept)
+                    remaining = max(0.0, deadline - time.monotonic())
+                    return future.result(min(records.INTERRUPT_POLL, remaining) if interruptible else timeout)
                 except (TimeoutError, concurrent.futures.TimeoutError):  # distinct types before Python 3.11
                     if not interruptible or time.monotonic() >= deadline:
                         raise
-                    if self._interrupted.is_set():
-                        future.cancel()
-                        raise Interrupted("the worker is stopping: abandoned") from None
+                if self._interrupted.is_set():
+                    future.cancel()
+                    raise Interrupted("the worker is stopping: abandoned")
         except (TimeoutError, concurrent.futures.TimeoutError):
             future.cancel()
             raise AveragingError(f"timed out after {timeout:.1f}s") from None
@@ -325,8 +343,24 @@ class SwarmCommunicator(Communicator):
                 self.state = RoundState.FAILED
                 raise
             mm_s = time.perf_counter() - began
+            settled = False
             try:
-                outcome = self._exchange(group, flat, weight, out, error_out)
+                try:
+                    outcome = self._exchange(group, flat, weight, out, error_out)
+                except InDoubt as doubt:
+                    outcome, settled = self._settle(group, doubt), True
+                    if outcome is None:  # every member that could have completed it failed it
+                        raise
+                except Interrupted:
+                    runner = self._runner
+                    if runner is not None and runner.group is group and runner.may_have_completed():
+                        raise RoundCounted(f"the worker stopped in round {key} ({group.group_id}) after members may "
+                                           "have completed it; not keeping the work", completed=False,
+                                           group_outer_step=key.outer_step + 1) from None
+                    raise
+            except RoundCounted:  # the group completed it (or may have): adopt its state, never retry
+                self.state = RoundState.FAILED
+                raise
             except AveragingError as e:
                 if isinstance(e, PeerFailure):
                     suspects |= e.peers - {self._peer_id}
@@ -341,9 +375,27 @@ class SwarmCommunicator(Communicator):
                                  extra={"attempts": len(errors) + 1, "group_id": group.group_id,
                                         "digest": outcome.digest, "transfer_s": outcome.seconds,
                                         "matchmaking_s": mm_s, "bytes_sent": outcome.bytes_sent,
-                                        "entered_at": entered_at, **outcome.bounded})
+                                        "entered_at": entered_at, "settled": settled, **outcome.bounded})
         self.state = RoundState.FAILED
         raise AveragingError(f"round {key}: no complete round in {s.max_attempts} attempts: " + "; ".join(errors))
+
+    def _settle(self, group: Group, doubt: InDoubt) -> RoundOutcome | None:
+        """Asks the members that may have completed a failed attempt whether they did (``runner.resolve``):
+        the average to apply, None to retry, or ``RoundCounted``."""
+        s = self.settings
+        self.state = RoundState.SETTLE
+        bound = s.allreduce_timeout + s.verify_timeout  # the longest a member's attempt may still last
+        log.warning("round %s failed here (%s) after %d member(s) got this worker's whole shard: asking them whether "
+                    "they completed it", group.group_id, doubt, len(doubt.ask))
+        try:
+            return self._call(resolve(doubt, self.reduce_streams.connect, group.key, bound, self.rounds,
+                                      gone=lambda peer: peer not in self._workers_snapshot),
+                              timeout=bound + 10, interruptible=True)
+        except RoundCounted:
+            raise
+        except AveragingError as e:  # stopping, or the loop did not answer: the work may have been counted
+            raise RoundCounted(f"round {group.key} ({group.group_id}) in doubt and unresolved ({e}); adopting the "
+                               "run's state", group_outer_step=group.key.outer_step + 1, completed=False) from None
 
     def _exchange(self, group: Group, flat: torch.Tensor, weight: float, out: torch.Tensor,
                   error_out: torch.Tensor | None) -> RoundOutcome:
@@ -358,15 +410,16 @@ class SwarmCommunicator(Communicator):
                 torch.sub(flat, out, out=error_out)
             return RoundOutcome(out, weight, "solo", 0, time.perf_counter() - t0)
         return self._call(self._data_plane(group, flat, weight, out, error_out),
-                          timeout=s.allreduce_timeout + s.verify_timeout + 10)
+                          timeout=s.allreduce_timeout + s.verify_timeout + 10, interruptible=True)
 
     async def _data_plane(self, group: Group, flat: torch.Tensor, weight: float, out: torch.Tensor,
                           error_out: torch.Tensor | None = None) -> RoundOutcome:
         """The exchange and verification of one attempt, on the event loop."""
         s = self.settings
-        runner = RoundRunner(group, self._peer_id, flat, weight, self.codec, out=out, part_numel=s.part_numel,
-                             timeout=s.allreduce_timeout, confirm_timeout=s.verify_timeout,
-                             result_codec=self.result_codec, error_out=error_out, aggregation=s.aggregation)
+        runner = self._runner = RoundRunner(
+            group, self._peer_id, flat, weight, self.codec, out=out, part_numel=s.part_numel,
+            timeout=s.allreduce_timeout, confirm_timeout=s.verify_timeout, result_codec=self.result_codec,
+            error_out=error_out, aggregation=s.aggregation)
         await self.rounds.register(runner)
         try:
             return await runner.run(self.reduce_streams.connect)
@@ -393,9 +446,9 @@ class SwarmCommunicator(Communicator):
                 if errors:  # the donors failed and left (died mid-download): not the same as "nobody there"
                     raise AveragingError(f"the peers serving state failed and left: {errors}")
                 return None
-            if majority_hash is not None:
+            if majority_hash is not None and any(r.global_hash == majority_hash for r in others):
                 wanted = majority_hash
-            else:
+            else:  # what the run confirms now (it may have moved past the state an error named)
                 # Catching up (a step to reach) weighs this worker's own state; joining does not.
                 mine = None if min_outer_step is None else self.presence.my_claim(self.presence.get("outer_step", -1))
                 claim = confirmed(workers, self._peer_id, mine, min_outer_step)
@@ -411,15 +464,23 @@ class SwarmCommunicator(Communicator):
                 try:
                     state = self._call(fetch_state(self.state_streams, rec.peer_id, min_outer_step, max_bytes),
                                        remaining, interruptible=True)
-                    if state.get("outer_step") != rec.outer_step:
-                        raise AveragingError(f"served outer step {state.get('outer_step')!r}, "
-                                             f"its record says {rec.outer_step}")
+                    served, confirmed_hash = state.get("outer_step"), wanted
+                    if served != rec.outer_step:
+                        if type(served) is not int or served < rec.outer_step:
+                            raise AveragingError(f"served outer step {served!r}, its record says {rec.outer_step}")
+                        # The donor applied a round while we asked (a busy run moves on every few
+                        # seconds): its newer state is taken once the run confirms it, never on its word.
+                        confirmed_hash = self._confirmed_hash_at(served, min_outer_step is not None,
+                                                                 min(10.0, max(0.0, deadline - time.monotonic())))
+                        if confirmed_hash is None:
+                            raise AveragingError(f"served outer step {served}, which the run did not confirm "
+                                                 f"(its record said {rec.outer_step})")
                 except Interrupted:
                     raise
                 except Exception as e:
                     errors[rec.peer_id[-8:]] = str(e) or type(e).__name__
                     continue
-                state["confirmed_hash"] = wanted
+                state["confirmed_hash"] = confirmed_hash
                 log.info("downloaded state of outer step %s from %s in %.2fs", state.get("outer_step"),
                          rec.peer_id[-8:], time.perf_counter() - t0)
                 return state
@@ -428,33 +489,58 @@ class SwarmCommunicator(Communicator):
                                      + (f": {errors}" if errors else ""))
             self._interrupted.wait(0.5)
 
+    def _confirmed_hash_at(self, outer_step: int, catching_up: bool, timeout: float) -> str | None:
+        """The θ_global hash the run confirms at ``outer_step`` once its records say so (within
+        ``timeout``); None if the run confirms another state there, or moves past it first."""
+        deadline = time.monotonic() + timeout
+        while True:
+            workers = self.live_workers()
+            mine = self.presence.my_claim(self.presence.get("outer_step", -1)) if catching_up else None
+            claim = confirmed(workers, self._peer_id, mine, outer_step)
+            if claim is not None and claim.outer_step == outer_step:
+                return claim.global_hash
+            if claim is not None or time.monotonic() >= deadline:
+                return None
+            self._raise_if_interrupted(Interrupted("the worker is stopping: state download abandoned"))
+            self._interrupted.wait(0.2)
+
     # -- shutdown ----------------------------------------------------------------------------
     def interrupt(self) -> None:
+        """The worker is stopping: every wait for peers, the DHT or a download gives up at once, and the
+        run is told that this worker leaves (its peers stop waiting for it while it writes its checkpoint).
+        Called from a signal handler, so it only sets a flag."""
         self._interrupted.set()
+
+    async def _leave_when_stopping(self) -> None:
+        while not self._interrupted.is_set():
+            await asyncio.sleep(records.INTERRUPT_POLL)
+        await self.presence.leave()
+
+    async def _left(self) -> None:
+        await asyncio.wrap_future(self._leaving)
 
     def _raise_if_interrupted(self, error: AveragingError | None = None) -> None:
         if self._interrupted.is_set():
             raise error or Interrupted("the worker is stopping: round abandoned")
 
     def close(self) -> None:
+        """Leaves the run and stops the node; a round or download still waiting gives up at once."""
         if self._closed:
             return
         self._closed = True
         self._interrupted.set()
         self._rounds_thread.shutdown(wait=False, cancel_futures=True)
-        try:
-            self._call(self.presence.leave(), timeout=5)
-        except Exception as e:
-            log.debug("could not announce leaving: %s", e)
-        try:  # a round still in its data plane ends now (its thread sees an error), not at its timeout
-            self._call(_cancel_other_tasks(), timeout=5)
-        except Exception as e:
-            log.debug("cancelling the communicator's tasks: %s", e)
-        try:
-            self._call(self.p2p.shutdown(), timeout=5)
-        except Exception as e:
-            log.debug("p2p replica shutdown: %s", e)
+        # Every step is bounded: a worker whose peers or network are gone still exits within seconds.
+        steps = (("announcing that this worker leaves", self._left, LEAVE_TIMEOUT),  # begun when stopping
+                 # a round still in its data plane ends now (its thread sees an error), not at its timeout
+                 ("cancelling the communicator's tasks", _cancel_other_tasks, CLOSE_STEP_TIMEOUT),
+                 ("shutting the p2p replica down", self.p2p.shutdown, CLOSE_STEP_TIMEOUT))
+        for what, step, timeout in steps:
+            try:
+                self._call(step(), timeout=timeout)
+            except Exception as e:
+                log.debug("%s: %s", what, e)
         self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout=5)
+        self._thread.join(timeout=CLOSE_STEP_TIMEOUT)
         if self._own_dht:
-            self.dht.shutdown()
+            self.dht.shutdown()  # hivemind's own bound: its process is terminated after 3 s

@@ -5,7 +5,9 @@ run at that outer step is ready (or the ones still missing are past the ready ti
 plus ``straggler_wait``, with at least ``min_group_size`` ready), the ready peer with the smallest
 id closes the group and publishes its members; everyone adopts the group published under the
 smallest id, so no two views split the run.
-Blocking by design: it runs on the communicator's round thread, never on the event loop.
+Blocking by design: it runs on the communicator's round thread, never on the event loop. A stop
+request (the communicator's ``interrupted`` flag) ends every wait here at once: the polls look at it,
+and so do the DHT calls they make (``records.wait_dht``), which a partition can keep waiting for seconds.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from hivemind.utils.timed_storage import get_dht_time
 
 from ..comm.base import RoundKey
 from ..comm.runner import Group, make_group_id
-from ..errors import AveragingError, BehindError
+from ..errors import AveragingError, BehindError, Interrupted
 from . import records
 from .presence import Presence
 
@@ -74,8 +76,12 @@ class Doorbell:
 class Matchmaker:
     def __init__(self, run_records: records.RunRecords, presence: Presence, settings: MatchmakingSettings,
                  codec_name: str, interrupted: threading.Event, *, doorbell: Doorbell | None = None,
-                 ring_members: Callable[[Sequence[str], str, int], None] | None = None):
+                 ring_members: Callable[[Sequence[str], str, int], None] | None = None,
+                 joiners: Callable[[int], set[str]] | None = None):
+        """``joiners(outer_step)``: peers that just downloaded this worker's state of that outer step
+        (they are on their way to its round, possibly before their progress record can be read)."""
         self.records, self.presence, self.settings = run_records, presence, settings
+        self.joiners = joiners or (lambda outer_step: set())
         self.codec_name, self.interrupted = codec_name, interrupted
         self.me = presence.peer_id
         self.doorbell = doorbell or Doorbell()
@@ -101,6 +107,7 @@ class Matchmaker:
         began, announced, polls = get_dht_time(), None, 0
         gkey = self.records.group_key(key, attempt)
         while True:
+            self._raise_if_interrupted()  # a stopping worker neither announces nor publishes
             workers = workers if workers is not None else self.presence.live_workers()
             self.presence.raise_if_behind(workers, key.outer_step)
             ready = self._announcements(announce_key)
@@ -116,24 +123,41 @@ class Matchmaker:
                 ready[me], announced = value, attempt
             if gkey != self._taken_for:
                 self.taken, self._taken_for = set(), gkey
-            announced_ok = self._compatible(ready, attempt, numel)
+            # An announcement outlives its round in the DHT: a peer that has applied this round
+            # has done it, and must not be grouped with by a worker that arrives late.
+            moved_on = {p for p, r in workers.items() if r.outer_step > key.outer_step} - {me}
+            announced_ok = self._compatible(ready, attempt, numel) - moved_on
             compatible = announced_ok - (self.taken - {me})
             # Peers heading for this round: at its outer step, or one behind with a streamed round
             # still in flight that they will apply before they come. Peers already in a group that
-            # leaves us out are not waited for.
-            expected = ({p for p, r in workers.items() if r.heading == key.outer_step}
-                        - set(suspects) - self.taken) | {me}
+            # leaves us out are not waited for. Peers that just downloaded our state of this step
+            # come too, whatever their record says yet.
+            heading = {p for p, r in workers.items() if r.heading == key.outer_step}
+            heading |= {p for p in self.joiners(key.outer_step)
+                        if p not in workers or workers[p].heading < key.outer_step}
+            expected = (heading - set(suspects) - self.taken) | {me}
             missing = expected - compatible
             enough = len(compatible) >= s.min_group_size
             now = get_dht_time()
             # Everyone measures from the earliest announcement, so that the leader and the members
             # give up on a straggler at the same moment.
             shared = self._shared_start({p: ready[p] for p in compatible}, began, now)
-            give_up_at = max((self._wait_until(workers[p], shared) for p in missing), default=shared)
+            give_up_at = max((self._wait_until(workers.get(p), shared) for p in missing), default=shared)
             if enough and now >= give_up_at:
                 for p in missing:  # it promised a time and is not here: its next promise is not believed
-                    if workers[p].ready_at is not None:
+                    if p in workers and workers[p].ready_at is not None:
                         self.no_shows[p] = key.outer_step
+                others = set(workers) - {me}
+                if compatible == {me} and others:
+                    # Alone while the run has other live workers: a round of one would fork θ_global
+                    # from theirs. If they are all past this round, this worker is the one behind;
+                    # else (joining, catching up, behind a slow link) the work is kept and goes into
+                    # the next round (under pace "swarm"), with whoever is there then.
+                    if all(workers[p].heading > key.outer_step for p in others):
+                        raise BehindError(f"alone in round {key}: every other worker is past it",
+                                          group_outer_step=key.outer_step + 1)
+                    raise AveragingError(f"round {key}: no other worker was ready in time ({len(others)} other "
+                                         "live worker(s) in the run); not applied alone")
                 break
             self._raise_if_interrupted()
             if not enough and now >= max(shared + s.matchmaking_timeout, give_up_at):
@@ -169,7 +193,7 @@ class Matchmaker:
         for when its record expires, a hung one when its ready time has passed.
         """
         s = self.settings
-        believed = record.ready_at is not None and record.peer_id not in self.no_shows
+        believed = record is not None and record.ready_at is not None and record.peer_id not in self.no_shows
         expected = record.ready_at if believed else began
         return min(max(expected, began) + s.straggler_wait, began + s.max_wait)
 
@@ -222,6 +246,7 @@ class Matchmaker:
         polls = 0
         published_ours = False
         while True:
+            self._raise_if_interrupted()
             # A group already closed for this round wins over our own view of who is ready.
             members = self._published(key, gkey, live, compatible)
             if members is not None:
@@ -245,9 +270,11 @@ class Matchmaker:
                 workers = self.presence.live_workers()
                 self.presence.raise_if_behind(workers, key.outer_step)
                 live = set(workers) | {me}
+                moved_on = {p for p, r in workers.items() if r.outer_step > key.outer_step} - {me}
                 compatible |= self._compatible(self._announcements(announce_key), attempt, numel)
+                compatible -= moved_on
             self.doorbell.wait(str(key), attempt, s.poll_interval)
 
     def _raise_if_interrupted(self) -> None:
         if self.interrupted.is_set():
-            raise AveragingError("the worker is stopping: round abandoned")
+            raise Interrupted("the worker is stopping: round abandoned")

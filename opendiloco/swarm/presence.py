@@ -42,6 +42,7 @@ class Presence:
         self._progress: dict = {"outer_step": -1, "config": config}
         self._lock = threading.Lock()
         self._publishing: set = set()
+        self._left = False
         self._heartbeat = asyncio.run_coroutine_threadsafe(self._beat(), loop)
 
     def get(self, name: str, default=None):
@@ -67,6 +68,8 @@ class Presence:
             future.add_done_callback(self._publishing.discard)
 
     async def publish(self, left: bool = False) -> None:
+        if self._left and not left:  # a record published now would take back the one that says it left
+            return
         with self._lock:
             rec = records.WorkerRecord(peer_id=self.peer_id, time=get_dht_time(), left=left,
                                        **{k: v for k, v in self._progress.items()
@@ -140,6 +143,8 @@ class Presence:
                          majority_hash=best.global_hash)
 
     async def leave(self) -> None:
-        """Stops the heartbeat and tells the run this worker left (others stop waiting for it at once)."""
+        """Stops the heartbeat and tells the run this worker left (others stop waiting for it at once);
+        nothing is published after that."""
+        self._left = True
         self._heartbeat.cancel()
         await self.publish(left=True)

@@ -76,14 +76,16 @@ def drifted(workers: Mapping, me: str, mine: Claim, in_flight=frozenset()) -> Cl
     """The state the run confirms instead of ``mine`` at our outer step or behind it, if any (drift).
 
     Behind it: a worker that went on alone is the one that drifted, and goes back to the run's
-    state. Peers ``in_flight`` (members of our last round) that are behind us are not counted:
-    they have not yet published the result we hold.
+    state. Peers ``in_flight`` (members of our last round) that are behind us count for our
+    state: they hold it and have not yet published that they do (a group that went on together
+    is not pulled back by a claim with as many votes as it has).
     """
     counts: collections.Counter = collections.Counter({mine: 1})
     for peer, rec in workers.items():
         if peer == me or rec.outer_step < 0 or not rec.global_hash:
             continue
         if rec.outer_step < mine.outer_step and peer in in_flight:
+            counts[mine] += 1  # it applied our last round with us and is on its way to our state
             continue
         counts[Claim(rec.outer_step, rec.global_hash)] += 1
     best, votes = max(counts.items(), key=lambda kv: (kv[1], -kv[0].outer_step, kv[0] == mine))

@@ -18,13 +18,15 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import math
+import threading
+import time
 from dataclasses import asdict, dataclass, fields
 
 import hivemind
 import msgpack
 from hivemind.utils.timed_storage import get_dht_time
 
-from opendiloco.errors import AveragingError
+from opendiloco.errors import AveragingError, Interrupted
 from opendiloco.pacing import Pace
 
 from . import signing
@@ -116,11 +118,28 @@ class WorkerRecord:
 DHT_CALL_TIMEOUT = 30.0
 
 
-def wait_dht(future, what: str, timeout: float = DHT_CALL_TIMEOUT):
+INTERRUPT_POLL = 0.1
+"""Seconds between looks at the stop flag while a DHT call is awaited."""
+
+
+def wait_dht(future, what: str, timeout: float = DHT_CALL_TIMEOUT, interrupted: threading.Event | None = None):
     """The result of a DHT call, or ``AveragingError`` after ``timeout``: a call whose DHT process died
-    (or lost the request) would otherwise block the worker for ever."""
+    (or lost the request) would otherwise block the worker for ever. Once ``interrupted`` is set (the
+    worker is stopping) the call is abandoned within ``INTERRUPT_POLL`` seconds (``Interrupted``): a DHT
+    whose peers do not answer keeps a call waiting for seconds."""
+    deadline = time.monotonic() + timeout
     try:
-        return future.result(timeout)
+        while True:
+            if interrupted is None:
+                return future.result(timeout)
+            if interrupted.is_set():
+                future.cancel()
+                raise Interrupted(f"the worker is stopping: a DHT {what} abandoned")
+            try:
+                return future.result(max(0.0, min(INTERRUPT_POLL, deadline - time.monotonic())))
+            except (TimeoutError, concurrent.futures.TimeoutError):
+                if time.monotonic() >= deadline:
+                    raise
     except (TimeoutError, concurrent.futures.TimeoutError):  # distinct types before Python 3.11
         future.cancel()
         raise AveragingError(f"the DHT did not answer a {what} within {timeout:.0f}s") from None
@@ -129,11 +148,14 @@ def wait_dht(future, what: str, timeout: float = DHT_CALL_TIMEOUT):
 class RunRecords:
     """The run's records in the DHT, as one worker (or a reader such as ``opendiloco status``) sees them.
 
-    Writing needs the worker's ``Identity``; reading needs only the membership.
+    Writing needs the worker's ``Identity``; reading needs only the membership. ``interrupted``: the
+    worker's stop flag; once it is set, reads and writes give up at once (``Interrupted``).
     """
 
-    def __init__(self, dht: hivemind.DHT, membership: Membership, identity: Identity | None = None):
+    def __init__(self, dht: hivemind.DHT, membership: Membership, identity: Identity | None = None, *,
+                 interrupted: threading.Event | None = None):
         self.dht, self.membership, self.identity = dht, membership, identity
+        self.interrupted = interrupted
 
     # -- keys --------------------------------------------------------------------------------------
     def workers_key(self) -> str:
@@ -157,7 +179,7 @@ class RunRecords:
         """Stores ``value`` under ``key`` and this worker's peer id until ``expiration_time`` (DHT time)."""
         envelope = self._envelope(key, value, expiration_time)
         wait_dht(self.dht.store(key, envelope, expiration_time, subkey=self.identity.peer_id, return_future=True),
-                 "store")
+                 "store", interrupted=self.interrupted)
 
     async def store_async(self, key: str, value, expiration_time: float) -> None:
         envelope = self._envelope(key, value, expiration_time)
@@ -166,7 +188,8 @@ class RunRecords:
     # -- reading -----------------------------------------------------------------------------------
     def subkey_values(self, key: str, max_ttl: float) -> dict[str, object]:
         """All live, valid peer id -> value pairs stored under ``key`` (empty if none)."""
-        return self.live_subkeys(key, wait_dht(self.dht.get(key, latest=True, return_future=True), "get"), max_ttl)
+        found = wait_dht(self.dht.get(key, latest=True, return_future=True), "get", interrupted=self.interrupted)
+        return self.live_subkeys(key, found, max_ttl)
 
     def live_subkeys(self, key: str, found, max_ttl: float) -> dict[str, object]:
         """The unexpired, valid records of a ``dht.get`` answer for ``key``; a record set to expire more

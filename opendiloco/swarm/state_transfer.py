@@ -34,6 +34,11 @@ SERVE_WINDOW_S = 60.0
 SEND_TIMEOUT_BASE = 30.0
 MIN_RATE_BYTES_PER_S = 1 << 20
 """A requester reading slower than 1 MiB/s (plus 30 s) is dropped."""
+CONNECT_TIMEOUT = 10.0
+"""A donor that cannot be reached (behind NAT, gone, partitioned) within this is given up on, so the
+next candidate gets its turn instead of one silent donor taking the whole download's deadline."""
+STALL_TIMEOUT = 20.0
+"""A donor whose next frame does not come within this is given up on (frozen, or its link died)."""
 
 
 def _digest(payload) -> str:
@@ -50,6 +55,17 @@ class StateServer:
         self._serving: set[str] = set()
         self._served: dict[str, collections.deque] = {}
         """Recent serve times by peer (monotonic), for the per-peer rate limit."""
+        self.joiners: dict[str, tuple[int, float]] = {}
+        """Peers this worker served a whole state to: (its outer step, monotonic time). They continue
+        from it, so this worker's next round waits for them (``recent_joiners``) even before their
+        own progress record reaches it through the DHT."""
+
+    def recent_joiners(self, outer_step: int, within: float) -> set[str]:
+        """Peers served the state of ``outer_step`` in the last ``within`` seconds."""
+        now, joiners = time.monotonic(), dict(self.joiners)  # written on the event loop, read on the round thread
+        for peer in [p for p, (_, t) in joiners.items() if now - t > within]:
+            self.joiners.pop(peer, None)
+        return {p for p, (step, t) in joiners.items() if step == outer_step and now - t <= within}
 
     def _take_turn(self, peer: str) -> None:
         """Counts a request of ``peer``, or raises ``ProtocolError`` if it is over its share."""
@@ -92,6 +108,8 @@ class StateServer:
                         await stream.send(Code.STATE_PART, None, payload[i : i + CHUNK_BYTES])
 
                 # A requester that stops reading must not hold a slot for ever.
+                # Noted before it is sent: a round this worker starts meanwhile already waits for it.
+                self.joiners[stream.remote] = (outer_step, time.monotonic())
                 await asyncio.wait_for(send(), SEND_TIMEOUT_BASE + payload.nbytes / MIN_RATE_BYTES_PER_S)
         except Exception as e:
             await stream.refuse(str(e) if isinstance(e, ProtocolError) else type(e).__name__)
@@ -111,16 +129,20 @@ class StateServer:
 
 async def fetch_state(streams: P2PStreams, peer: str, min_outer_step: int | None, max_bytes: int) -> dict:
     """Downloads, checks (size, digest, type) and loads a peer's state."""
-    stream = await streams.connect(peer)
+    try:
+        stream = await asyncio.wait_for(streams.connect(peer), CONNECT_TIMEOUT)
+    except asyncio.TimeoutError:
+        raise ProtocolError(f"could not reach {peer[-8:]} within {CONNECT_TIMEOUT:.0f}s") from None
     try:
         await stream.send(Code.STATE_REQUEST, {"min_outer_step": min_outer_step})
-        head = await stream.recv(max_payload=0, expect=Code.STATE)
+        head = await _within(stream.recv(max_payload=0, expect=Code.STATE), peer)
         size = meta_field(head.meta, "size", int)
         if not 0 < size <= max_bytes:
             raise ProtocolError(f"state of {size} bytes announced; at most {max_bytes} accepted")
         payload = bytearray()
         while len(payload) < size:
-            frame = await stream.recv(max_payload=min(CHUNK_BYTES, size - len(payload)), expect=Code.STATE_PART)
+            frame = await _within(stream.recv(max_payload=min(CHUNK_BYTES, size - len(payload)),
+                                              expect=Code.STATE_PART), peer)
             if not frame.payload:
                 raise ProtocolError("empty state part")
             payload += frame.payload
@@ -132,6 +154,13 @@ async def fetch_state(streams: P2PStreams, peer: str, min_outer_step: int | None
     if not isinstance(state, dict):
         raise ProtocolError("state is not a dict")
     return state
+
+
+async def _within(awaitable, peer: str):
+    try:
+        return await asyncio.wait_for(awaitable, STALL_TIMEOUT)
+    except asyncio.TimeoutError:
+        raise ProtocolError(f"{peer[-8:]} sent nothing for {STALL_TIMEOUT:.0f}s") from None
 
 
 def _load(payload: bytearray):

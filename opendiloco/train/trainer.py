@@ -557,7 +557,7 @@ class Trainer:
             synced = self.opt.last_sync is not prev_sync
             tally.add(loss, time.perf_counter() - t0, sync_s=self.opt.blocked_s)
             result.losses.append(loss)
-            evaluated = self._maybe_evaluate(synced, tally)
+            evaluated = False if stopping else self._maybe_evaluate(synced, tally)  # a stop exits at once
             self._log_train(tally, grad_norm)
             if synced:
                 self._outer_step_done(tally, evaluated)

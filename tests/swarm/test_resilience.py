@@ -157,3 +157,35 @@ def test_quorum_not_reached_is_a_clear_failure_not_a_hang(swarm):
         assert not rec["ok"] and "need 3" in rec["reason"], rec
         os.kill(procs[i].pid, signal.SIGTERM)
     swarm.wait(procs, timeout=30)
+
+
+@pytest.mark.parametrize("fault", ["lose-confirms", "freeze"])
+def test_a_member_whose_round_failed_after_the_group_completed_it_ends_with_the_group(swarm, fault):
+    """The victim's round of outer step 2 fails on its side after the others completed it: their CONFIRMs
+    never reach it ("stream closed ... after 0 bytes" once they close), or it goes silent once its parts
+    and its shard are out. It asks them, and ends with their outcome: it applies the average it holds, or
+    adopts their state; under pace="swarm" it never carries the counted work into the next round. Every
+    worker holds the same θ_global at every outer step."""
+    swarm.bootstrap()
+    # The others wait 3 s (verify_timeout) for the frozen victim's CONFIRM, then apply; the victim gives up on
+    # its attempt after allreduce_timeout: the margin keeps that order on a busy machine.
+    opts = dict(outer_steps=4, local_steps=5, step_delay=0.02, min_group_size=3, pace="swarm",
+                straggler_wait=3, allreduce_timeout=15)
+    procs = [swarm.worker(f"w{i}", seed=i + 1, **opts) for i in range(2)]
+    procs.append(swarm.worker("victim", seed=7, fault_in_round=(2, fault), **opts))
+    swarm.wait(procs, timeout=240)
+    names = ["w0", "w1", "victim"]
+    for name in ("w0", "w1"):
+        assert sorted(ok_syncs(swarm, name)) == [1, 2, 3, 4], swarm.records(name)
+        assert ok_syncs(swarm, name)[3]["group_size"] == 3  # round 2 holds the victim's contribution
+    assert_hashes_agree(swarm, names, [1, 2, 3, 4])
+    rounds = [r for r in swarm.records("victim") if r["before"] == 2]
+    assert len(rounds) == 1, swarm.records("victim")  # one outcome for round 2: no retry without the others
+    r = rounds[0]
+    assert r["outer_step"] == 3 and r["global_hash"] == ok_syncs(swarm, "w0")[3]["global_hash"], r
+    if r["ok"]:  # it held every shard: it applies the very average the others applied
+        assert r["settled"] and r["group_size"] == 3, r
+    else:  # it adopted their state: its steps are not carried, they were contributed
+        assert r["counted"] and not r["carried"] and "the group completed round 2" in r["reason"], r["reason"]
+        assert fault == "freeze" and r["contributed"] > 0 and r["dropped"] == 0, r
+    print(f"\n{fault}: the victim {'applied its held average' if r['ok'] else 'adopted the group state'}")

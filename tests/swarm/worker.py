@@ -18,9 +18,65 @@ import torch
 
 from opendiloco import DiLoCoOptimizer
 from opendiloco.comm.aggregation import Aggregation
+from opendiloco.comm.runner import RoundRunner
+from opendiloco.comm.wire import Code
 from opendiloco.swarm.communicator import SwarmCommunicator, SwarmSettings
 from opendiloco.swarm.membership import RunSecret
 from opendiloco.swarm.node import start_dht
+
+
+class FaultyStream:
+    """A stream of a ``FaultyRunner``: ``lose-confirms`` swallows the CONFIRMs that reach it (and what follows
+    them until its own CONFIRMs are out); ``freeze`` makes the runner's streams go silent (nothing in or
+    out) once its parts and its shard's result are out."""
+
+    def __init__(self, stream, runner):
+        self.stream, self.runner, self.remote, self.parts = stream, runner, stream.remote, None
+
+    async def send(self, code, meta=None, payload=b""):
+        r = self.runner
+        if r.frozen:
+            return
+        await self.stream.send(code, meta, payload)
+        if code == Code.CONTRIBUTE:
+            self.parts = meta["parts"]
+        r.sent[code] = r.sent.get(code, 0) + (code != Code.PART or meta["i"] == self.parts - 1)
+        others = len(r.members) - 1
+        r.frozen = r.fault == "freeze" and r.sent.get(Code.PART) == others and r.sent.get(Code.RESULT_END) == others
+        if r.sent.get(Code.CONFIRM) == others:
+            r.confirmed.set()
+
+    async def recv(self, **kw):
+        while True:
+            if self.runner.frozen:
+                await asyncio.Event().wait()  # until the round gives up on us
+            frame = await self.stream.recv(**kw)
+            if not (self.runner.fault == "lose-confirms" and frame.code == Code.CONFIRM):
+                return frame
+            await self.runner.confirmed.wait()  # its own CONFIRMs go out before it sees the stream end
+
+    async def refuse(self, reason):
+        await self.stream.refuse(reason)
+
+    def close(self):
+        self.stream.close()
+
+
+class FaultyRunner(RoundRunner):
+    fault = None
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self.frozen, self.sent, self.confirmed = False, {}, asyncio.Event()
+
+    async def run(self, connect):
+        async def faulty(peer):
+            return FaultyStream(await connect(peer), self)
+
+        return await super().run(faulty)
+
+    async def serve(self, stream, opening):
+        return await super().serve(FaultyStream(stream, self), opening)
 
 
 class RecordingCommunicator(SwarmCommunicator):
@@ -29,6 +85,7 @@ class RecordingCommunicator(SwarmCommunicator):
     dump_dir = None
     stall_at: tuple[int, float] | None = None
     marker = None
+    fault: tuple[int, str] | None = None
 
     def _round(self, flat, weight, key, out, error_out=None):
         sent = flat.clone()
@@ -44,6 +101,18 @@ class RecordingCommunicator(SwarmCommunicator):
             with open(self.marker, "a") as f:  # tells the test we are inside the all-reduce
                 f.write(f"{group.key.outer_step} {time.time()}\n")
             await asyncio.sleep(self.stall_at[1])
+        if self.fault and self.fault[0] == group.key.outer_step:  # its first attempt only
+            s, fault = self.settings, self.fault[1]
+            self.fault = None
+            runner = FaultyRunner(group, self.peer_id, flat, weight, self.codec, out=out, part_numel=s.part_numel,
+                                  timeout=s.allreduce_timeout, confirm_timeout=s.verify_timeout,
+                                  result_codec=self.result_codec, error_out=error_out, aggregation=s.aggregation)
+            runner.fault = fault
+            await self.rounds.register(runner)
+            try:
+                return await runner.run(self.reduce_streams.connect)
+            finally:
+                self.rounds.finish(group.group_id)
         return await super()._data_plane(group, flat, weight, out, error_out)
 
 
@@ -67,6 +136,9 @@ def main():
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--stall-in-allreduce", nargs=2, type=float, default=None, metavar=("OUTER_STEP", "SECONDS"),
                    help="sleep inside the all-reduce of that outer step (the test kills or stops us there)")
+    p.add_argument("--fault-in-round", nargs=2, default=None, metavar=("OUTER_STEP", "FAULT"),
+                   help="lose-confirms: the others' CONFIRMs never reach us; freeze: our streams go silent once our "
+                        "parts and our shard's result are out (first attempt of that outer step's round)")
     p.add_argument("--poison-at", type=int, default=None, help="make the pseudo-gradient of this outer step NaN")
     p.add_argument("--corrupt-at", type=int, default=None,
                    help="perturb θ_global after the first ok sync at or after this outer step")
@@ -98,6 +170,8 @@ def main():
     if args.stall_in_allreduce:
         comm.stall_at = (int(args.stall_in_allreduce[0]), args.stall_in_allreduce[1])
         comm.marker = args.out + ".inround"
+    if args.fault_in_round:
+        comm.fault = (int(args.fault_in_round[0]), args.fault_in_round[1])
     stop = []
     signal.signal(signal.SIGTERM, lambda *_: (stop.append(1), comm.interrupt()))  # a round waiting gives up
 
@@ -157,6 +231,8 @@ def main():
                                       "weight": s.weight, "inner_steps_total": opt.inner_steps_total,
                                       "fragment": s.fragment, "bytes_sent": s.extra.get("bytes_sent"),
                                       "clipped": s.extra.get("clipped"), "capped": s.extra.get("capped"),
+                                      "settled": s.extra.get("settled"), "counted": s.extra.get("counted"),
+                                      "carried": s.extra.get("carried"),
                                       "time": time.time()}) + "\n")
                 out.flush()
     finally:
