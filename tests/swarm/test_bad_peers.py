@@ -111,11 +111,11 @@ def _resumable_run(run_dir: Path) -> Path:
     return CheckpointManager(run_dir).latest()
 
 
-def _bad_donor(swarm, tmp_path: Path, mode: str, config_args: list[str]):
+def _bad_donor(swarm, tmp_path: Path, mode: str, config_args: list[str], outer_step: int = 5):
     marker = tmp_path / f"donor-{mode}"
     fingerprint = config_fingerprint(load_config(None, [*SMALL, *config_args]))
     swarm.spawn([sys.executable, "-m", "tests.swarm.bad_donor", "--peers-file", str(swarm.peers_file), "--mode", mode,
-                 "--marker", str(marker), "--config", fingerprint], f"donor-{mode}")
+                 "--marker", str(marker), "--config", fingerprint, "--outer-step", str(outer_step)], f"donor-{mode}")
     _wait_for(lambda: Path(f"{marker}.up").exists(), 90, "bad donor")
     return marker
 
@@ -166,7 +166,8 @@ def test_ctrl_c_during_a_catch_up_download_stops_at_once_and_writes_the_checkpoi
     metrics = run_dir / "metrics.jsonl"
     _wait_for(lambda: metrics.is_file() and '"event": "outer_step"' in metrics.read_text(), 120, "first outer step",
               proc, swarm)
-    marker = _bad_donor(swarm, tmp_path, "stall", [])  # says it is at outer step 5: the worker is behind
+    # It says it is far ahead, whatever step the worker (alone until then, so fast) has reached.
+    marker = _bad_donor(swarm, tmp_path, "stall", [], outer_step=1_000_000)
     _wait_for(lambda: marker.exists(), 120, "state request", proc, swarm)
     time.sleep(1.0)
     sent = time.monotonic()
