@@ -4,8 +4,8 @@ Two pairs of CLI workers (two runs on one bootstrap) train with every wait set t
 In one pair a peer freezes (its whole process tree, as a host that vanished) before its round, so the
 other waits for it in matchmaking; in the other the peer freezes after it announced its round, so the
 other, which leads the group, waits for it in the exchange (up to ``allreduce_timeout``). Each waiting
-worker gets SIGTERM and must exit 0 with its checkpoint long before ``WAIT`` (a third of it, so that
-a slow machine does not matter).
+worker gets SIGTERM and must exit 0 with its checkpoint long before ``WAIT`` (half of it, so that
+a slow or loaded machine does not matter).
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ from opendiloco.swarm.signing import Identity
 from opendiloco.testing.proctree import descendants
 from tests.test_train_loop import SMALL
 
-pytestmark = [pytest.mark.swarm, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.swarm, pytest.mark.timeout(420)]
 
-WAIT = 120.0
+WAIT = 240.0
 """straggler_wait, max_wait, matchmaking_timeout and allreduce_timeout of every worker."""
 SLOW = 1.0
 """Seconds per inner step of each pair's slower worker (local_steps 4: a round every 4 s or so)."""
@@ -77,9 +77,9 @@ def _stop_and_time(swarm, proc, run_dir) -> float:
     sent = time.monotonic()
     proc.send_signal(signal.SIGTERM)
     try:
-        proc.wait(WAIT / 3)
+        proc.wait(WAIT / 2)
     except subprocess.TimeoutExpired:
-        pytest.fail(f"{name} still running {WAIT / 3:.0f}s after SIGTERM (it waits for its frozen peer):\n"
+        pytest.fail(f"{name} still running {WAIT / 2:.0f}s after SIGTERM (it waits for its frozen peer):\n"
                     f"{swarm.log(name)}")
     took = time.monotonic() - sent
     assert proc.returncode == 0, swarm.log(name)
