@@ -38,7 +38,8 @@ CONNECT_TIMEOUT = 10.0
 """A donor that cannot be reached (behind NAT, gone, partitioned) within this is given up on, so the
 next candidate gets its turn instead of one silent donor taking the whole download's deadline."""
 STALL_TIMEOUT = 20.0
-"""A donor whose next frame does not come within this is given up on (frozen, or its link died)."""
+"""A donor whose next part does not come within this, once it started sending, is given up on
+(frozen, or its link died)."""
 
 
 def _digest(payload) -> str:
@@ -135,7 +136,8 @@ async def fetch_state(streams: P2PStreams, peer: str, min_outer_step: int | None
         raise ProtocolError(f"could not reach {peer[-8:]} within {CONNECT_TIMEOUT:.0f}s") from None
     try:
         await stream.send(Code.STATE_REQUEST, {"min_outer_step": min_outer_step})
-        head = await _within(stream.recv(max_payload=0, expect=Code.STATE), peer)
+        # The head may wait while the donor serves others (its slots are few); the parts may not stall.
+        head = await stream.recv(max_payload=0, expect=Code.STATE)
         size = meta_field(head.meta, "size", int)
         if not 0 < size <= max_bytes:
             raise ProtocolError(f"state of {size} bytes announced; at most {max_bytes} accepted")
