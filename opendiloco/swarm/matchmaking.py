@@ -125,8 +125,7 @@ class Matchmaker:
                 self.taken, self._taken_for = set(), gkey
             # An announcement outlives its round in the DHT: a peer that has applied this round
             # has done it, and must not be grouped with by a worker that arrives late.
-            moved_on = {p for p, r in workers.items() if r.outer_step > key.outer_step} - {me}
-            announced_ok = self._compatible(ready, attempt, numel) - moved_on
+            announced_ok = self._compatible(ready, attempt, numel) - self._moved_on(workers, key)
             compatible = announced_ok - (self.taken - {me})
             # Peers heading for this round: at its outer step, or one behind with a streamed round
             # still in flight that they will apply before they come. Peers already in a group that
@@ -183,6 +182,10 @@ class Matchmaker:
         return {p for p, v in ready.items() if v.get("attempt") == attempt and v.get("numel") == numel
                 and v.get("codec") == self.codec_name and v.get("part") == s.part_numel
                 and v.get("config", "") == s.config}
+
+    def _moved_on(self, workers: dict, key: RoundKey) -> set[str]:
+        """Peers that have applied this round already (their announcement of it may still be read)."""
+        return {p for p, r in workers.items() if r.outer_step > key.outer_step} - {self.me}
 
     def _wait_until(self, record, began: float) -> float:
         """Until when (DHT time) a live peer that is not ready yet is waited for.
@@ -270,9 +273,8 @@ class Matchmaker:
                 workers = self.presence.live_workers()
                 self.presence.raise_if_behind(workers, key.outer_step)
                 live = set(workers) | {me}
-                moved_on = {p for p, r in workers.items() if r.outer_step > key.outer_step} - {me}
                 compatible |= self._compatible(self._announcements(announce_key), attempt, numel)
-                compatible -= moved_on
+                compatible -= self._moved_on(workers, key)
             self.doorbell.wait(str(key), attempt, s.poll_interval)
 
     def _raise_if_interrupted(self) -> None:

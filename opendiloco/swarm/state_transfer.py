@@ -57,7 +57,7 @@ class StateServer:
         self._served: dict[str, collections.deque] = {}
         """Recent serve times by peer (monotonic), for the per-peer rate limit."""
         self.joiners: dict[str, tuple[int, float]] = {}
-        """Peers this worker served a whole state to: (its outer step, monotonic time). They continue
+        """Peers this worker is serving or served its state to: (its outer step, monotonic time). They continue
         from it, so this worker's next round waits for them (``recent_joiners``) even before their
         own progress record reaches it through the DHT."""
 
