@@ -78,7 +78,8 @@ def run_swarm(work: Path, name: str, throttles: list[float], *, pace: str, h: in
                     "--optim.local-steps", str(h), "--optim.pace", pace, "--run.worker", f"worker-{r}",
                     "--run.dir", str(run_dir / f"worker-{r}"), "--run.progress", "false",
                     "--checkpoint.every-outer-steps", "0", "--swarm.initial-peers", *peers,
-                    "--swarm.host-maddrs", "/ip4/127.0.0.1/tcp/0", "--swarm.run-id", name]
+                    "--swarm.host-maddrs", "/ip4/127.0.0.1/tcp/0", "--swarm.run-id", name,
+                    "--swarm.open"]  # open on purpose: one machine, and the figures in docs/ were measured so
             procs.append(group.spawn(args, f"worker-{r}"))
         # The clock starts when every worker has written its start record (models built, swarm joined).
         deadline = time.monotonic() + 180

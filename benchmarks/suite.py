@@ -154,6 +154,7 @@ class Suite:
                 args = [sys.executable, "-m", "opendiloco", "train",
                         *self._common(steps, batch, run_dir / f"worker-{r}", f"worker-{r}"),
                         "--optim.local-steps", str(h), "--swarm.initial-peers", *peers,
+                        "--swarm.open",  # open on purpose: emulated links of this machine; docs' figures were so
                         "--swarm.host-maddrs", f"/ip4/{net.ip(r + 1)}/tcp/{net.port(r + 1, DHT_PORT)}",
                         "--swarm.run-id", name, "--swarm.compression", "fp16", "--swarm.min-group-size", str(n),
                         "--swarm.straggler-wait", "300", "--swarm.matchmaking-timeout", "600",

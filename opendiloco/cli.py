@@ -19,7 +19,8 @@ def _add_train(sub) -> None:
         "train", allow_abbrev=False, help="train a model with DiLoCo (alone, or in a swarm)",
         description="Train with DiLoCo. Any config key can be overridden after the options, e.g. "
                     "--optim.local-steps 50 --data.seq-len 256 --swarm.initial-peers ADDR1 ADDR2 "
-                    "(see docs/config.md).")
+                    "(see docs/config.md). A swarm worker needs the run's secret (OPENDILOCO_RUN_SECRET_FILE=FILE, "
+                    "FILE made once with `opendiloco secret FILE`), or --swarm.open for an open run (docs/trust.md).")
     p.add_argument("--config", "-c", type=Path, help="TOML config (e.g. configs/tiny.toml)")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in the run dir")
     p.add_argument("--print-config", action="store_true", help="print the resolved config as TOML and exit")

@@ -12,13 +12,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .comm.base import Communicator, CompletedWork, RoundKey, Work
+from .comm.base import Communicator, CompletedWork, RoundKey, SharedState, Work
 from .comm.buffers import FlatBuffer, all_finite, unflatten
 from .comm.local import SingleWorker
 from .errors import AveragingError, BehindError, DriftError, LocalRankFailure, RoundCounted
 from .outer import OptimizerFactory, OuterState, fragmented_hash, validate_tensors
 from .pacing import PACES, Pace, round_due, seconds_to_target
 from .staging import DeviceSnapshot
+from .state_check import Reference, adoptable_optimizer_state, check_state, reference_groups
 from .streaming import check_schedule, event_gap, event_start, fragment_of, fragments_from_groups, split_evenly
 
 log = logging.getLogger(__name__)
@@ -182,7 +183,10 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         for one) after the inner step: what a loop should count as time not training."""
         self._digests: list[str | None] = [None] * len(self.fragments)
         """Per fragment, the digest of its θ_global (None: to compute); see ``fragmented_hash``."""
-        self.communicator.attach_state_provider(self.shareable_state)
+        # The communicator serves our state, and bounds and checks what it downloads for us (so that it can
+        # go on to another donor when one serves a state we would refuse).
+        self.communicator.attach_state_provider(SharedState(self.shareable_state, self.shareable_state_bound(),
+                                                            self.check_shareable_state))
         self._global_changed()  # the swarm learns our outer step (and θ_global hash) at once
 
     # -- counters ---------------------------------------------------------------------------
@@ -616,6 +620,8 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
                 # in it if the group is still forming.
                 gap = self._gap(self._outer_step)
                 base, local = base - gap, gap - 1
+            elif self.pace == "fixed":  # read between the inner step that makes a round due and its start
+                local = min(local, self._gap(self._outer_step) - 1)
             return {
                 "outer": copy.deepcopy(self.outer.state_dict()),
                 "outer_step": self._outer_step,
@@ -631,41 +637,48 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         buffers = sum(b.numel() for b in self.outer.buffers)
         return 4 * (4 * values + buffers) + (16 << 20)
 
+    def _reference(self) -> Reference:
+        """What a peer's state must fit: this worker's model, outer optimizer settings and schedule."""
+        return Reference(global_params=self.outer.global_params,
+                         buffers=[torch.empty(b.shape, dtype=torch.float32, device="meta") for b in self.outer.buffers],
+                         param_groups=reference_groups(self.outer.optimizer, self.outer.global_params),
+                         fragments=self.fragments, local_steps=self.local_steps, pace=self.pace)
+
+    def check_shareable_state(self, state: dict, min_outer_step: int | None = None,
+                              expected_hash: str | None = None) -> None:
+        """Raises ``StateRefused`` (a ``ValueError`` naming the donor) for a peer's state that
+        ``load_shareable_state`` would refuse; changes nothing. What is checked: ``opendiloco.state_check``."""
+        check_state(state, self._reference(), min_outer_step=min_outer_step, expected_hash=expected_hash)
+
     @torch.no_grad()
     def load_shareable_state(self, state: dict, *, min_outer_step: int | None = None,
                              expected_hash: str | None = None, keep_local: list[torch.Tensor] | None = None) -> None:
         """Adopts a peer's θ_global and outer state; local weights restart from θ_global.
 
-        Everything is checked before anything changes: fields, counters (at least
-        ``min_outer_step``), shapes and dtypes, and θ_global's fingerprint if ``expected_hash``.
+        Everything is checked before anything changes (``opendiloco.state_check``): θ_global's shapes,
+        dtypes and fingerprint (against ``expected_hash``, or the ``confirmed_hash`` a download names),
+        the outer optimizer's settings (they must be this worker's own, which stay) and per-parameter
+        state (finite, bounded), the buffers, and the counters (at least ``min_outer_step``, and
+        consistent with this worker's ``local_steps`` and pace). A refused state raises
+        ``StateRefused``, a ``ValueError`` naming the donor.
 
         ``keep_local``: this worker's own pseudo-gradient; local weights restart from the new
         θ_global minus it (the work is carried, not lost), and this worker's counters stay its own.
         Under ``pace="fixed"`` a worker takes the peer's position in the round (its ``local_step``),
         so that it reaches the next outer step together with the group instead of holding it up.
         """
-        if not isinstance(state, dict) or not {"outer", "outer_step", "inner_steps_total"} <= state.keys():
-            raise ValueError("peer state is missing required fields")
-        if not all(isinstance(state[k], int) and state[k] >= 0 for k in ("outer_step", "inner_steps_total")):
-            raise ValueError("peer state has invalid step counters")
-        if min_outer_step is not None and state["outer_step"] < min_outer_step:
-            raise ValueError(f"peer state is at outer step {state['outer_step']}, not yet {min_outer_step}")
-        outer = state["outer"]
-        if not isinstance(outer, dict) or not {"global_params", "optimizer"} <= outer.keys():
-            raise ValueError("peer state's outer part needs 'global_params' and 'optimizer'")
-        validate_tensors(outer["global_params"], self.outer.global_params, "global_params")
         # A download names the hash the run confirmed (``confirmed_hash``, set by the receiver, never the donor).
-        expected_hash = expected_hash if expected_hash is not None else state.get("confirmed_hash")
-        if expected_hash is not None and fragmented_hash(outer["global_params"], self.fragments) != expected_hash:
-            raise ValueError(f"peer state's θ_global is not the one the run confirmed ({expected_hash})")
+        expected_hash = expected_hash if expected_hash is not None else (
+            state.get("confirmed_hash") if isinstance(state, dict) else None)
+        reference = self._reference()
+        check_state(state, reference, min_outer_step=min_outer_step, expected_hash=expected_hash)
+        outer = {"global_params": state["outer"]["global_params"],
+                 "optimizer": adoptable_optimizer_state(state, reference)}
         buffers = state.get("buffers", [])
-        validate_tensors(buffers, self.outer.buffer_values(), "buffers")
         peer_local = state.get("local_step", 0)
-        if not isinstance(peer_local, int) or isinstance(peer_local, bool) or peer_local < 0:
-            raise ValueError("peer state has an invalid local_step")
         self._wait_pending()
         with self._state_lock:
-            self.outer.load_state_dict(state["outer"])
+            self.outer.load_state_dict(outer)
             for b, src in zip(self.outer.buffers, buffers):
                 b.copy_(src)
             self._outer_step = state["outer_step"]

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Builds the image from this repo's Dockerfile and trains a small swarm in containers:
-# a DHT bootstrap and two workers (host network, 127.0.0.1), until the workers have averaged
+# a DHT bootstrap and two workers of a closed run (host network, 127.0.0.1; the run secret made by
+# the image's own `opendiloco secret`), until the workers have averaged
 # together for a few outer steps with equal global hashes; then `opendiloco status` from a
 # container, SIGTERM (each worker must checkpoint and exit 0, leaving no process behind), and
 # clean-up of everything this script created.
@@ -98,8 +99,8 @@ label="opendiloco-smoke=$tag"
 [ -n "$image" ] || image="localhost/opendiloco-smoke:$tag"
 made_image=0 made_base=0 server_pid="" child=""
 containers=("$tag-bootstrap" "$tag-worker-a" "$tag-worker-b")
-helpers=("$tag-status" "$tag-check")  # short-lived --rm containers, named so that clean-up finds them
-volumes=("$tag-runs" "$tag-swarm" "$tag-identity")
+helpers=("$tag-status" "$tag-check" "$tag-mksecret")  # short-lived --rm containers, named so that clean-up finds them
+volumes=("$tag-runs" "$tag-swarm" "$tag-identity" "$tag-secret")
 
 e() { "$engine" "$@"; }
 # A command with a time limit (timeout(1) ends it, and only it).
@@ -284,6 +285,15 @@ hc=()
 [ "$engine" = docker ] || hc=(--health-interval disable)
 common=(--network host --label "$label" "${hc[@]}" -v "$tag-runs:/data/runs" -v "$tag-swarm:/data/swarm")
 
+# A closed run, as every swarm is by default: the image's `opendiloco secret` writes the run secret (mode
+# 600) into a volume as the image's user (first mounted on /data/identity, a folder of the image that this
+# user owns, so the new volume becomes theirs); the workers and `status` read it, mounted read-only.
+within 120 "$engine" run --rm --name "$tag-mksecret" --label "$label" "${hc[@]}" -v "$tag-secret:/data/identity" \
+    "$image" secret /data/identity/run_secret >/dev/null 2>>"$work/engine.log" ||
+    { tail -n 5 "$work/engine.log" >&2; fail "could not make the run secret"; }
+secret_mount=(-v "$tag-secret:/data/secret:ro")
+secret_file=/data/secret/run_secret
+
 # Fixed ports, free now, each in its container's $OPENDILOCO_P2P_PORT (what the HEALTHCHECK watches).
 free_port() {
     python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])' 2>/dev/null ||
@@ -315,7 +325,7 @@ i=0
 for w in a b; do
     i=$((i + 1))
     e run -d --name "$tag-worker-$w" --hostname "$tag-worker-$w" "${common[@]}" -e "OPENDILOCO_P2P_PORT=${ports[$i]}" \
-        --entrypoint join_swarm.sh "$image" \
+        "${secret_mount[@]}" --entrypoint join_swarm.sh "$image" --secret-file "$secret_file" \
         --peers-file /data/swarm/bootstrap.addrs --wait 60 --listen-ip 127.0.0.1 --run-id "$tag" \
         --run-dir "/data/runs/worker-$w" -- --optim.local-steps 5 --train.batch-size 4 --train.total-steps 100000 \
         >/dev/null 2>>"$work/engine.log" || { tail -n 5 "$work/engine.log" >&2; fail "could not start worker $w"; }
@@ -385,7 +395,8 @@ done
 deadline=$((SECONDS + timeout_s))
 while :; do
     e rm -f -v "$tag-status" >/dev/null 2>&1 || true  # one a timeout left behind
-    status=$(within 120 "$engine" run --rm --name "$tag-status" --network host --label "$label" "${hc[@]}" "$image" status \
+    status=$(within 120 "$engine" run --rm --name "$tag-status" --network host --label "$label" "${hc[@]}" \
+        "${secret_mount[@]}" "$image" status --secret-file "$secret_file" \
         --swarm.initial-peers "$peer" --run-id "$tag" 2>>"$work/status.log" || true)
     last=$(printf '%s\n' "$status" | tail -n 1)
     case "$last" in *"2 live worker(s)"*) break ;; esac

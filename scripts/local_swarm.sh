@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# A whole swarm on one machine: one DHT bootstrap node and N training workers, on 127.0.0.1.
+# A whole swarm on one machine: one DHT bootstrap node and N training workers, on 127.0.0.1, in a
+# closed run: only workers started with the run's secret take part (docs/trust.md).
 #
 #   scripts/local_swarm.sh [-n WORKERS] [options] [-- more `opendiloco train` options]
 #
@@ -16,6 +17,12 @@
 #   --listen-ip IP      address everything listens on (default 127.0.0.1; 0.0.0.0 lets other
 #                       machines join too, with --bootstrap-port)
 #   --bootstrap-port P  fixed port for the bootstrap (default 0: any free port)
+#   --secret-file FILE  the run secret every worker is started with (default: $OPENDILOCO_RUN_SECRET or
+#                       $OPENDILOCO_RUN_SECRET_FILE if set, else <run dir>/run.secret, made by `opendiloco
+#                       secret` on the first start: 256 random bits, mode 600, kept for the next start).
+#                       A worker on another machine joins with a copy of the same file
+#   --open-run          no secret: an open run, which anyone who can reach a worker can join, vote on the
+#                       run's state, serve state to joiners, download the model and stall rounds
 #
 # Ctrl-C (or SIGTERM) stops exactly the processes this script started: the workers first (they
 # write a checkpoint and leave), then the bootstrap; anything still alive after a grace period
@@ -27,7 +34,7 @@ die() { echo "local_swarm.sh: $*" >&2; exit 2; }
 
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 workers=2 config="$root/configs/tiny.toml" run_dir=runs/local_swarm run_id=local
-listen_ip=127.0.0.1 bootstrap_port=0
+listen_ip=127.0.0.1 bootstrap_port=0 secret_file="" open_run=0
 while [ $# -gt 0 ]; do
     case "$1" in
         -h|--help) usage; exit 0 ;;
@@ -37,12 +44,26 @@ while [ $# -gt 0 ]; do
         --run-id) run_id=${2:?--run-id needs a value}; shift 2 ;;
         --listen-ip) listen_ip=${2:?--listen-ip needs a value}; shift 2 ;;
         --bootstrap-port) bootstrap_port=${2:?--bootstrap-port needs a value}; shift 2 ;;
+        --secret-file) secret_file=${2:?--secret-file needs a value}; shift 2 ;;
+        --open-run) open_run=1; shift ;;
         --) shift; break ;;
         *) die "unknown option: $1 (see --help)" ;;
     esac
 done
 case "$workers" in ''|*[!0-9]*|0) die "--workers must be a positive number, got '$workers'" ;; esac
 [ -f "$config" ] || die "config $config not found"
+if [ "$open_run" = 1 ]; then
+    [ -z "$secret_file" ] || die "--open-run and --secret-file: a run is either open or closed by its secret"
+    for v in OPENDILOCO_RUN_SECRET OPENDILOCO_RUN_SECRET_FILE; do
+        [ -z "${!v:-}" ] || die "--open-run, but \$$v is set (a closed run's secret): unset it, or drop --open-run"
+    done
+elif [ -z "$secret_file" ] && [ -z "${OPENDILOCO_RUN_SECRET:-}" ]; then
+    secret_file=${OPENDILOCO_RUN_SECRET_FILE:-}
+fi
+# $secret_file empty now: an open run, $OPENDILOCO_RUN_SECRET, or a new secret in the run dir (below).
+if [ -n "$secret_file" ]; then
+    [ -f "$secret_file" ] && [ -r "$secret_file" ] || die "run secret $secret_file is not a readable file"
+fi
 
 if command -v opendiloco >/dev/null 2>&1; then
     opendiloco=(opendiloco)
@@ -55,6 +76,25 @@ fi
 mkdir -p "$run_dir/logs"
 addrs_file="$run_dir/bootstrap.addrs"
 rm -f "$addrs_file"
+
+# The run secret (closed by default), or an open run chosen with --open-run.
+train_args=()
+if [ "$open_run" = 1 ]; then
+    train_args=(--swarm.open)
+    echo "an OPEN run (--open-run): anyone who can reach a worker can join it, vote on the run's state, serve" \
+        "state to joiners, download the model and stall rounds"
+elif [ -z "$secret_file" ] && [ -n "${OPENDILOCO_RUN_SECRET:-}" ]; then
+    echo "run secret: \$OPENDILOCO_RUN_SECRET (a closed run)"
+else
+    if [ -z "$secret_file" ]; then
+        secret_file=$run_dir/run.secret
+        if [ ! -e "$secret_file" ]; then
+            out=$("${opendiloco[@]}" secret "$secret_file" 2>&1) || die "$out"
+        fi
+        [ -f "$secret_file" ] && [ -r "$secret_file" ] || die "run secret $secret_file is not a readable file"
+    fi
+    echo "run secret: $secret_file (a closed run: only workers started with it take part)"
+fi
 
 pids=() names=()
 stopping=0
@@ -116,15 +156,22 @@ done
 mapfile -t peers < "$addrs_file"
 echo "bootstrap: ${peers[*]}"
 
+# The workers' secret (the bootstrap needs none: it stores signed records and cannot read a closed run's).
+if [ -n "$secret_file" ]; then
+    unset OPENDILOCO_RUN_SECRET  # the file named here wins over a value in the environment
+    export OPENDILOCO_RUN_SECRET_FILE=$secret_file
+fi
 for ((i = 0; i < workers; i++)); do
     resume=()
     [ ! -d "$run_dir/worker-$i" ] || resume=(--resume)
     start "worker-$i" "${opendiloco[@]}" train --config "$config" "${resume[@]}" \
         --swarm.initial-peers "${peers[@]}" --swarm.host-maddrs "/ip4/$listen_ip/tcp/0" \
-        --swarm.run-id "$run_id" --run.worker "worker-$i" --run.dir "$run_dir/worker-$i" "$@"
+        --swarm.run-id "$run_id" --run.worker "worker-$i" --run.dir "$run_dir/worker-$i" "${train_args[@]}" "$@"
 done
 echo "watch:  tail -f $run_dir/logs/worker-*.log"
-echo "status: ${opendiloco[*]} status --swarm.initial-peers ${peers[0]} --run-id $run_id"
+status_secret=""
+[ -z "$secret_file" ] || status_secret=" --secret-file $secret_file"
+echo "status: ${opendiloco[*]} status$status_secret --swarm.initial-peers ${peers[0]} --run-id $run_id"
 
 status=0
 for i in "${!pids[@]}"; do

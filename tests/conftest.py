@@ -1,13 +1,26 @@
-"""Shared test helpers: seeding, and running one function per replica in threads."""
+"""Shared test helpers: seeding, running one function per replica in threads, and the test tiers.
+
+Tiers: a test is in the fast tier (``-m fast``) unless it starts real swarms (``swarm``), plays a
+world scenario (``world``) or is marked ``slow`` (several processes, or seconds of training); one
+small real swarm is marked ``fast`` on purpose. The full suite runs everything, longest kinds first
+and shared alike between its parallel processes (pytest-xdist), so that they finish together.
+"""
 
 from __future__ import annotations
 
-import threading
-import time
-from collections.abc import Callable, Sequence
+import os
 
-import pytest
-import torch
+# One compute thread per process: the suite runs in parallel processes (-n 2) that each start more
+# (workers, DHT daemons); torch's default of one thread per core would oversubscribe the cores many
+# times over. Set before torch is imported, and inherited by every process a test starts.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import threading  # noqa: E402
+import time  # noqa: E402
+from collections.abc import Callable, Sequence  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -54,3 +67,21 @@ def run_replicas():
         return run_in_threads([lambda r=r: fn(r) for r in range(n)], timeout=timeout)
 
     return run
+
+
+_HEAVY = ("world", "swarm", "slow")
+"""Markers of the tests kept out of the fast tier, in the order the full suite starts them."""
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if not any(item.get_closest_marker(m) for m in _HEAVY):
+            item.add_marker(pytest.mark.fast)
+
+    def cost(item) -> int:  # a stable sort: files keep their order within a kind
+        return next((i for i, m in enumerate(_HEAVY) if item.get_closest_marker(m)), len(_HEAVY))
+
+    # Longest kinds first, dealt into two halves alike: xdist's work stealing hands each of two
+    # processes one contiguous half, and each should start with its share of the long tests.
+    ordered = sorted(items, key=cost)
+    items[:] = ordered[0::2] + ordered[1::2]

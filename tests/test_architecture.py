@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "opendiloco"
-CORE = ["optimizer.py", "outer.py", "pacing.py", "streaming.py", "staging.py", "fingerprint.py", "errors.py",
-        "comm/base.py", "comm/buffers.py", "comm/compression.py", "comm/local.py", "comm/ranks.py",
+CORE = ["optimizer.py", "outer.py", "pacing.py", "streaming.py", "staging.py", "state_check.py", "fingerprint.py",
+        "errors.py", "comm/base.py", "comm/buffers.py", "comm/compression.py", "comm/local.py", "comm/ranks.py",
         "comm/aggregation.py"]
 
 

@@ -72,6 +72,7 @@ def test_resume_falls_back_from_a_damaged_checkpoint_to_the_previous_intact_one(
     assert train(_config(clean, "--train.total-steps", "12"), resume=True).losses == resumed.losses
 
 
+@pytest.mark.slow
 def test_no_intact_checkpoint_is_one_line_and_changes_nothing(tmp_path):
     run_dir = tmp_path / "run"
     mgr = _two_checkpoints(run_dir)
@@ -91,6 +92,7 @@ def test_no_intact_checkpoint_is_one_line_and_changes_nothing(tmp_path):
     assert sorted(p.name for p in mgr.steps()) == ["step-000000004.pt", "step-000000008.pt"]  # nothing renamed either
 
 
+@pytest.mark.slow
 def test_a_checkpoint_of_another_model_shape_is_one_line_and_changes_nothing(tmp_path):
     run_dir = tmp_path / "run"
     _two_checkpoints(run_dir)
@@ -126,6 +128,7 @@ def _file_size_limit(limit: int):
     return apply
 
 
+@pytest.mark.slow
 def test_a_checkpoint_that_does_not_fit_on_disk_is_one_line_and_keeps_the_previous_one(tmp_path):
     """RLIMIT_FSIZE makes every write past 64 KiB fail as a full disk does (EFBIG instead of ENOSPC)."""
     run_dir = tmp_path / "run"
@@ -150,6 +153,7 @@ def _tmpfs_unavailable() -> str | None:
     return None if probe.returncode == 0 else f"cannot mount a tmpfs here: {probe.stderr.strip()}"
 
 
+@pytest.mark.slow
 def test_a_full_disk_is_one_line_and_keeps_the_previous_checkpoint(tmp_path):
     """A real full disk: a tmpfs of its own (in a private mount namespace, gone when the run ends),
     filled up after the first checkpoints so that the next one cannot be written."""

@@ -13,7 +13,7 @@ from opendiloco.train.metrics import read_metrics
 from tests.test_train_loop import SMALL
 
 ROOT = Path(__file__).resolve().parents[1]
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
 
 def _run(tmp_path: Path, name: str, world: int, steps: int = 6) -> list[dict]:

@@ -196,6 +196,7 @@ sys.stdout.buffer.write(codec.from_bytes(payload, n).numpy().tobytes())
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", BLOCK_SCALED)
 def test_another_process_encodes_and_decodes_the_same_bytes(tmp_path, name):
     """What every peer relies on: the same values give the same payload, and the same payload the

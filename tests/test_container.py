@@ -101,13 +101,18 @@ def test_smoke_script_help():
 # -- join_swarm.sh and a peers file older than its bootstrap (a compose project restarted) ---------
 
 def _fake_opendiloco(tmp_path: Path) -> tuple[dict, Path]:
-    """PATH with an `opendiloco` that only records that it was started."""
+    """PATH with an `opendiloco` that only records that it was started, and a run secret (as compose gives)."""
+    from opendiloco.swarm.membership import new_secret_file
+
     bin_dir, started = tmp_path / "bin", tmp_path / "started"
     bin_dir.mkdir()
     fake = bin_dir / "opendiloco"
     fake.write_text(f"#!/bin/sh\necho \"$@\" > {started}\n")
     fake.chmod(0o755)
-    return {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}, started
+    secret = tmp_path / "run.secret"
+    new_secret_file(str(secret))
+    env = {k: v for k, v in os.environ.items() if k != "OPENDILOCO_RUN_SECRET"}
+    return {**env, "PATH": f"{bin_dir}:{os.environ['PATH']}", "OPENDILOCO_RUN_SECRET_FILE": str(secret)}, started
 
 
 def test_join_swarm_sh_waits_until_a_peer_in_the_file_listens(tmp_path):

@@ -199,22 +199,114 @@ def test_compose_workers_join_the_bootstrap_by_service_name():
         assert "opendiloco.swarm.health" in " ".join(svc["healthcheck"]["test"])
 
 
+def test_compose_runs_are_closed_by_a_secret_every_worker_and_status_read():
+    """The workers and `status` get the run secret as a compose secret (a file the user makes with
+    `opendiloco secret`); the bootstrap needs none (it stores signed records it cannot read)."""
+    spec = compose()
+    services = spec["services"]
+    [name] = spec["secrets"]
+    assert spec["secrets"][name]["file"] == "${OPENDILOCO_RUN_SECRET_FILE:-./run.secret}"
+    mounted = f"/run/secrets/{name}"  # where compose mounts a secret given by its name
+    worker, status = services["worker"], services["status"]
+    assert worker["secrets"] == [name] and option(worker["command"], "--secret-file") == [mounted]
+    assert status["secrets"] == [name] and f"status --secret-file {mounted} " in status["command"][0]
+    assert "secrets" not in services["bootstrap"]
+    assert "--open-run" not in worker["command"]
+    assert "*.secret" in (ROOT / ".gitignore").read_text().split()
+    assert "**/*.secret" in (ROOT / ".dockerignore").read_text().split()  # never in a build context
+
+
 def test_compose_worker_command_is_what_join_swarm_sh_accepts(tmp_path):
-    """Runs the worker's entry script with the compose arguments (dry run) against a fake address file."""
+    """Runs the worker's entry script with the compose arguments (dry run) against a fake address file
+    and a secret where compose would mount it."""
+    from opendiloco.swarm.membership import new_secret_file
+
     worker = compose()["services"]["worker"]
     args = [re.sub(r"\$\{(\w+):-([^}]*)\}", r"\2", a) for a in worker["command"]]
     addrs = tmp_path / "bootstrap.addrs"
     addrs.write_text("/dns4/bootstrap/tcp/31337/p2p/12D3KooWGgEAuNWLZb7GVo74gmgpNRfhpY9vUm7b21qfyvqF9wGL\n")
+    secret = tmp_path / "run_secret"
+    new_secret_file(str(secret))
     args[args.index("--peers-file") + 1] = str(addrs)
     args[args.index("--config") + 1] = str(ROOT / "configs/tiny.toml")
+    args[args.index("--secret-file") + 1] = str(secret)
     proc = subprocess.run(["bash", str(ROOT / "scripts/join_swarm.sh"), "--dry-run", *args],
-                          capture_output=True, text=True, timeout=30)
+                          capture_output=True, text=True, timeout=30, env=_no_secret_env())
     assert proc.returncode == 0, proc.stderr
     cmd = shlex.split(proc.stdout)
     assert cmd[1] == "train"
     assert option(cmd, "--swarm.initial-peers") == [addrs.read_text().strip()]
     assert option(cmd, "--swarm.host-maddrs") == [f"/ip4/0.0.0.0/tcp/{health.DEFAULT_PORT}"]
+    assert option(cmd, "--swarm.secret-file") == [str(secret)] and "--swarm.open" not in cmd
     assert "--resume" in cmd
+
+
+def _no_secret_env(**extra) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("OPENDILOCO_RUN_SECRET", "OPENDILOCO_RUN_SECRET_FILE")}
+    return {**env, **extra}
+
+
+def test_join_swarm_sh_needs_a_secret_or_an_open_run(tmp_path):
+    """Closed by default: without a secret (option, environment or config) it refuses before any wait,
+    in one line; --open-run is the explicit choice of an open run."""
+    from opendiloco.swarm.membership import new_secret_file
+
+    script, peer = str(ROOT / "scripts/join_swarm.sh"), "/ip4/1.2.3.4/tcp/1/p2p/X"
+    secret = tmp_path / "run.secret"
+    new_secret_file(str(secret))
+
+    def dry_run(*args, **env):
+        return subprocess.run(["bash", script, "--dry-run", *args], capture_output=True, text=True, timeout=60,
+                              env=_no_secret_env(**env))
+
+    proc = dry_run("--peers-file", str(tmp_path / "never-written"), "--wait", "600")  # refused before the wait
+    assert proc.returncode == 2 and proc.stdout == "" and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert proc.stderr.startswith("join_swarm.sh: no run secret: give the run's secret file with --secret-file FILE")
+    for said in ("opendiloco secret FILE", "--open-run", "vote on the run's state", "stall rounds"):
+        assert said in proc.stderr, said
+    for args, env, message in [
+            (["--open-run", "--secret-file", str(secret)], {}, "a run is either open or closed"),
+            (["--open-run"], {"OPENDILOCO_RUN_SECRET_FILE": str(secret)}, "$OPENDILOCO_RUN_SECRET_FILE is set"),
+            (["--secret-file", str(tmp_path / "missing")], {}, "missing or not readable"),
+            ([], {"OPENDILOCO_RUN_SECRET_FILE": str(tmp_path / "missing")}, "missing or not readable")]:
+        proc = dry_run(peer, *args, **env)
+        assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1 and message in proc.stderr, \
+            (args, proc.stderr)
+
+    def command(*args, **env):
+        proc = dry_run(peer, *args, **env)  # options after the peer, and `-- train options` last
+        assert proc.returncode == 0, proc.stderr
+        return shlex.split(proc.stdout)
+
+    cmd = command("--open-run")
+    assert "--swarm.open" in cmd and "--swarm.secret-file" not in cmd
+    cmd = command("--secret-file", str(secret))
+    assert option(cmd, "--swarm.secret-file") == [str(secret)] and "--swarm.open" not in cmd
+    for env in ({"OPENDILOCO_RUN_SECRET_FILE": str(secret)}, {"OPENDILOCO_RUN_SECRET": "x" * 32}):
+        cmd = command(**env)  # the trainer reads the same variable
+        assert "--swarm.open" not in cmd and "--swarm.secret-file" not in cmd
+    config = tmp_path / "closed.toml"
+    config.write_text(f"[swarm]\nsecret_file = {str(secret)!r}\n")
+    assert "--swarm.open" not in command("--config", str(config))
+    assert command("--", "--swarm.open")[-1] == "--swarm.open"
+
+
+def test_local_swarm_sh_refuses_an_open_run_with_a_secret_before_starting_anything(tmp_path):
+    """The main job is closed by default (tests/swarm/test_train_cli.py runs it); a contradiction between
+    --open-run and a secret, or a secret it cannot read, is one line and nothing is made."""
+    script, run_dir = str(ROOT / "scripts/local_swarm.sh"), tmp_path / "run"
+    secret = tmp_path / "run.secret"
+    secret.write_text("0" * 64 + "\n")
+    for args, env, message in [
+            (["--open-run", "--secret-file", str(secret)], {}, "a run is either open or closed"),
+            (["--open-run"], {"OPENDILOCO_RUN_SECRET": "x" * 32}, "$OPENDILOCO_RUN_SECRET is set"),
+            (["--secret-file", str(tmp_path / "missing")], {}, "is not a readable file"),
+            ([], {"OPENDILOCO_RUN_SECRET_FILE": str(tmp_path / "missing")}, "is not a readable file")]:
+        proc = subprocess.run(["bash", script, "--run-dir", str(run_dir), *args], capture_output=True, text=True,
+                              timeout=60, env=_no_secret_env(**env))
+        assert proc.returncode == 2 and proc.stdout == "" and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+        assert proc.stderr.startswith("local_swarm.sh: ") and message in proc.stderr, (args, proc.stderr)
+        assert not run_dir.exists()
 
 
 def test_join_swarm_sh_refuses_bad_input():
@@ -223,10 +315,12 @@ def test_join_swarm_sh_refuses_bad_input():
                           (["/ip4/198.51.100.1/tcp/31337"], "/p2p/"),
                           (["--port", "x", "/ip4/1.2.3.4/tcp/1/p2p/X"], "--port"),
                           (["--public-ip", "203.0.113.7", "/ip4/1.2.3.4/tcp/1/p2p/X"], "fixed --port")]:
-        proc = subprocess.run(["bash", script, "--dry-run", *args], capture_output=True, text=True, timeout=30)
+        proc = subprocess.run(["bash", script, "--dry-run", "--open-run", *args], capture_output=True, text=True,
+                              timeout=30, env=_no_secret_env())
         assert proc.returncode == 2 and message in proc.stderr, (args, proc.stderr)
-    proc = subprocess.run(["bash", script, "--dry-run", "--port", "31337", "--public-ip", "203.0.113.7",
-                           "--client-mode", "/ip4/1.2.3.4/tcp/1/p2p/X"], capture_output=True, text=True, timeout=30)
+    proc = subprocess.run(["bash", script, "--dry-run", "--open-run", "--port", "31337", "--public-ip", "203.0.113.7",
+                           "--client-mode", "/ip4/1.2.3.4/tcp/1/p2p/X"], capture_output=True, text=True, timeout=30,
+                          env=_no_secret_env())
     cmd = shlex.split(proc.stdout)
     assert option(cmd, "--swarm.announce-maddrs") == ["/ip4/203.0.113.7/tcp/31337"]
     assert "--swarm.client-mode" in cmd

@@ -20,7 +20,7 @@ from opendiloco.comm import LocalRanks, SingleWorker
 from opendiloco.errors import BehindError, RoundCounted
 from opendiloco.pacing import Pace
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
 H = 3
 

@@ -215,3 +215,82 @@ def test_the_config_fingerprint_covers_what_workers_must_share_and_nothing_else(
     for override in (["--optim.lr", "1e-3"], ["--train.batch-size", "4"], ["--run.worker", "other"],
                      ["--swarm.allreduce-timeout", "5"], ["--data.seq-len", "64"], ["--optim.pace", "fixed"]):
         assert config_fingerprint(load_config(None, override)) == base, override
+
+
+# -- closed by default: a swarm worker needs a run secret, or an open run chosen explicitly -------------
+
+A_PEER = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWGgEAuNWLZb7GVo74gmgpNRfhpY9vUm7b21qfyvqF9wGL"
+NO_SECRET_ENV = ("OPENDILOCO_RUN_SECRET", "OPENDILOCO_RUN_SECRET_FILE")
+
+
+def test_a_swarm_worker_without_a_secret_or_the_open_choice_refuses_in_one_line(tmp_path):
+    """As users run it: one line that says how to close the run or open it, exit 2, nothing built or joined."""
+    import os
+
+    from tests.test_train_loop import SMALL
+
+    run_dir = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if k not in NO_SECRET_ENV}
+    proc = subprocess.run([sys.executable, "-m", "opendiloco", "train", *SMALL, "--run.dir", str(run_dir),
+                           "--swarm.initial-peers", A_PEER], capture_output=True, text=True, timeout=120, cwd=ROOT,
+                          env=env)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert lines[0].startswith("opendiloco train: this worker would join a swarm without a run secret"), lines[0]
+    for advice in ("opendiloco secret FILE", "OPENDILOCO_RUN_SECRET_FILE=FILE", "[swarm] secret_file",
+                   "--swarm.open", "vote on the run's state", "stall its rounds"):
+        assert advice in lines[0], advice
+    assert not run_dir.exists()
+
+
+@pytest.fixture
+def no_secret_env(monkeypatch):
+    for name in NO_SECRET_ENV:
+        monkeypatch.delenv(name, raising=False)
+    return monkeypatch
+
+
+def test_an_open_run_is_a_choice_that_says_what_it_allows(no_secret_env, caplog):
+    from opendiloco.train.trainer import check_membership
+
+    assert check_membership(load_config(None)) is False  # training alone needs no secret and says nothing
+    assert check_membership(load_config(None, ["--swarm.open"])) is False
+    assert not caplog.records
+    with caplog.at_level("WARNING", logger="opendiloco.train.trainer"):
+        assert check_membership(load_config(None, ["--swarm.initial-peers", A_PEER, "--swarm.open"])) is False
+    [record] = caplog.records
+    said = record.getMessage()
+    assert said.startswith("run 'opendiloco' is OPEN"), said
+    for allowed in ("anyone who can reach one of its workers can join it", "vote on the run's state",
+                    "serve state to workers that join or catch up", "download the model", "stall its rounds",
+                    "opendiloco secret FILE"):
+        assert allowed in said, allowed
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="opendiloco.train.trainer"):  # the other processes of a torchrun worker
+        check_membership(load_config(None, ["--swarm.initial-peers", A_PEER, "--swarm.open"]), warn=False)
+    assert not caplog.records
+
+
+def test_a_closed_run_needs_no_choice_and_a_secret_cannot_be_open_too(no_secret_env, tmp_path, capsys):
+    from opendiloco.errors import SwarmError
+    from opendiloco.swarm.membership import new_secret_file
+    from opendiloco.train.trainer import check_membership
+
+    secret = tmp_path / "run.secret"
+    new_secret_file(str(secret))
+    swarm = ["--swarm.initial-peers", A_PEER]
+    assert check_membership(load_config(None, [*swarm, "--swarm.secret-file", str(secret)])) is True
+    no_secret_env.setenv("OPENDILOCO_RUN_SECRET_FILE", str(secret))
+    assert check_membership(load_config(None, swarm)) is True
+    with pytest.raises(SwarmError, match=r"^\[swarm\] open \(--swarm.open\) asks for an open run, but a run secret "
+                                         r"is given \(file .*run.secret\)"):
+        check_membership(load_config(None, [*swarm, "--swarm.open"]))
+    # The CLI says so in one line, before anything is built (a run dir is never made).
+    code, out, err = run_cli(capsys, "train", "--run.dir", str(tmp_path / "r"), *swarm, "--swarm.open")
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "is either closed by its secret or open" in err, err
+    no_secret_env.setenv("OPENDILOCO_RUN_SECRET_FILE", str(tmp_path / "missing"))
+    code, out, err = run_cli(capsys, "train", "--run.dir", str(tmp_path / "r"), *swarm)
+    missing = str(tmp_path / "missing")
+    assert code == 2 and err.strip() == f"opendiloco train: run secret file {missing!r} does not exist", err
+    assert not (tmp_path / "r").exists()

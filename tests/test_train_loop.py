@@ -164,6 +164,7 @@ def _wait_for(predicate, timeout):
     return False
 
 
+@pytest.mark.slow
 def test_cli_train_subprocess_stops_cleanly_on_sigint_and_resumes(tmp_path):
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "opendiloco.cli", "train", *SMALL, "--run.dir", str(run_dir),

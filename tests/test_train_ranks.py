@@ -34,6 +34,7 @@ def _records(run_dir: Path, event: str) -> list[dict]:
     return [r for r in map(json.loads, lines) if r["event"] == event]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_checkpoint_of_a_worker_resumes_on_another_number_of_processes(tmp_path):
     # The reference: one process throughout, in this one.
@@ -68,6 +69,7 @@ def test_torchrun_environment_is_checked():
     assert not WorkerRanks.from_env({}).multi
 
 
+@pytest.mark.slow
 def test_an_uneven_batch_is_one_line(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3",
                            "-m", "opendiloco", "train", *SMALL, "--run.dir", str(tmp_path / "r")],

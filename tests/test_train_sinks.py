@@ -50,6 +50,7 @@ def test_a_failing_sink_is_turned_off_and_the_others_go_on():
 
 @pytest.mark.skipif(importlib.util.find_spec("tensorboard") is None or importlib.util.find_spec("wandb") is None,
                     reason="needs the wandb and tensorboard extras")
+@pytest.mark.slow
 def test_a_run_logs_to_tensorboard_and_offline_wandb(tmp_path, monkeypatch):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

@@ -112,6 +112,24 @@ StateProvider = Callable[[], dict]
 """Returns the state a late joiner needs (see ``DiLoCoOptimizer.shareable_state``)."""
 
 
+@dataclass(frozen=True)
+class SharedState:
+    """A worker's state for joiners, and what it would adopt: the provider ``DiLoCoOptimizer`` attaches.
+
+    Calling it serves ``serve()``. A transport that downloads for this worker refuses a state larger
+    than ``max_bytes`` (the model's bound) before reading it, and one that ``check(state,
+    min_outer_step)`` refuses (``ValueError``) before handing it over, so that it can go on to
+    another donor (``opendiloco.state_check``).
+    """
+
+    serve: StateProvider
+    max_bytes: int
+    check: Callable[..., None]
+
+    def __call__(self) -> dict:
+        return self.serve()
+
+
 class Communicator(ABC):
     """Averages a flat vector across the workers of a group, once per round key."""
 

@@ -22,6 +22,7 @@ of it raises ``BehindError`` so that its optimizer downloads state (state_transf
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import enum
 import logging
@@ -34,7 +35,6 @@ from dataclasses import field as dataclass_field
 import hivemind
 import torch
 import uvloop
-from hivemind.utils.timed_storage import get_dht_time
 
 from ..comm.aggregation import Aggregation
 from ..comm.base import AverageResult, Communicator, FutureWork, RoundKey, StateProvider, Work
@@ -51,10 +51,11 @@ from .node import start_dht, visible_maddrs
 from .presence import Presence
 from .quorum import confirmed
 from .signing import Identity
-from .state_transfer import StateServer, fetch_state
+from .state_transfer import StateServer, download_bound, fetch_state, own_check
 from .streams import P2PStreams
 
 log = logging.getLogger(__name__)
+
 
 
 @dataclass
@@ -294,8 +295,8 @@ class SwarmCommunicator(Communicator):
         while True:
             try:
                 found = await self.dht.get(key, latest=True, return_future=True)
-                self._workers_snapshot = self.presence.same_settings(
-                    records.parse_workers(self.records.live_subkeys(key, found, self.presence.max_ttl)))
+                workers = self.records.workers_from(found, self.presence.max_ttl)
+                self._workers_snapshot = self.presence.same_settings(workers)
             except Exception as e:  # the DHT may be busy or shutting down: keep the last snapshot
                 log.debug("refreshing the workers snapshot: %s", e)
             await asyncio.sleep(interval)
@@ -370,7 +371,7 @@ class SwarmCommunicator(Communicator):
                 continue
             self.state = RoundState.DONE
             self.presence.last_group = set(group.members)
-            self.report_progress(last_sync_time=get_dht_time())
+            self.report_progress(last_sync_time=self.records.clock.now())
             return AverageResult(outcome.flat, group.members, outcome.total_weight, time.perf_counter() - began,
                                  extra={"attempts": len(errors) + 1, "group_id": group.group_id,
                                         "digest": outcome.digest, "transfer_s": outcome.seconds,
@@ -435,7 +436,10 @@ class SwarmCommunicator(Communicator):
         """The state the run confirms (``quorum``), from a live peer that holds it; None if the run has
         no other live worker. The returned state names that hash (``confirmed_hash``, set here, never
         by the donor), and ``load_shareable_state`` adopts it only if θ_global matches."""
-        max_bytes = max_bytes if max_bytes is not None else 64 << 30
+        # This worker's own state (the optimizer's) bounds and checks what it downloads: a donor that
+        # serves a state it would refuse is named, and the next donor is asked.
+        max_bytes = download_bound(max_bytes, self.state_server.provider)
+        check = own_check(self.state_server.provider)
         deadline = time.monotonic() + timeout
         errors: dict[str, str] = {}
         while True:
@@ -448,21 +452,25 @@ class SwarmCommunicator(Communicator):
                 return None
             if majority_hash is not None and any(r.global_hash == majority_hash for r in others):
                 wanted = majority_hash
+                # The step most of its holders say it is at: a record that pairs the hash with another
+                # step (10**6, say) is no donor.
+                steps = collections.Counter(r.outer_step for r in others if r.global_hash == wanted)
+                wanted_step = max(steps, key=lambda k: (steps[k], -k))
             else:  # what the run confirms now (it may have moved past the state an error named)
                 # Catching up (a step to reach) weighs this worker's own state; joining does not.
                 mine = None if min_outer_step is None else self.presence.my_claim(self.presence.get("outer_step", -1))
                 claim = confirmed(workers, self._peer_id, mine, min_outer_step)
-                wanted = None if claim is None else claim.global_hash
-            candidates = sorted((r for r in others if wanted is not None and r.global_hash == wanted
-                                 and (min_outer_step is None or r.outer_step >= min_outer_step)),
-                                key=lambda r: -r.outer_step)
+                wanted, wanted_step = (None, None) if claim is None else (claim.global_hash, claim.outer_step)
+            candidates = [r for r in others
+                          if wanted is not None and (r.global_hash, r.outer_step) == (wanted, wanted_step)
+                          and (min_outer_step is None or r.outer_step >= min_outer_step)]
             for rec in candidates:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     break
                 t0 = time.perf_counter()
                 try:
-                    state = self._call(fetch_state(self.state_streams, rec.peer_id, min_outer_step, max_bytes),
+                    state = self._call(fetch_state(self.state_streams, rec.peer_id, min_outer_step, max_bytes, check),
                                        remaining, interruptible=True)
                     served, confirmed_hash = state.get("outer_step"), wanted
                     if served != rec.outer_step:
@@ -475,6 +483,8 @@ class SwarmCommunicator(Communicator):
                         if confirmed_hash is None:
                             raise AveragingError(f"served outer step {served}, which the run did not confirm "
                                                  f"(its record said {rec.outer_step})")
+                    if check is not None:  # θ_global itself, against the hash the run confirms
+                        check(state, min_outer_step, expected_hash=confirmed_hash)
                 except Interrupted:
                     raise
                 except Exception as e:

@@ -18,8 +18,6 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from hivemind.utils.timed_storage import get_dht_time
-
 from ..comm.base import RoundKey
 from ..comm.runner import Group, make_group_id
 from ..errors import AveragingError, BehindError, Interrupted
@@ -104,7 +102,7 @@ class Matchmaker:
         """
         s, me = self.settings, self.me
         announce_key = self.records.round_key(key)
-        began, announced, polls = get_dht_time(), None, 0
+        began, announced, polls = self.records.clock.now(), None, 0
         gkey = self.records.group_key(key, attempt)
         while True:
             self._raise_if_interrupted()  # a stopping worker neither announces nor publishes
@@ -119,7 +117,7 @@ class Matchmaker:
             if announced != attempt:
                 value = {"attempt": attempt, "numel": numel, "codec": self.codec_name, "part": s.part_numel,
                          "config": s.config, "since": began}
-                self.records.store(announce_key, value, get_dht_time() + s.record_ttl)
+                self.records.store(announce_key, value, self.records.clock.now() + s.record_ttl)
                 ready[me], announced = value, attempt
             if gkey != self._taken_for:
                 self.taken, self._taken_for = set(), gkey
@@ -137,7 +135,7 @@ class Matchmaker:
             expected = (heading - set(suspects) - self.taken) | {me}
             missing = expected - compatible
             enough = len(compatible) >= s.min_group_size
-            now = get_dht_time()
+            now = self.records.clock.now()
             # Everyone measures from the earliest announcement, so that the leader and the members
             # give up on a straggler at the same moment.
             shared = self._shared_start({p: ready[p] for p in compatible}, began, now)
@@ -157,6 +155,9 @@ class Matchmaker:
                                           group_outer_step=key.outer_step + 1)
                     raise AveragingError(f"round {key}: no other worker was ready in time ({len(others)} other "
                                          "live worker(s) in the run); not applied alone")
+                isolated = self.records.clock.isolated() if compatible == {me} else None
+                if isolated:
+                    raise AveragingError(f"round {key}: not applied alone: {isolated}")
                 break
             self._raise_if_interrupted()
             if not enough and now >= max(shared + s.matchmaking_timeout, give_up_at):
@@ -260,7 +261,7 @@ class Matchmaker:
                                      f"{s.min_group_size}")
             if not published_ours and min(candidates) == me:
                 members = sorted(candidates)
-                self.records.store(gkey, members, get_dht_time() + s.record_ttl)
+                self.records.store(gkey, members, self.records.clock.now() + s.record_ttl)
                 if self.ring_members is not None:
                     self.ring_members([m for m in members if m != me], str(key), attempt)
                 published_ours = True  # read it back: a concurrent leader with a smaller id would win

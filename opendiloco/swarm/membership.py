@@ -107,8 +107,12 @@ class Membership:
         if secret is None:
             self.namespace = run_id
             self._aead = self._stream_key = None
+            self.tag = "open"
         else:
             self.namespace = f"{run_id}.{secret.derive('keys', run_id).hex()[:20]}"
+            # Which secret, as a one-way tag: published in plain, so that workers of one run id that hold
+            # different secrets can tell one another so (``RunRecords.secret_key``).
+            self.tag = secret.derive("tag", run_id).hex()[:16]
             self._aead = AESGCM(secret.derive("records", run_id))
             self._stream_key = secret.derive("streams", run_id)
 

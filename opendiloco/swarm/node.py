@@ -7,6 +7,7 @@ import concurrent.futures
 import errno
 import logging
 import os
+import re
 import signal
 import socket
 import threading
@@ -206,6 +207,13 @@ def _start(initial_peers: list[str], identity: Identity, startup_timeout: float,
             raise SwarmError(f"none of the initial peers could be reached after {time.monotonic() - start:.1f}s: "
                              f"{', '.join(initial_peers)} (is the peer running, the port open, the address "
                              "copied whole?)") from None
+        clock = re.search(r"local time must be within ([\d.]+) seconds.*local: ([\d.]+), peer: ([\d.]+)", msg)
+        if clock:
+            limit, local, peer = map(float, clock.groups())
+            side = "ahead of" if local > peer else "behind"
+            raise SwarmError(f"this machine's clock is {abs(local - peer):.1f} s {side} the initial peer's, and the "
+                             f"DHT admits no peer more than {limit:g} s off: set the clock (NTP, or "
+                             "`timedatectl set-ntp true`) and start again") from None
         if "identity" in msg.lower() or "taken" in msg.lower():
             raise SwarmError(f"identity {identity_path!r} is already used by a live peer: {msg}") from None
         raise SwarmError(f"could not start the DHT node: {msg}") from None

@@ -6,13 +6,14 @@ import asyncio
 import logging
 import threading
 
-from hivemind.utils.timed_storage import get_dht_time
-
 from ..errors import BehindError, DriftError
 from . import records
 from .quorum import Claim, confirmed_ahead, drifted
 
 log = logging.getLogger(__name__)
+
+SECRET_CHECK_EVERY = 5
+"""Heartbeats between two looks at which secrets the run id's workers hold (``RunRecords.secret_key``)."""
 
 CLOCK_SLACK = 10.0
 """Seconds a record may claim to live beyond its kind's TTL (peers' clocks differ a little)."""
@@ -36,6 +37,7 @@ class Presence:
         self.config = config
         """This worker's config fingerprint: workers with another one are not part of its run."""
         self._foreign: set[str] = set()
+        self._other_secrets: set[str] = set()
         self._unconfirmed_ahead: set[str] = set()
         self.last_group: set[str] = set()
         """The members of this worker's last completed round (set by the communicator)."""
@@ -52,7 +54,7 @@ class Presence:
     def report(self, **fields) -> None:
         """Updates this worker's record; published at once if its outer step or readiness changed,
         else with the next heartbeat. ``ready_in`` (seconds from now) is stored as ``ready_at``."""
-        now = get_dht_time()
+        now = self.records.clock.now()
         if "ready_in" in fields:  # None: not known yet
             ready_in = fields.pop("ready_in")
             fields["ready_at"] = None if ready_in is None else now + min(float(ready_in), 1e7)
@@ -71,18 +73,54 @@ class Presence:
         if self._left and not left:  # a record published now would take back the one that says it left
             return
         with self._lock:
-            rec = records.WorkerRecord(peer_id=self.peer_id, time=get_dht_time(), left=left,
+            rec = records.WorkerRecord(peer_id=self.peer_id, time=self.records.clock.raw(), left=left,
                                        **{k: v for k, v in self._progress.items()
                                           if k in records.WorkerRecord.__dataclass_fields__})
-        await self.records.store_async(self.records.workers_key(), rec.to_value(), get_dht_time() + self.record_ttl)
+        await self.records.store_async(self.records.workers_key(), rec.to_value(),
+                                        self.records.clock.now() + self.record_ttl)
 
     async def _beat(self) -> None:
-        while True:
-            try:
-                await self.publish()
-            except Exception as e:  # the DHT may be shutting down
-                log.debug("heartbeat failed: %s", e)
-            await asyncio.sleep(self.heartbeat_interval)
+        beats, checking = 0, None
+        try:
+            while True:
+                try:
+                    await self.publish()
+                except Exception as e:  # the DHT may be shutting down
+                    log.debug("heartbeat failed: %s", e)
+                # Beside the heartbeat, never in its way: a slow DHT read must not let this worker's record expire.
+                if beats % SECRET_CHECK_EVERY == 0 and (checking is None or checking.done()):
+                    checking = asyncio.ensure_future(self._check_secrets())
+                beats += 1
+                await asyncio.sleep(self.heartbeat_interval)
+        finally:
+            if checking is not None:
+                checking.cancel()
+
+    async def _check_secrets(self) -> None:
+        """Publishes which secret this worker holds (a tag of it) under the bare run id, and says in one
+        line when workers of the same run id hold another one (or none): they never average together,
+        and each would otherwise train alone without a word."""
+        try:
+            await asyncio.wait_for(self._tell_other_secrets(), SECRET_CHECK_EVERY * self.heartbeat_interval)
+        except Exception as e:  # asyncio.TimeoutError included: the next check tries again
+            log.debug("checking the run's secrets: %s", e)
+
+    async def _tell_other_secrets(self) -> None:
+        if self._left:
+            return
+        key, ttl = self.records.secret_key(), 2 * SECRET_CHECK_EVERY * self.heartbeat_interval
+        tag = self.records.membership.tag
+        await self.records.store_async(key, {"tag": tag}, self.records.clock.now() + ttl, sealed=False)
+        found = await self.records.dht.get(key, latest=True, return_future=True)
+        others = {p for p, v in self.records.live_subkeys(key, found, ttl + CLOCK_SLACK, sealed=False).items()
+                  if p != self.peer_id and isinstance(v, dict) and v.get("tag") != tag}
+        new = others - self._other_secrets
+        if new:
+            self._other_secrets |= new
+            mine = "this run secret" if self.records.membership.closed else "no run secret (an open run)"
+            log.warning("%d worker(s) of run %r hold another run secret or none (%s); this one holds %s, so they "
+                        "never average together: give every worker of the run the same secret",
+                        len(others), self.run_id, ", ".join(sorted(p[-8:] for p in others)), mine)
 
     def live_workers(self) -> dict[str, records.WorkerRecord]:
         """The run's live workers with this worker's settings (others are left out, with a warning)."""

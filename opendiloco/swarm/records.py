@@ -24,12 +24,12 @@ from dataclasses import asdict, dataclass, fields
 
 import hivemind
 import msgpack
-from hivemind.utils.timed_storage import get_dht_time
 
 from opendiloco.errors import AveragingError, Interrupted
 from opendiloco.pacing import Pace
 
 from . import signing
+from .clock import RunClock
 from .membership import Membership
 from .signing import Identity
 
@@ -66,6 +66,7 @@ class WorkerRecord:
     dropped_steps: int = 0
     """Inner steps it threw away (left out of a round under ``pace = fixed``, healed drift, NaN)."""
     time: float = 0.0
+    """Its writer's clock when it was published: what readers estimate clock offsets from (``clock.py``)."""
     left: bool = False
     """Set when a worker leaves cleanly, so others stop waiting for it at once."""
     config: str = ""
@@ -149,17 +150,24 @@ class RunRecords:
     """The run's records in the DHT, as one worker (or a reader such as ``opendiloco status``) sees them.
 
     Writing needs the worker's ``Identity``; reading needs only the membership. ``interrupted``: the
-    worker's stop flag; once it is set, reads and writes give up at once (``Interrupted``).
+    worker's stop flag; once it is set, reads and writes give up at once (``Interrupted``). Expiration
+    times come from ``clock``, which also learns the writers' clocks from the worker records read here.
     """
 
     def __init__(self, dht: hivemind.DHT, membership: Membership, identity: Identity | None = None, *,
-                 interrupted: threading.Event | None = None):
+                 interrupted: threading.Event | None = None, clock: RunClock | None = None):
         self.dht, self.membership, self.identity = dht, membership, identity
         self.interrupted = interrupted
+        self.clock = clock if clock is not None else RunClock()
 
     # -- keys --------------------------------------------------------------------------------------
     def workers_key(self) -> str:
         return f"{self.membership.namespace}.workers"
+
+    def secret_key(self) -> str:
+        """Outside every namespace: each worker's ``Membership.tag`` under the bare run id, signed and not
+        sealed, so that a worker with another secret (or none) is seen and told, not silently alone."""
+        return f"{self.membership.run_id}.secrets"
 
     def round_key(self, key) -> str:
         return f"{self.membership.namespace}.round.{key}"
@@ -168,21 +176,23 @@ class RunRecords:
         return f"{self.membership.namespace}.group.{key}.{attempt}"
 
     # -- writing -----------------------------------------------------------------------------------
-    def _envelope(self, key: str, value, expiration_time: float) -> bytes:
+    def _envelope(self, key: str, value, expiration_time: float, sealed: bool = True) -> bytes:
         if self.identity is None:
             raise RuntimeError("this reader has no identity to sign records with")
         subkey = self.identity.peer_id
-        body = self.membership.seal(msgpack.packb(value, use_bin_type=True), signing.key_id(key) + subkey.encode())
+        body = msgpack.packb(value, use_bin_type=True)
+        if sealed:
+            body = self.membership.seal(body, signing.key_id(key) + subkey.encode())
         return self.identity.envelope(key, subkey, expiration_time, body)
 
     def store(self, key: str, value, expiration_time: float) -> None:
-        """Stores ``value`` under ``key`` and this worker's peer id until ``expiration_time`` (DHT time)."""
+        """Stores ``value`` under ``key`` and this worker's peer id until ``expiration_time`` (``clock.now()``)."""
         envelope = self._envelope(key, value, expiration_time)
         wait_dht(self.dht.store(key, envelope, expiration_time, subkey=self.identity.peer_id, return_future=True),
                  "store", interrupted=self.interrupted)
 
-    async def store_async(self, key: str, value, expiration_time: float) -> None:
-        envelope = self._envelope(key, value, expiration_time)
+    async def store_async(self, key: str, value, expiration_time: float, sealed: bool = True) -> None:
+        envelope = self._envelope(key, value, expiration_time, sealed)
         await self.dht.store(key, envelope, expiration_time, subkey=self.identity.peer_id, return_future=True)
 
     # -- reading -----------------------------------------------------------------------------------
@@ -191,29 +201,48 @@ class RunRecords:
         found = wait_dht(self.dht.get(key, latest=True, return_future=True), "get", interrupted=self.interrupted)
         return self.live_subkeys(key, found, max_ttl)
 
-    def live_subkeys(self, key: str, found, max_ttl: float) -> dict[str, object]:
+    def live_subkeys(self, key: str, found, max_ttl: float, sealed: bool = True) -> dict[str, object]:
         """The unexpired, valid records of a ``dht.get`` answer for ``key``; a record set to expire more
         than ``max_ttl`` seconds from now is dropped (its writer could otherwise outlive itself)."""
+        now = self.clock.now()
+        return {subkey: value for subkey, expiration, value in self._opened(key, found, sealed)
+                if now < expiration <= now + max_ttl}
+
+    def _opened(self, key: str, found, sealed: bool = True) -> list[tuple[str, float, object]]:
+        """(subkey, expiration time, value) of every record of a ``dht.get`` answer that its writer
+        signed (and, in a closed run and if ``sealed``, sealed) under ``key``, expired or not."""
         if found is None or not isinstance(found.value, dict):
-            return {}
-        now, kid = get_dht_time(), signing.key_id(key)
-        out = {}
+            return []
+        kid = signing.key_id(key)
+        out = []
         for subkey, item in found.value.items():
-            if not now < item.expiration_time <= now + max_ttl:
-                continue
             body = signing.open_envelope(kid, subkey, item.expiration_time, item.value)
-            plain = None if body is None else self.membership.unseal(body, kid + subkey.encode())
+            plain = body if body is None or not sealed else self.membership.unseal(body, kid + subkey.encode())
             if plain is None:
                 continue
             try:
-                out[subkey] = msgpack.unpackb(plain, raw=False, strict_map_key=True)
+                out.append((subkey, item.expiration_time, msgpack.unpackb(plain, raw=False, strict_map_key=True)))
             except (ValueError, TypeError, msgpack.UnpackException):
                 continue
         return out
 
+    def workers_from(self, found, max_ttl: float) -> dict[str, WorkerRecord]:
+        """The live workers of a ``dht.get`` answer for ``workers_key()``. Every valid record, expired
+        or not by this clock, first tells ``clock`` its writer's clock (``clock.py``): a worker whose
+        clock is off may see every record as expired, and must still learn that it is its clock."""
+        opened = self._opened(self.workers_key(), found)
+        me = self.identity.peer_id if self.identity is not None else None
+        self.clock.observe({subkey: value.get("time") for subkey, _, value in opened
+                            if subkey != me and isinstance(value, dict) and not value.get("left")})
+        now = self.clock.now()
+        return parse_workers({subkey: value for subkey, expiration, value in opened
+                              if now < expiration <= now + max_ttl})
+
     def read_workers(self, max_ttl: float = 3600.0) -> dict[str, WorkerRecord]:
         """Live workers of the run (those that left cleanly are dropped)."""
-        return parse_workers(self.subkey_values(self.workers_key(), max_ttl))
+        found = wait_dht(self.dht.get(self.workers_key(), latest=True, return_future=True), "get",
+                         interrupted=self.interrupted)
+        return self.workers_from(found, max_ttl)
 
 
 def parse_workers(values: dict[str, object]) -> dict[str, WorkerRecord]:

@@ -6,6 +6,10 @@ serves at most ``MAX_CONCURRENT_SERVES`` requests at a time, one per peer, and a
 serialized); in a closed run only members reach it at all (``streams.py``). A receiver refuses an
 announcement larger than ``max_bytes`` before reading any of it. The digest guards the transfer
 only: *which* state to adopt is the run's decision (``quorum.py``), checked by the receiver.
+
+A download may come with the receiver's own check of the state (``opendiloco.state_check``): a
+state it refuses is refused here, naming the donor, so that the caller goes on to the next donor.
+The state returned names its donor (``donor``, set here, never by the donor).
 """
 
 from __future__ import annotations
@@ -15,10 +19,11 @@ import collections
 import io
 import logging
 import time
+from collections.abc import Callable
 
 import torch
 
-from ..comm.base import StateProvider
+from ..comm.base import SharedState, StateProvider
 from ..comm.wire import ByteStream, Code
 from ..comm.wire import field as meta_field
 from ..errors import ProtocolError
@@ -128,8 +133,27 @@ class StateServer:
         return state["outer_step"], payload, _digest(payload)
 
 
-async def fetch_state(streams: P2PStreams, peer: str, min_outer_step: int | None, max_bytes: int) -> dict:
-    """Downloads, checks (size, digest, type) and loads a peer's state."""
+UNBOUND_STATE_BYTES = 64 << 30
+"""The download bound of a worker that has no model attached and whose caller names none."""
+
+
+def download_bound(max_bytes: int | None, provider: StateProvider | None) -> int:
+    """The most bytes a download may take: the caller's bound or this worker's model's (its optimizer's
+    ``SharedState``), whichever is smaller; ``UNBOUND_STATE_BYTES`` when there is neither."""
+    bounds = [b for b in (max_bytes, provider.max_bytes if isinstance(provider, SharedState) else None)
+              if b is not None]
+    return min(bounds) if bounds else UNBOUND_STATE_BYTES
+
+
+def own_check(provider: StateProvider | None):
+    """What this worker would refuse of a peer's state (its optimizer's ``SharedState.check``), or None."""
+    return provider.check if isinstance(provider, SharedState) else None
+
+
+async def fetch_state(streams: P2PStreams, peer: str, min_outer_step: int | None, max_bytes: int,
+                      check: Callable[[dict, int | None], None] | None = None) -> dict:
+    """Downloads, checks (size, digest, type; then ``check(state, min_outer_step)``, which raises
+    ``ValueError`` for a state this worker would refuse) and loads a peer's state."""
     try:
         stream = await asyncio.wait_for(streams.connect(peer), CONNECT_TIMEOUT)
     except asyncio.TimeoutError:
@@ -152,9 +176,18 @@ async def fetch_state(streams: P2PStreams, peer: str, min_outer_step: int | None
             raise ProtocolError("state does not match its digest")
     finally:
         stream.close()
-    state = await asyncio.get_running_loop().run_in_executor(None, _load, payload)
+    loop = asyncio.get_running_loop()
+    state = await loop.run_in_executor(None, _load, payload)
     if not isinstance(state, dict):
         raise ProtocolError("state is not a dict")
+    state.pop("confirmed_hash", None)  # the receiver's to name (the run's votes), never the donor's
+    state["donor"] = peer
+    if check is not None:
+        try:
+            await loop.run_in_executor(None, check, state, min_outer_step)
+        except ValueError as e:  # StateRefused: the message names the donor
+            log.warning("%s", e)
+            raise ProtocolError(str(e)) from None
     return state
 
 

@@ -285,8 +285,12 @@ class SwarmConfig(Section):
     """A claimed weight counts at most this multiple of the group's median weight (inf: off)."""
     secret_file: str | None = None
     """A file holding the run secret: only workers started with it take part (a closed run). Unset:
-    $OPENDILOCO_RUN_SECRET, else $OPENDILOCO_RUN_SECRET_FILE, else the run is open. The secret itself
-    is never a config value (config.toml is written to the run dir)."""
+    $OPENDILOCO_RUN_SECRET, else $OPENDILOCO_RUN_SECRET_FILE. The secret itself is never a config
+    value (config.toml is written to the run dir)."""
+    open: bool = False
+    """Train in an open run, without a secret: anyone who can reach a worker can join the run, vote
+    on its state, serve state and stall rounds. A swarm worker needs a run secret or this explicit
+    choice (docs/trust.md)."""
 
     @field_validator("run_id")
     @classmethod

@@ -20,7 +20,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 
 from opendiloco import Communicator, DiLoCoOptimizer
 from opendiloco.comm import LocalRanks, SingleWorker
-from opendiloco.errors import Interrupted, LocalRankFailure
+from opendiloco.errors import Interrupted, LocalRankFailure, SwarmError
 
 from .allocator import release_freed_tensors
 from .checkpoint import CheckpointError, CheckpointManager, atomic_write
@@ -37,6 +37,36 @@ log = logging.getLogger(__name__)
 
 class TrainError(RuntimeError):
     """A problem the user can fix (printed as one line by the CLI)."""
+
+
+OPEN_RUN_ALLOWS = ("anyone who can reach one of its workers can join it, vote on the run's state, serve state "
+                   "to workers that join or catch up, download the model, read the run's records and stall its "
+                   "rounds")
+"""What an open run allows, said when a worker refuses to start without a secret and when one starts open."""
+
+
+def check_membership(cfg: Config, *, warn: bool = True) -> bool:
+    """A swarm worker's run is closed (a run secret) or open by explicit choice (``[swarm] open``):
+    returns whether it is closed, or raises ``SwarmError`` (one line) when neither or both are given.
+    A worker that trains alone needs neither."""
+    if not cfg.swarm.enabled:
+        return False
+    from opendiloco.swarm.membership import SECRET_FILE_ENV, RunSecret
+
+    secret = RunSecret.from_environment(cfg.swarm.secret_file)  # a missing or short secret: SwarmError now
+    if secret is not None and cfg.swarm.open:
+        raise SwarmError(f"[swarm] open (--swarm.open) asks for an open run, but a run secret is given "
+                         f"({secret.source}): a run is either closed by its secret or open; drop one of the two")
+    if secret is None and not cfg.swarm.open:
+        raise SwarmError(f"this worker would join a swarm without a run secret. Make one with `opendiloco secret "
+                         f"FILE` and start every worker of the run with {SECRET_FILE_ENV}=FILE (or [swarm] "
+                         f"secret_file = FILE); or choose an open run, in which {OPEN_RUN_ALLOWS}, with "
+                         "--swarm.open ([swarm] open = true; docs/trust.md)")
+    if secret is None and warn:
+        log.warning("run %r is OPEN ([swarm] open, no run secret): %s. To close it, start every worker with "
+                    "the same secret: `opendiloco secret FILE`, then %s=FILE (docs/trust.md)",
+                    cfg.swarm.run_id, OPEN_RUN_ALLOWS, SECRET_FILE_ENV)
+    return secret is not None
 
 
 def make_communicator(cfg: Config, run_dir: Path) -> Communicator:
@@ -200,6 +230,9 @@ class Trainer:
             self.rows = self.ranks.rows(cfg.train.batch_size)
         except RanksError as e:
             raise TrainError(str(e)) from None
+        # Closed, or open by choice, before anything else (every process of the worker refuses the same way;
+        # rank 0, the one that joins the swarm, says that the run is open).
+        check_membership(cfg, warn=self.ranks.leader)
         # The processes of one worker share the machine's cores.
         threads = cfg.train.threads or max(1, len(os.sched_getaffinity(0)) // self.ranks.local_size)
         torch.set_num_threads(threads)

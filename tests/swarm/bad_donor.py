@@ -2,22 +2,57 @@
 
 ``--mode stall``: takes the state request and never answers (a donor on a dead-slow link).
 ``--mode die``: announces a state, sends its first part, and exits (a donor killed mid-download).
+``--mode poison``: an insider that votes with the run: it downloads the state of a worker at
+``--outer-step`` (or later), publishes that worker's record as its own (same outer step, θ_global
+hash and settings), and serves that state with one field corrupted (``--poison``, see ``POISONS``;
+θ_global is left alone, so the state passes the run's hash). ``{marker}.live`` holds the other
+workers it sees, one peer id a line, refreshed every heartbeat.
 Each state request it takes is written to ``--marker`` first, so the test knows the download began.
 """
 
 import argparse
 import asyncio
+import io
 import os
 
+import torch
 from hivemind.utils.timed_storage import get_dht_time
 
 from opendiloco.comm.wire import Code
 from opendiloco.swarm import records
 from opendiloco.swarm.membership import Membership
 from opendiloco.swarm.node import start_dht
+from opendiloco.swarm.state_transfer import StateServer, fetch_state
 from opendiloco.swarm.streams import P2PStreams
 
 RECORD_TTL = 4.0
+
+
+def _momentum_buffers(state):
+    return [entry["momentum_buffer"] for entry in state["outer"]["optimizer"]["state"].values()
+            if isinstance(entry.get("momentum_buffer"), torch.Tensor)]
+
+
+def _settings(state, name, value):
+    for group in state["outer"]["optimizer"]["param_groups"]:
+        group[name] = value(group[name])
+
+
+POISONS = {
+    "inner_steps_total": lambda s: s.update(inner_steps_total=10**9),  # the joiner skips 1e9 steps of data
+    "local_step": lambda s: s.update(local_step=10**12),
+    "lr": lambda s: _settings(s, "lr", lambda lr: lr * 100),
+    "maximize": lambda s: _settings(s, "maximize", lambda _: True),
+    "momentum": lambda s: _settings(s, "momentum", lambda _: 0.999),
+    "momentum_buffer": lambda s: [b.fill_(1e30) for b in _momentum_buffers(s)],
+    "buffers": lambda s: [b.fill_(float("inf")) for b in s.get("buffers", [])],
+}
+"""What an insider can corrupt in a state whose θ_global the run confirms (a state dict, in place)."""
+
+
+def poison(state: dict, field: str) -> dict:
+    POISONS[field](state)
+    return state
 
 
 async def serve(args, stream) -> None:
@@ -33,14 +68,54 @@ async def serve(args, stream) -> None:
     os._exit(0)  # mid-download; the DHT process and p2pd follow (WorkerBoundDHT)
 
 
+async def serve_poisoned(args, dht, p2p, book) -> None:
+    """Mirrors an honest worker's record, serving its state with ``args.poison`` corrupted."""
+    peer_id = dht.peer_id.to_base58()
+    streams = P2PStreams(p2p, f"opendiloco.{args.run_id}.state")
+    while True:
+        honest = [r for p, r in book.read_workers(60).items() if p != peer_id and r.outer_step >= args.outer_step
+                  and r.global_hash]
+        if honest:
+            break
+        await asyncio.sleep(0.5)
+    donor = max(honest, key=lambda r: r.outer_step)
+    state = await fetch_state(streams, donor.peer_id, None, 1 << 30)
+    assert state["outer_step"] == donor.outer_step, "the honest worker moved on while we downloaded"
+    state.pop("donor", None)
+    buf = io.BytesIO()
+    torch.save(poison(state, args.poison), buf)
+
+    def provider():
+        with open(args.marker, "a") as f:
+            f.write("request\n")
+        return torch.load(io.BytesIO(buf.getvalue()), weights_only=True)
+
+    server = StateServer(streams)
+    server.provider = provider
+    await server.listen()
+    mirror = donor.to_value()
+    while True:  # a heartbeat: the honest worker's claim, as our own
+        mirror["time"] = get_dht_time()
+        await book.store_async(book.workers_key(), mirror, get_dht_time() + RECORD_TTL)
+        others = [p for p in book.read_workers(60) if p != peer_id]
+        with open(args.marker + ".live.tmp", "w") as f:
+            f.write("\n".join(others))
+        os.replace(args.marker + ".live.tmp", args.marker + ".live")
+        with open(args.marker + ".up", "w") as f:
+            f.write(peer_id)
+        await asyncio.sleep(1.0)
+
+
 async def main_async(args) -> None:
     with open(args.peers_file) as f:
         peers = f.read().split()
     dht = start_dht(initial_peers=peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
     peer_id = dht.peer_id.to_base58()
     p2p = await dht.replicate_p2p()
-    await P2PStreams(p2p, f"opendiloco.{args.run_id}.state").listen(lambda stream: serve(args, stream))
     book = records.RunRecords(dht, Membership.open(args.run_id), dht.identity)
+    if args.mode == "poison":
+        return await serve_poisoned(args, dht, p2p, book)
+    await P2PStreams(p2p, f"opendiloco.{args.run_id}.state").listen(lambda stream: serve(args, stream))
     while True:  # a heartbeat, as a live worker's
         rec = records.WorkerRecord(peer_id=peer_id, outer_step=args.outer_step, inner_step=4 * args.outer_step,
                                    time=get_dht_time(), config=args.config, global_hash="0123456789abcdef")
@@ -54,10 +129,13 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--peers-file", required=True)
     p.add_argument("--run-id", default="opendiloco")
-    p.add_argument("--mode", choices=["stall", "die"], required=True)
+    p.add_argument("--mode", choices=["stall", "die", "poison"], required=True)
+    p.add_argument("--poison", choices=sorted(POISONS), default="inner_steps_total",
+                   help="--mode poison: the field of the state it corrupts")
     p.add_argument("--marker", required=True)
     p.add_argument("--config", default="", help="the config fingerprint to publish")
-    p.add_argument("--outer-step", type=int, default=5)
+    p.add_argument("--outer-step", type=int, default=5,
+                   help="the outer step it claims (--mode poison: the least outer step of the state it serves)")
     asyncio.run(main_async(p.parse_args()))
 
 

@@ -31,8 +31,9 @@ def _free_port() -> int:
 
 
 def _train(swarm, name: str, run_dir: Path, *extra: str):
+    """A CLI worker of an open run (on purpose: these tests are about peers, not membership)."""
     return swarm.spawn([sys.executable, "-m", "opendiloco", "train", *SMALL, "--run.dir", str(run_dir),
-                        "--run.worker", name, *LOCAL, *extra], name)
+                        "--run.worker", name, *LOCAL, "--swarm.open", *extra], name)
 
 
 def _finish(swarm, proc, timeout: float) -> tuple[int, list[str]]:
@@ -57,6 +58,9 @@ def test_train_with_an_unreachable_peer_is_one_line(swarm, tmp_path):
     assert not any("Traceback" in line for line in lines), lines
     assert lines[-1].startswith("opendiloco train: none of the initial peers could be reached"), lines[-1]
     assert peer in lines[-1]
+    # An open run, chosen with --swarm.open: said at start, with what it allows.
+    [warning] = [line for line in lines if "is OPEN" in line]
+    assert "WARNING" in warning and "vote on the run's state" in warning and "stall its rounds" in warning, warning
 
 
 def test_dht_on_a_port_in_use_refuses_in_one_line(swarm):

@@ -30,7 +30,8 @@ def torchrun(nproc: int) -> list[str]:
 
 def train_args(run_dir: Path, peers: list[str], run_id: str, *extra: str) -> list[str]:
     return ["-m", "opendiloco", "train", *SMALL, "--run.dir", str(run_dir), "--swarm.initial-peers", *peers,
-            "--swarm.host-maddrs", "/ip4/127.0.0.1/tcp/0", "--swarm.run-id", run_id, "--swarm.join-timeout", "30",
+            "--swarm.open", "--swarm.host-maddrs", "/ip4/127.0.0.1/tcp/0", "--swarm.run-id", run_id,
+            "--swarm.join-timeout", "30",
             *extra]
 
 

@@ -8,10 +8,12 @@ import pytest
 import torch
 from hivemind.p2p import P2P
 
+from opendiloco import DiLoCoOptimizer, SingleWorker
 from opendiloco.comm.wire import Code
 from opendiloco.errors import ProtocolError
-from opendiloco.swarm.state_transfer import StateServer, fetch_state
+from opendiloco.swarm.state_transfer import StateServer, download_bound, fetch_state, own_check
 from opendiloco.swarm.streams import P2PStreams
+from tests.swarm.bad_donor import poison
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(90)]
 
@@ -58,16 +60,16 @@ def test_state_larger_than_the_model_implies_is_refused_before_it_is_read():
     with_two_peers(scenario)
 
 
-def test_lying_donor_announcing_gigabytes_is_refused():
+async def gigabyte_liar(stream):
     """An attacker script as donor: it announces 1.5 GB and a digest, then sends nothing."""
+    await stream.recv(max_payload=0, expect=Code.STATE_REQUEST)
+    await stream.send(Code.STATE, {"size": 1_500_000_000, "outer_step": 99, "digest": "00"})
+    await asyncio.sleep(5)
 
+
+def test_lying_donor_announcing_gigabytes_is_refused():
     async def scenario(donor, receiver):
-        async def liar(stream):
-            await stream.recv(max_payload=0, expect=Code.STATE_REQUEST)
-            await stream.send(Code.STATE, {"size": 1_500_000_000, "outer_step": 99, "digest": "00"})
-            await asyncio.sleep(5)
-
-        await P2PStreams(donor, "test.state").listen(liar)
+        await P2PStreams(donor, "test.state").listen(gigabyte_liar)
         with pytest.raises(ProtocolError, match="at most"):
             await fetch_state(P2PStreams(receiver, "test.state"), donor.peer_id.to_base58(), None, 64 << 20)
 
@@ -87,3 +89,69 @@ def test_state_that_does_not_match_its_digest_is_refused():
             await fetch_state(P2PStreams(receiver, "test.state"), donor.peer_id.to_base58(), None, 1 << 20)
 
     with_two_peers(scenario)
+
+
+class ServedBy(SingleWorker):
+    """A lone worker whose state provider goes to ``server``, as ``SwarmCommunicator`` attaches it."""
+
+    def __init__(self, server: StateServer):
+        super().__init__()
+        self.server = server
+
+    def attach_state_provider(self, provider) -> None:
+        self.server.provider = provider
+
+
+def worker(server: StateServer | None = None, outer_steps: int = 0) -> DiLoCoOptimizer:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 1)
+    opt = DiLoCoOptimizer(model.parameters(), local_steps=2, communicator=ServedBy(server) if server else None)
+    for _ in range(2 * outer_steps):
+        model(torch.randn(4, 8)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return opt
+
+
+def test_a_workers_own_bound_caps_every_download_whatever_the_caller_passed():
+    """The library's download bound is the model's: a caller that passes none, or 64 GiB, is held to the
+    bound of the optimizer attached to this worker (``download_bound``, what the communicator uses)."""
+
+    async def scenario(donor, receiver):
+        await P2PStreams(donor, "test.state").listen(gigabyte_liar)
+        streams = P2PStreams(receiver, "test.state")
+        server = StateServer(streams)
+        own = worker(server)
+        assert download_bound(None, server.provider) == download_bound(64 << 30, server.provider) \
+            == own.shareable_state_bound() < 1_500_000_000
+        with pytest.raises(ProtocolError, match=f"at most {own.shareable_state_bound()} accepted"):
+            await fetch_state(streams, donor.peer_id.to_base58(), None, download_bound(64 << 30, server.provider))
+
+    with_two_peers(scenario)
+
+
+def test_a_state_the_worker_would_refuse_is_refused_at_download_naming_the_donor(caplog):
+    """So that the caller goes on to its next donor. The state handed over names its donor (set by the
+    receiver), and never a ``confirmed_hash`` of the donor's own."""
+    honest = worker(outer_steps=2).shareable_state()
+    honest["confirmed_hash"] = "the donor's own word"
+    states = [poison(worker(outer_steps=2).shareable_state(), "lr"), honest]
+
+    async def scenario(donor, receiver):
+        server = StateServer(P2PStreams(donor, "test.state"))
+        server.provider = lambda: states.pop(0)
+        await server.listen()
+        streams = P2PStreams(receiver, "test.state")
+        own = StateServer(streams)
+        worker(own)
+        check = own_check(own.provider)
+        name = donor.peer_id.to_base58()
+        refused = f"refused the state of donor {name[-8:]}: outer optimizer setting 'lr'"
+        with pytest.raises(ProtocolError, match=refused):
+            await fetch_state(streams, name, None, 1 << 20, check)
+        return name, await fetch_state(streams, name, None, 1 << 20, check)
+
+    name, got = with_two_peers(scenario)
+    assert got["donor"] == name and "confirmed_hash" not in got and got["outer_step"] == 2
+    refusals = [r for r in caplog.records if "refused the state of donor" in r.getMessage()]
+    assert len(refusals) == 1 and "\n" not in refusals[0].getMessage()

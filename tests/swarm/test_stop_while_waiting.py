@@ -110,7 +110,7 @@ def test_sigterm_abandons_matchmaking_and_exchange_with_a_frozen_peer(swarm, tmp
         args = [sys.executable, "-m", "opendiloco", "train", *SMALL, "--run.dir", str(dirs[name]), "--run.worker", name,
                 "--train.total-steps", "1000", "--train.throttle", str(throttle), "--optim.pace", "fixed",
                 "--checkpoint.every-outer-steps", "0", "--swarm.run-id", run, "--swarm.initial-peers", *peers,
-                "--swarm.host-maddrs", "/ip4/127.0.0.1/tcp/0", "--swarm.min-group-size", "2",
+                "--swarm.open", "--swarm.host-maddrs", "/ip4/127.0.0.1/tcp/0", "--swarm.min-group-size", "2",
                 "--swarm.join-timeout", "1", *[a for k in waits for a in (k, str(WAIT))]]
         if identity:
             args += ["--swarm.identity-path", identity]

@@ -13,6 +13,7 @@ def by_step(records):
     return {r["outer_step"]: r for r in records if r["ok"]}
 
 
+@pytest.mark.fast  # the fast tier's one real swarm
 def test_three_workers_average_every_round_together_and_agree(swarm):
     swarm.bootstrap()
     names = ["w0", "w1", "w2"]

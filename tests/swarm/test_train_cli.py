@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 import json
+import re
 import signal
+import stat
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
+from opendiloco.swarm.membership import new_secret_file
 from tests.test_train_loop import SMALL
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(120)]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_sigterm_while_waiting_for_peers_stops_at_once(swarm, tmp_path):
@@ -20,7 +25,7 @@ def test_sigterm_while_waiting_for_peers_stops_at_once(swarm, tmp_path):
     peers = swarm.bootstrap()
     run_dir = tmp_path / "alone"
     proc = swarm.spawn([sys.executable, "-m", "opendiloco", "train", *SMALL, "--run.dir", str(run_dir),
-                        "--train.total-steps", "100", "--swarm.initial-peers", *peers,
+                        "--train.total-steps", "100", "--swarm.initial-peers", *peers, "--swarm.open",
                         "--swarm.host-maddrs", "/ip4/127.0.0.1/tcp/0", "--swarm.min-group-size", "2",
                         "--swarm.matchmaking-timeout", "600", "--swarm.straggler-wait", "600",
                         "--swarm.join-timeout", "1"], "alone")
@@ -43,9 +48,12 @@ def test_sigterm_while_waiting_for_peers_stops_at_once(swarm, tmp_path):
 
 
 def test_cli_workers_of_4x_different_speed_average_together_every_round(swarm, tmp_path):
-    """The README's swarm with one worker 4x slower (as on a loaded machine): with the default
-    ``optim.pace = swarm`` both train until the run's end and every outer step holds both."""
+    """The README's swarm (a closed run, as scripts/local_swarm.sh starts it) with one worker 4x slower
+    (as on a loaded machine): with the default ``optim.pace = swarm`` both train until the run's end and
+    every outer step holds both."""
     peers = swarm.bootstrap()
+    secret = tmp_path / "run.secret"
+    new_secret_file(str(secret))  # what `opendiloco secret` writes
     procs, dirs = [], {}
     # Rounds of a few seconds (not shorter than the peers' figures take to reach each other).
     for name, throttle in (("fast", "0.1"), ("slow", "0.4")):
@@ -54,7 +62,8 @@ def test_cli_workers_of_4x_different_speed_average_together_every_round(swarm, t
                                   "--run.worker", name, "--train.throttle", throttle, "--train.total-steps", "40",
                                   "--optim.local-steps", "8",
                                   "--swarm.initial-peers", *peers, "--swarm.host-maddrs", "/ip4/127.0.0.1/tcp/0",
-                                  "--swarm.min-group-size", "2", "--swarm.join-timeout", "1"], name))
+                                  "--swarm.min-group-size", "2", "--swarm.join-timeout", "1"], name,
+                                 env={"OPENDILOCO_RUN_SECRET_FILE": str(secret)}))
     swarm.wait(procs, timeout=100)
     rounds = {}
     for name in dirs:
@@ -67,6 +76,30 @@ def test_cli_workers_of_4x_different_speed_average_together_every_round(swarm, t
     for name in dirs:
         assert all(r["ok"] and r["group_size"] == 2 for r in rounds[name]), rounds[name]
     assert [r["global_hash"] for r in rounds["fast"]] == [r["global_hash"] for r in rounds["slow"]]
+    for name in dirs:
+        said = swarm.log(name, tail=10**6)
+        assert "is closed" in said and "is open" not in said.lower(), said
     fast_steps = sum(r["steps"] for r in rounds["fast"])
     slow_steps = sum(r["steps"] for r in rounds["slow"])
     assert fast_steps > 40 > slow_steps, (fast_steps, slow_steps)
+
+
+@pytest.mark.timeout(420)
+def test_local_swarm_sh_makes_a_run_secret_and_starts_a_closed_run(swarm, tmp_path):
+    """The README's main job, scripts/local_swarm.sh, with one small worker: it makes the run's secret in
+    its run dir (mode 600), starts the worker with it (a closed run) and tells how to read the run."""
+    i = SMALL.index("--run.worker")
+    small = SMALL[:i] + SMALL[i + 2:]  # the script names its workers
+    run_dir = tmp_path / "run"
+    proc = swarm.spawn(["bash", str(ROOT / "scripts/local_swarm.sh"), "-n", "1", "--run-dir", str(run_dir), "--",
+                        *small, "--train.total-steps", "4"], "local_swarm")
+    swarm.wait([proc], timeout=360)
+    secret = run_dir / "run.secret"
+    assert stat.S_IMODE(secret.stat().st_mode) == 0o600
+    assert re.fullmatch(r"[0-9a-f]{64}\n", secret.read_text())
+    said = swarm.log("local_swarm", tail=10**6)
+    assert f"run secret: {secret} (a closed run" in said and f"status --secret-file {secret} " in said, said
+    worker = (run_dir / "logs" / "worker-0.log").read_text()
+    assert "is closed" in worker and "is open" not in worker.lower(), worker
+    end = json.loads((run_dir / "worker-0" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert end["event"] == "end" and end["outer_step"] == 1, end

@@ -128,3 +128,32 @@ def test_an_insider_cannot_take_over_impersonate_stall_or_exhaust(swarm):
         assert sum(gap >= HONEST["max_wait"] for gap in gaps) <= 1, gaps
         assert all(report["peer_id"] not in r["peers"] for r in rounds)
     assert len(steps_together(swarm)) >= 4
+
+
+def test_workers_of_one_run_id_with_different_secrets_are_told_in_one_line(swarm):
+    """Two workers of one run id, one with the secret and one with another (then one with none): they
+    live in different namespaces and can never average together; each is told so in one line, instead of
+    training alone to the end without a word."""
+    swarm.bootstrap()
+    args = [a for k, v in HONEST.items() for a in ((f"--{k.replace('_', '-')}",) if v is True
+                                                   else (f"--{k.replace('_', '-')}", str(v)))]
+    procs = [swarm.spawn([sys.executable, str(WORKER), "--peers-file", str(swarm.peers_file), "--out",
+                          str(swarm.out(name)), "--seed", str(i + 1), *args], name, env=env)
+             for i, (name, env) in enumerate((("right", {"OPENDILOCO_RUN_SECRET": SECRET}),
+                                              ("wrong", {"OPENDILOCO_RUN_SECRET": SECRET + "-typo"}),
+                                              ("none", {"OPENDILOCO_RUN_SECRET": ""})))]
+
+    def told(name: str) -> list[str]:
+        return [line for line in swarm.log(name, tail=200000).splitlines() if "hold another run secret" in line]
+
+    deadline = time.monotonic() + 180
+    while not all(len(told(n)) >= 1 and "2 worker(s)" in told(n)[-1] and swarm.records(n, "start")
+                  for n in ("right", "wrong", "none")):
+        assert time.monotonic() < deadline and all(p.poll() is None for p in procs), \
+            {n: swarm.log(n) for n in ("right", "wrong", "none")}
+        time.sleep(0.3)
+    stop(swarm, procs)
+    for name, mine in (("right", "holds this run secret"), ("none", "holds no run secret (an open run)")):
+        line = told(name)[-1]
+        assert f"of run {RUN!r}" in line and mine in line and "give every worker of the run the same secret" in line
+    assert not any(r["group_size"] > 1 for n in ("right", "wrong", "none") for r in swarm.records(n))

@@ -116,6 +116,11 @@ class RecordingCommunicator(SwarmCommunicator):
         return await super()._data_plane(group, flat, weight, out, error_out)
 
 
+def theta_max(opt) -> float:
+    """The largest |value| of θ_global (inf or nan if it is not finite)."""
+    return max(g.detach().abs().max().item() for g in opt.outer.global_params)
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--peers-file", required=True)
@@ -150,6 +155,8 @@ def main():
     p.add_argument("--overlap", type=int, default=0)
     p.add_argument("--mix", type=float, default=0.0)
     p.add_argument("--run-until-stopped", action="store_true", help="ignore --outer-steps; train until SIGTERM")
+    p.add_argument("--linger", action="store_true",
+                   help="after --outer-steps, stay in the run (serving state, heartbeat), not training, until SIGTERM")
     p.add_argument("--aggregation", default="mean", choices=["mean", "centered-clip"])
     p.add_argument("--config-fingerprint", default="", help="the settings fingerprint this worker publishes")
     args = p.parse_args()
@@ -194,7 +201,7 @@ def main():
     out.write(json.dumps({"event": "start", "peer_id": comm.peer_id, "outer_step": opt.outer_step,
                           "inner_steps_total": opt.inner_steps_total,
                           "global_hash": opt.global_hash(), "pid": os.getpid(), "time": time.time(),
-                          "downloaded": state is not None, "download_s": download_s,
+                          "downloaded": state is not None, "download_s": download_s, "theta_max": theta_max(opt),
                           "numel": sum(p.numel() for p in model.parameters())}) + "\n")
     out.flush()
     last_reported = None
@@ -232,9 +239,15 @@ def main():
                                       "fragment": s.fragment, "bytes_sent": s.extra.get("bytes_sent"),
                                       "clipped": s.extra.get("clipped"), "capped": s.extra.get("capped"),
                                       "settled": s.extra.get("settled"), "counted": s.extra.get("counted"),
-                                      "carried": s.extra.get("carried"),
+                                      "carried": s.extra.get("carried"), "theta_max": theta_max(opt),
                                       "time": time.time()}) + "\n")
                 out.flush()
+        if args.linger and not stop:
+            out.write(json.dumps({"event": "linger", "outer_step": opt.outer_step, "global_hash": opt.global_hash(),
+                                  "inner_steps_total": opt.inner_steps_total, "time": time.time()}) + "\n")
+            out.flush()
+            while not stop:
+                time.sleep(0.1)
     finally:
         out.write(json.dumps({"event": "end", "inner_steps_total": opt.inner_steps_total,
                               "contributed": opt.contributed_steps, "dropped": opt.dropped_steps,
