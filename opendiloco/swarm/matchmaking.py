@@ -124,7 +124,7 @@ class Matchmaker:
             # An announcement outlives its round in the DHT: a peer that has applied this round
             # has done it, and must not be grouped with by a worker that arrives late.
             announced_ok = self._compatible(ready, attempt, numel) - self._moved_on(workers, key)
-            compatible = announced_ok - (self.taken - {me})
+            compatible = announced_ok - (self.taken - {me}) - self._gone(workers, ready, key)
             # Peers heading for this round: at its outer step, or one behind with a streamed round
             # still in flight that they will apply before they come. Peers already in a group that
             # leaves us out are not waited for. Peers that just downloaded our state of this step
@@ -183,6 +183,20 @@ class Matchmaker:
         return {p for p, v in ready.items() if v.get("attempt") == attempt and v.get("numel") == numel
                 and v.get("codec") == self.codec_name and v.get("part") == s.part_numel
                 and v.get("config", "") == s.config}
+
+    def _gone(self, workers: dict, announcements: dict[str, dict], key: RoundKey) -> set[str]:
+        """Peers that announced this round and are no longer in it: their record is gone (dead, or
+        left), or was written after their announcement and says they head for an earlier round (they
+        went back, to catch up or heal drift). Neither leads a group nor is waited for as if ready; a
+        record older than the announcement says nothing yet."""
+        out = set()
+        for p, v in announcements.items():
+            rec = workers.get(p)
+            since = v.get("since") if isinstance(v, dict) else None
+            if p != self.me and (rec is None or (rec.heading < key.outer_step and isinstance(since, (int, float))
+                                                 and rec.time > since)):
+                out.add(p)
+        return out
 
     def _moved_on(self, workers: dict, key: RoundKey) -> set[str]:
         """Peers that have applied this round already (their announcement of it may still be read)."""
@@ -249,13 +263,14 @@ class Matchmaker:
         deadline = time.monotonic() + s.straggler_wait + s.matchmaking_timeout
         polls = 0
         published_ours = False
+        gone = compatible - live  # a leader that died or went back is not waited for (``_gone``)
         while True:
             self._raise_if_interrupted()
             # A group already closed for this round wins over our own view of who is ready.
             members = self._published(key, gkey, live, compatible)
             if members is not None:
                 return self._group(key, attempt, members)
-            candidates = compatible - (self.taken - {me})
+            candidates = compatible - (self.taken - {me}) - gone
             if len(candidates) < s.min_group_size:
                 raise AveragingError(f"round {key}: {len(candidates)} peer(s) left for a group, need "
                                      f"{s.min_group_size}")
@@ -274,8 +289,10 @@ class Matchmaker:
                 workers = self.presence.live_workers()
                 self.presence.raise_if_behind(workers, key.outer_step)
                 live = set(workers) | {me}
-                compatible |= self._compatible(self._announcements(announce_key), attempt, numel)
+                announcements = self._announcements(announce_key)
+                compatible |= self._compatible(announcements, attempt, numel)
                 compatible -= self._moved_on(workers, key)
+                gone = self._gone(workers, {p: announcements.get(p) for p in compatible}, key)
             self.doorbell.wait(str(key), attempt, s.poll_interval)
 
     def _raise_if_interrupted(self) -> None:

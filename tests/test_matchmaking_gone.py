@@ -1,0 +1,106 @@
+"""A peer that announced a round and then left it (went back to catch up or heal drift, or died) must
+not hold the round up: it neither leads the group nor is waited for as if ready. Seen in the world
+scenario under load: the smallest id announced round 1, drifted back to round 0, and the other two
+waited 40 s for its group, attempt after attempt ("no group was published for round 1.0").
+
+The matchmaker runs as it does in a worker; only the DHT is an in-memory table of records."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from opendiloco.comm.base import RoundKey
+from opendiloco.errors import AveragingError
+from opendiloco.swarm.clock import RunClock
+from opendiloco.swarm.matchmaking import Matchmaker, MatchmakingSettings
+from opendiloco.swarm.records import WorkerRecord
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class Table:
+    """The run's records as a DHT would hold them: key -> {writer: value}."""
+
+    def __init__(self):
+        self.clock = RunClock()
+        self.values: dict[str, dict[str, object]] = {}
+        self.lock = threading.Lock()
+
+    def round_key(self, key) -> str:
+        return f"r.round.{key}"
+
+    def group_key(self, key, attempt: int) -> str:
+        return f"r.group.{key}.{attempt}"
+
+
+class Writer:
+    """One worker's view of the table (``RunRecords``' methods the matchmaker calls)."""
+
+    def __init__(self, table: Table, me: str):
+        self.table, self.me, self.clock = table, me, table.clock
+        self.round_key, self.group_key = table.round_key, table.group_key
+
+    def store(self, key: str, value, expiration_time: float) -> None:
+        with self.table.lock:
+            self.table.values.setdefault(key, {})[self.me] = value
+
+    def subkey_values(self, key: str, max_ttl: float) -> dict:
+        with self.table.lock:
+            return dict(self.table.values.get(key, {}))
+
+
+class Presence:
+    def __init__(self, me: str, workers):
+        self.peer_id, self._workers = me, workers
+
+    def live_workers(self):
+        return dict(self._workers())
+
+    def raise_if_behind(self, workers, outer_step) -> None:
+        pass
+
+
+SETTINGS = MatchmakingSettings(run_id="r", min_group_size=2, matchmaking_timeout=6.0, straggler_wait=2.0,
+                               poll_interval=0.01)
+
+
+def test_a_smallest_peer_that_went_back_after_announcing_neither_leads_nor_holds_the_round():
+    table, key = Table(), RoundKey(1)
+    # "a" (the smallest id) announced round 1, then drifted back: its record, written after its
+    # announcement, heads for round 0. "b" and "c" are in round 1.
+    announced_at = table.clock.now() - 1.0
+    table.values[table.round_key(key)] = {"a": {"attempt": 0, "numel": 10, "codec": "fp16", "part": SETTINGS.part_numel,
+                                                "config": "", "since": announced_at}}
+    workers = {"a": WorkerRecord("a", outer_step=0, time=announced_at + 0.5),
+               "b": WorkerRecord("b", outer_step=1, time=table.clock.now()),
+               "c": WorkerRecord("c", outer_step=1, time=table.clock.now())}
+    results: dict[str, object] = {}
+
+    def member(me: str) -> None:
+        mm = Matchmaker(Writer(table, me), Presence(me, lambda: workers), SETTINGS, "fp16", threading.Event())
+        try:
+            results[me] = mm.form_group(key, 0, 10)[0].members
+        except AveragingError as e:
+            results[me] = e
+
+    threads = [threading.Thread(target=member, args=(m,)) for m in ("b", "c")]
+    began = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert results == {"b": ("b", "c"), "c": ("b", "c")}, results
+    assert time.monotonic() - began < SETTINGS.straggler_wait + SETTINGS.matchmaking_timeout  # not a timeout
+
+
+def test_a_record_older_than_the_announcement_says_nothing_yet():
+    """The announcement may be read before the record that goes with it: the peer is not dropped."""
+    table, key = Table(), RoundKey(1)
+    mm = Matchmaker(Writer(table, "b"), Presence("b", lambda: {}), SETTINGS, "fp16", threading.Event())
+    now = table.clock.now()
+    announcements = {"a": {"since": now}, "d": {"since": now}}
+    workers = {"a": WorkerRecord("a", outer_step=0, time=now - 1.0)}  # d: no record at all (dead)
+    assert mm._gone(workers, announcements, key) == {"d"}
