@@ -199,11 +199,7 @@ def attack(script, *, group_id="g", timeout=1.0, b_serves=None, codec="fp16"):
             if b_serves is not None:
                 await b_serves(stream)
                 return
-            try:
-                while True:
-                    await stream.recv(max_payload=1 << 20)
-            except ProtocolError:
-                pass
+            await read_refusal(stream)  # reads until the stream ends, whatever comes
 
         net.add("b", handler=b_handler)
         group = Group(group_id, ("a", "b"), RoundKey(0))
@@ -224,6 +220,7 @@ def attack(script, *, group_id="g", timeout=1.0, b_serves=None, codec="fp16"):
 
 
 async def read_refusal(stream: ByteStream) -> Refused | None:
+    """Reads a stream to its end: the refusal that ended it, or None."""
     try:
         while True:
             await stream.recv(max_payload=1 << 20)
@@ -864,11 +861,7 @@ def test_a_round_still_waiting_for_the_asker_fails_at_once():
         net.add("a")
 
         async def b_sits(stream):  # b reads a's contribution to its shard, and sends nothing of its own
-            try:
-                while True:
-                    await stream.recv(max_payload=1 << 20)
-            except ProtocolError:
-                pass
+            await read_refusal(stream)  # reads until the stream ends, whatever comes
 
         net.add("b", handler=b_sits)
         runner = RoundRunner(group, "a", torch.randn(N), 1.0, get_codec("fp16"), part_numel=PART, timeout=600)

@@ -65,12 +65,10 @@ class RunClock:
         self._jump: float | None = None  # the last jump, while no peer's record has been read since
 
     def now(self) -> float:
-        """The time every record's expiration and ready time is written and compared in."""
+        """This machine's clock: what heartbeats publish, and what every record's expiration and ready
+        time is written and compared in."""
         self._check_jump()
         return self._wall()
-
-    raw = now
-    """This machine's clock, as published in heartbeats."""
 
     @property
     def offset(self) -> float:

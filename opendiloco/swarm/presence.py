@@ -73,7 +73,7 @@ class Presence:
         if self._left and not left:  # a record published now would take back the one that says it left
             return
         with self._lock:
-            rec = records.WorkerRecord(peer_id=self.peer_id, time=self.records.clock.raw(), left=left,
+            rec = records.WorkerRecord(peer_id=self.peer_id, time=self.records.clock.now(), left=left,
                                        **{k: v for k, v in self._progress.items()
                                           if k in records.WorkerRecord.__dataclass_fields__})
         await self.records.store_async(self.records.workers_key(), rec.to_value(),

@@ -205,17 +205,20 @@ class RunRecords:
         """The unexpired, valid records of a ``dht.get`` answer for ``key``; a record set to expire more
         than ``max_ttl`` seconds from now is dropped (its writer could otherwise outlive itself)."""
         now = self.clock.now()
-        return {subkey: value for subkey, expiration, value in self._opened(key, found, sealed)
-                if now < expiration <= now + max_ttl}
+        return {subkey: value for subkey, _, value in self._opened(key, found, sealed, (now, now + max_ttl))}
 
-    def _opened(self, key: str, found, sealed: bool = True) -> list[tuple[str, float, object]]:
+    def _opened(self, key: str, found, sealed: bool = True,
+                live: tuple[float, float] | None = None) -> list[tuple[str, float, object]]:
         """(subkey, expiration time, value) of every record of a ``dht.get`` answer that its writer
-        signed (and, in a closed run and if ``sealed``, sealed) under ``key``, expired or not."""
+        signed (and, in a closed run and if ``sealed``, sealed) under ``key``; with ``live`` = (now,
+        latest), only those expiring after now and no later than latest (checked before signatures)."""
         if found is None or not isinstance(found.value, dict):
             return []
         kid = signing.key_id(key)
         out = []
         for subkey, item in found.value.items():
+            if live is not None and not live[0] < item.expiration_time <= live[1]:
+                continue
             body = signing.open_envelope(kid, subkey, item.expiration_time, item.value)
             plain = body if body is None or not sealed else self.membership.unseal(body, kid + subkey.encode())
             if plain is None:
