@@ -5,15 +5,8 @@ Host 0 is the swarm's bootstrap (or gloo's rendezvous is on host 1); hosts 1..N 
 
 from __future__ import annotations
 
-import socket
-
 from opendiloco.testing.netns import Hosts
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from opendiloco.testing.ports import free_port
 
 
 class Loopback:

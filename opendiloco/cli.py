@@ -91,6 +91,9 @@ def _add_dht(sub) -> None:
                    help="public addresses to advertise (behind NAT or a port mapping)")
     p.add_argument("--identity-path", default=None, help="private key file: a stable peer id across restarts")
     p.add_argument("--addrs-file", default=None, help="also write the addresses to this file")
+    p.add_argument("--metrics-port", default=None, metavar="PORT",
+                   help="serve the node's figures for Prometheus on this port (0: any free port; default off)")
+    p.add_argument("--metrics-host", default="127.0.0.1", help="where --metrics-port listens (default 127.0.0.1)")
     p.set_defaults(func=cmd_dht)
 
 
@@ -99,10 +102,11 @@ def cmd_dht(args) -> int:
     from .swarm.node import SwarmError
 
     try:
+        port = _port(args.metrics_port, "--metrics-port") if args.metrics_port is not None else None
         return run_bootstrap(initial_peers=args.initial_peers, host_maddrs=args.host_maddrs,
                              announce_maddrs=args.announce_maddrs, identity_path=args.identity_path,
-                             addrs_file=args.addrs_file)
-    except SwarmError as e:
+                             addrs_file=args.addrs_file, metrics_port=port, metrics_host=args.metrics_host)
+    except (SwarmError, ValueError) as e:
         print(f"opendiloco dht: {e}", file=sys.stderr)
         return EXIT_CONFIG
 
@@ -113,24 +117,46 @@ def _add_status(sub) -> None:
     p.add_argument("--run-id", "--swarm.run-id", dest="run_id", default="opendiloco")
     p.add_argument("--secret-file", default=None,
                    help="the secret of a closed run (default: $OPENDILOCO_RUN_SECRET, $OPENDILOCO_RUN_SECRET_FILE)")
+    p.add_argument("--serve", metavar="PORT", default=None,
+                   help="serve a live page of the run on this port (0: any free port) instead of printing a table")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="where --serve listens (default 127.0.0.1; 0.0.0.0 shows the run to anyone who can reach it)")
+    p.add_argument("--interval", type=float, default=2.0, help="seconds between reads of the run with --serve")
     p.set_defaults(func=cmd_status)
+
+
+def _port(value: str, option: str = "--serve") -> int:
+    """A TCP port from the command line (0: any free one), or ``ValueError`` with the sentence to print."""
+    try:
+        port = int(value)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise ValueError(f"{option} wants a port number from 0 to 65535, got {value!r}")
+    return port
 
 
 def cmd_status(args) -> int:
     from .swarm.membership import RunSecret
     from .swarm.node import SwarmError
-    from .swarm.status import fetch_workers, format_table
+    from .swarm.status import fetch_workers, format_table, serve_status
     from .train.config import ConfigError, check_run_id
 
     try:
         check_run_id(args.run_id)
+        port = _port(args.serve) if args.serve is not None else None
+        if not args.interval > 0:
+            raise ValueError(f"--interval must be more than 0 seconds, got {args.interval:g}")
         secret = RunSecret.from_environment(args.secret_file)
+        if port is not None:
+            return serve_status(args.initial_peers, args.run_id, secret, host=args.host, port=port,
+                                interval=args.interval)
         workers = fetch_workers(args.initial_peers, args.run_id, secret)
-    except ConfigError as e:
+    except (ConfigError, ValueError, SwarmError) as e:
         print(f"opendiloco status: {e}", file=sys.stderr)
         return EXIT_CONFIG
-    except SwarmError as e:
-        print(f"opendiloco status: {e}", file=sys.stderr)
+    except OSError as e:  # --serve: the port is taken, the host is not this machine's
+        print(f"opendiloco status: cannot serve on {args.host}:{args.serve}: {e.strerror or e}", file=sys.stderr)
         return EXIT_CONFIG
     print(format_table(workers, args.run_id))
     return 0
@@ -171,11 +197,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class LogFormatter(logging.Formatter):
+    """Names levels the standard way whatever was imported: hivemind renames WARNING to WARN when it
+    is imported, so a run's warnings would otherwise change name partway through."""
+
+    NAMES = {logging.DEBUG: "DEBUG", logging.INFO: "INFO", logging.WARNING: "WARNING", logging.ERROR: "ERROR",
+             logging.CRITICAL: "CRITICAL"}
+
+    def format(self, record: logging.LogRecord) -> str:
+        record.levelname = self.NAMES.get(record.levelno, record.levelname)
+        return super().format(record)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-                        datefmt="%H:%M:%S")
+    handler = logging.StreamHandler()
+    handler.setFormatter(LogFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S"))
+    logging.basicConfig(level=args.log_level, handlers=[handler])
     if getattr(args, "takes_overrides", False):
         return args.func(args, rest)
     if rest:

@@ -44,6 +44,12 @@ class PeerFailure(AveragingError):
         self.peers = frozenset(peers)
 
 
+class Malformed(PeerFailure):
+    """These peers sent bytes that failed this worker's own checks (form, size, order, finiteness, a
+    digest): evidence this worker holds itself. A refusal, a closed stream or a silence is not: an honest
+    member whose round another member broke does all three."""
+
+
 class InDoubt(PeerFailure):
     """This worker's attempt failed after its whole contribution went out and its shard's whole result
     reached some members (``ask``): they may have completed the round, which they apply even without

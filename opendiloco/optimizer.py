@@ -742,6 +742,12 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
             raise ValueError("DiLoCoOptimizer state_dict['outer'] needs 'global_params' and 'optimizer'")
         # Validate before touching anything, so a refused state dict leaves this optimizer as it was.
         validate_tensors(outer["global_params"], self.outer.global_params, "outer.global_params")
+        differ = [f"{name} {state_dict[name]!r} (this optimizer: {getattr(self, name)!r})"
+                  for name in ("local_steps", "pace", "overlap", "mix")
+                  if name in state_dict and state_dict[name] != getattr(self, name)]
+        if differ:  # the counters and the pending round only mean something under the same schedule
+            raise ValueError("the state dict was saved with other settings: " + ", ".join(differ)
+                             + "; resume with the same ones")
         saved = state_dict.get("fragments", [list(range(self.outer.num_params))])
         if saved != [list(f) for f in self.fragments]:
             raise ValueError(f"the state dict was saved with {len(saved)} fragment(s) cut differently; this optimizer "

@@ -1,4 +1,4 @@
-"""θ_global and the outer optimizer, kept on CPU in fp32 (DESIGN.md invariants 1, 3, 5)."""
+"""θ_global and the outer optimizer, kept on CPU in fp32 (docs/invariants.md, 1, 3 and 5)."""
 
 from __future__ import annotations
 

@@ -35,7 +35,6 @@ import argparse
 import json
 import os
 import platform
-import socket
 import statistics
 import sys
 import tempfile
@@ -43,6 +42,7 @@ import threading
 import time
 from pathlib import Path
 
+from opendiloco.testing.ports import free_port
 from opendiloco.testing.proctree import ProcessGroup, descendants, spawn_bootstrap
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -247,12 +247,6 @@ def run_gloo(args) -> int:
 
 # -- the orchestrator ------------------------------------------------------------------------------------
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _child_args(args, role: str, rank: int, world: int, out: Path, extra: list[str]) -> list[str]:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--role", role, "--rank", str(rank), "--world", str(world),
            "--out", str(out), "--warmup", str(args.warmup), "--repeats", str(args.repeats),
@@ -275,7 +269,7 @@ def _timeout(args, world: int, sizes: list[int]) -> float:
 def measure_gloo(args, world: int, sizes: list[int], tmp: Path) -> list[dict]:
     group = Group(tmp)
     outs = [tmp / f"gloo{world}-{r}.jsonl" for r in range(world)]
-    port = _free_port()
+    port = free_port()
     try:
         a = argparse.Namespace(**{**vars(args), "sizes": sizes, "codecs": list(CODECS)})  # both dtypes, always
         procs = [group.spawn(_child_args(a, "gloo", r, world, outs[r], ["--port", str(port)]), f"gloo{world}-{r}")

@@ -57,3 +57,60 @@ def test_the_library_never_imports_its_test_tools():
     offenders = {str(p.relative_to(PACKAGE)) for p in library_files()
                  if any(m.startswith("opendiloco.testing") for m in imports(p))}
     assert not offenders, offenders
+
+
+# Every layer of docs/architecture.md and the layers it may import: arrows point one way.
+CORE_MODULES = {"outer", "pacing", "streaming", "staging", "state_check", "fingerprint", "errors"}
+MAY_IMPORT = {
+    "core": {"core"},
+    "comm": {"core", "comm"},
+    "optimizer": {"core", "comm", "optimizer"},
+    "swarm": {"core", "comm", "swarm"},
+    "train": {"core", "comm", "optimizer", "swarm", "train", "package"},
+    "package": {"core", "comm", "optimizer", "package"},
+}
+STANDARD_LIBRARY_ONLY = ["pacing.py", "errors.py"]
+
+
+def layer(module: str) -> str | None:
+    """The layer of an ``opendiloco`` module name (None for what is not ours)."""
+    parts = module.split(".")
+    if parts[0] != "opendiloco":
+        return None
+    if len(parts) == 1:
+        return "package"
+    head = parts[1]
+    if head in CORE_MODULES:
+        return "core"
+    if head in {"comm", "swarm", "optimizer", "testing"}:
+        return head
+    if head in {"train", "cli", "__main__"}:
+        return "train"
+    raise AssertionError(f"opendiloco.{head} is in no layer of docs/architecture.md: add it to the table")
+
+
+def test_every_module_is_in_a_layer_and_imports_only_the_layers_below_it():
+    for path in library_files():
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        own = layer(".".join(p for p in parts if p != "__init__"))
+        for module in imports(path):
+            target = layer(module)
+            assert target is None or target in MAY_IMPORT[own], \
+                f"{path.relative_to(PACKAGE)} ({own}) imports {module} ({target})"
+
+
+@pytest.mark.parametrize("name", STANDARD_LIBRARY_ONLY)
+def test_pure_modules_import_nothing_but_the_standard_library(name):
+    import sys
+
+    outside = {m for m in imports(PACKAGE / name) if m.split(".")[0] not in sys.stdlib_module_names}
+    assert not outside, f"{name} imports {sorted(outside)}"
+
+
+def test_the_layer_rules_catch_a_wrong_arrow():
+    """The rules above would refuse each arrow docs/architecture.md forbids."""
+    for importer, module in [("core", "opendiloco.comm.base"), ("core", "opendiloco.train.trainer"),
+                             ("optimizer", "opendiloco.swarm.records"), ("comm", "opendiloco.optimizer"),
+                             ("swarm", "opendiloco.train.config"), ("swarm", "opendiloco.optimizer"),
+                             ("train", "opendiloco.testing.proctree")]:
+        assert layer(module) not in MAY_IMPORT[importer], (importer, module)

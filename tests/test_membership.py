@@ -208,3 +208,26 @@ def test_secret_never_reaches_the_config_file(tmp_path):
     cfg = load_config(None, ["--swarm.secret-file", str(path)])
     text = to_toml(cfg)
     assert str(path) in text and path.read_text().strip() not in text
+
+
+def test_a_record_carries_its_workers_name_within_bounds():
+    """The name is for people reading the run (the status page); a record whose name is not a short
+    string is malformed, like any record out of form."""
+    rec = WorkerRecord(peer_id="p", outer_step=3, name="eu-1")
+    assert WorkerRecord.from_value("p", rec.to_value()).name == "eu-1"
+    assert WorkerRecord.from_value("p", {**rec.to_value(), "name": "x" * 65}) is None
+    assert WorkerRecord.from_value("p", {**rec.to_value(), "name": 7}) is None
+    assert WorkerRecord.from_value("p", {k: v for k, v in rec.to_value().items() if k != "name"}).name == ""
+
+
+def test_a_misspelt_progress_field_is_refused_not_dropped():
+    import threading
+
+    from opendiloco.swarm.presence import PROGRESS_FIELDS, Presence
+
+    presence = Presence.__new__(Presence)  # report() checks its fields before it touches anything else
+    presence._lock = threading.Lock()
+    with pytest.raises(TypeError, match=r"unknown field\(s\) \['outer_stpe'\]"):
+        presence.report(outer_stpe=3)
+    assert {"outer_step", "name", "ready_in", "round_work"} <= PROGRESS_FIELDS
+    assert not {"peer_id", "time", "left", "config"} & PROGRESS_FIELDS

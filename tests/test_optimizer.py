@@ -1,4 +1,4 @@
-"""DiLoCoOptimizer against the invariants of DESIGN.md, with real averaging (no mocks of the math).
+"""DiLoCoOptimizer against the invariants of docs/invariants.md, with real averaging (no mocks of the math).
 
 Replicas run in threads and average through ``InProcessGroup``; every replica starts from the
 same initial weights (as DiLoCo requires) and trains on its own data.
@@ -490,8 +490,10 @@ def test_bad_state_dicts_are_refused_and_leave_the_optimizer_alone():
     too_few["outer"]["global_params"] = too_few["outer"]["global_params"][:-1]
     outer_groups = copy.deepcopy(good)  # fails late, in the outer optimizer's own load_state_dict
     outer_groups["outer"]["optimizer"]["param_groups"].append(dict(outer_groups["outer"]["optimizer"]["param_groups"][0]))
+    other_schedule = {**good, "local_steps": good["local_steps"] + 1, "pace": "swarm"}  # saved by another config
     cases = ((bad_missing, "missing"), (wrong_shape, "shape"), (nan, "NaN"), (too_few, "expected 4"),
-             (outer_groups, "parameter groups"))
+             (outer_groups, "parameter groups"),
+             (other_schedule, r"other settings: local_steps \d+ \(this optimizer: \d+\), pace 'swarm'"))
     for bad, msg in cases:
         with pytest.raises(ValueError, match=msg):
             other_opt.load_state_dict(bad)

@@ -294,3 +294,16 @@ def test_a_closed_run_needs_no_choice_and_a_secret_cannot_be_open_too(no_secret_
     missing = str(tmp_path / "missing")
     assert code == 2 and err.strip() == f"opendiloco train: run secret file {missing!r} does not exist", err
     assert not (tmp_path / "r").exists()
+
+
+def test_log_lines_name_warnings_the_same_before_and_after_hivemind_is_imported():
+    """hivemind renames the WARNING level to WARN when imported; the CLI's lines keep one name."""
+    import logging
+
+    import hivemind  # noqa: F401 - its import is what renames the level
+
+    from opendiloco.cli import LogFormatter
+
+    record = logging.LogRecord("opendiloco.x", logging.WARNING, __file__, 1, "careful", None, None)
+    assert logging.getLevelName(logging.WARNING) == "WARN"  # what the old format printed
+    assert LogFormatter("%(levelname)s %(message)s").format(record) == "WARNING careful"

@@ -43,6 +43,9 @@ def test_resume_is_bit_exact(tmp_path, compression):
     assert first.stopped and first.inner_steps == 6
     with pytest.raises(TrainError, match="--resume"):
         train(cfg)  # a fresh start would silently overwrite the run
+    other_h = small_config(tmp_path / "split", "--train.total-steps", "12", "--optim.local-steps", "3", *wire)
+    with pytest.raises(TrainError, match=r"does not fit this config .*local_steps 4 \(this optimizer: 3\)"):
+        train(other_h, resume=True)  # its counters and round only mean something under the same H
     second = train(cfg, resume=True)
     assert second.inner_steps == 12 and not second.stopped
     assert first.losses + second.losses == whole.losses  # exact float equality, step by step

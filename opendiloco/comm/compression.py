@@ -8,7 +8,7 @@ format holds.
 
 Every codec is deterministic: encoding the same fp32 tensor gives the same bytes on every
 machine, and decoding the same bytes gives the same fp32 tensor. That is what lets all
-workers of a group end a round with bit-identical averages (DESIGN.md invariant 7): the
+workers of a group end a round with bit-identical averages (docs/invariants.md, 7): the
 average is encoded once, by the peer that reduced it, and every peer (that one included)
 uses the decoded bytes.
 

@@ -30,7 +30,7 @@ from dataclasses import field as dataclass_field
 
 import torch
 
-from ..errors import AveragingError, InDoubt, PeerFailure, ProtocolError, RoundCounted
+from ..errors import AveragingError, InDoubt, Malformed, PeerFailure, ProtocolError, RoundCounted
 from ..fingerprint import new_hasher
 from .aggregation import Aggregation
 from .base import RoundKey
@@ -92,6 +92,8 @@ class RoundOutcome:
     bounded: dict[str, list[str]] = dataclass_field(default_factory=dict)
     """Members whose contribution the shard owners cut: ``{"clipped": [...], "capped": [...]}``
     (norm clipped in some part; weight claim capped)."""
+    bytes_received: int = 0
+    """Payload bytes of the parts and averaged parts this member received (the counterpart of ``bytes_sent``)."""
 
 
 class ShardReducer:
@@ -173,8 +175,10 @@ class ShardReducer:
         # A weighted mean of finite values is finite: one pass over it checks every contribution; only
         # when it fails are the contributions checked one by one, to name the sender.
         if not all_finite(acc):
-            bad = [m for m in self.members if not all_finite(contributions[m])] or list(self.members)
-            raise PeerFailure(f"{', '.join(m[-8:] for m in bad)} sent non-finite values", bad)
+            bad = [m for m in self.members if not all_finite(contributions[m])]
+            if bad:  # checked here, value by value: evidence
+                raise Malformed(f"{', '.join(m[-8:] for m in bad)} sent non-finite values", bad)
+            raise PeerFailure("the members' values overflow when combined", self.members)
         self._pending[i] = {}
         encoded = self.result_codec.to_bytes(acc)
         self.results[i] = encoded
@@ -220,7 +224,14 @@ class RoundRunner:
         self.reducer = ShardReducer(codec, b - a, self.members, part_numel, self.result_codec, self.aggregation)
         self._bounded: dict[str, set[str]] = {"clipped": set(), "capped": set()}
         self.bytes_sent = 0
+        self.bytes_received = 0
         self.error: Exception | None = None
+        self.malformed: dict[str, str] = {}
+        """Members whose bytes failed this worker's own checks in this round, with what was wrong
+        (``Malformed``): the communicator leaves them out of its next groups (``swarm/exclusion.py``)."""
+        self.refused_by: set[str] = set()
+        """Members that refused this worker's streams (``REFUSE``): their attempt failed and they said so,
+        so they are alive and back for the retry (not suspects to leave behind)."""
         self._changed = asyncio.Condition()
         self._shard_digests: dict[int, str] = {}
         self._shard_totals: dict[int, float] = {}
@@ -295,7 +306,7 @@ class RoundRunner:
         self._bounded["capped"] |= set(self.reducer.capped)
         return RoundOutcome(self.out, self._shard_totals[self.my_index], digest, self.bytes_sent,
                             time.perf_counter() - began, confirmed, missing,
-                            {k: sorted(v) for k, v in self._bounded.items()})
+                            {k: sorted(v) for k, v in self._bounded.items()}, self.bytes_received)
 
     @property
     def sent_to(self) -> frozenset[str]:
@@ -358,6 +369,12 @@ class RoundRunner:
                     self.bytes_sent += payload_size(payload)
 
             async def receive_results():
+                try:
+                    return await read_results()
+                except ProtocolError as e:
+                    raise self._checked(peer, e) from None
+
+            async def read_results():
                 first = await stream.recv(max_payload=0, expect=Code.RESULT)
                 total = meta_field(first.meta, "total_weight", (int, float))
                 if not (math.isfinite(total) and 0 < total <= MAX_WEIGHT * len(self.members)):
@@ -373,6 +390,7 @@ class RoundRunner:
                     if not all_finite(target):
                         raise ProtocolError("averaged part is not finite")
                     hasher.update(frame.payload)
+                    self.bytes_received += payload_size(frame.payload)
                 end = await stream.recv(max_payload=0, expect=Code.RESULT_END)
                 if meta_field(end.meta, "digest", str) != hasher.hexdigest():
                     raise ProtocolError("averaged shard does not match its digest")
@@ -399,7 +417,8 @@ class RoundRunner:
             self._confirm_streams[j], stream = stream, None  # kept open for our CONFIRM
         except (ProtocolError, OSError, ConnectionError) as e:
             raise PeerFailure(f"exchange with {peer[-8:]}: {e}", {peer}) from None
-        except (AveragingError, asyncio.CancelledError):
+        except (AveragingError, asyncio.CancelledError):  # Malformed among them
+
             raise
         except Exception as e:  # the transport's own errors (unreachable peer, closed daemon...)
             raise PeerFailure(f"exchange with {peer[-8:]} failed: {type(e).__name__}: {e}", {peer}) from None
@@ -488,6 +507,7 @@ class RoundRunner:
             writer = asyncio.create_task(self._send_results(stream))
             for i in range(len(self.reducer.parts)):
                 frame = await self._unless_failed(stream.recv(max_payload=self.reducer.part_bytes(i), expect=Code.PART))
+                self.bytes_received += payload_size(frame.payload)
                 await self._add_part(sender, meta_field(frame.meta, "i", int), frame.payload)
             await self._unless_failed(writer)
             confirm = await self._unless_failed(asyncio.wait_for(stream.recv(max_payload=0, expect=Code.CONFIRM),
@@ -499,8 +519,10 @@ class RoundRunner:
             if writer is not None:
                 writer.cancel()
             failure = e if isinstance(e, AveragingError) else ProtocolError(f"{type(e).__name__}: {e}")
-            if isinstance(e, (ProtocolError, StreamClosed)) and not isinstance(e, Refused):
-                failure = PeerFailure(f"{sender[-8:]}: {e}", {sender})
+            if isinstance(e, ProtocolError):  # the sender's bytes (a Malformed), or its stream closed
+                failure = self._checked(sender, e)
+                if not isinstance(failure, Malformed) and not isinstance(e, Refused):
+                    failure = PeerFailure(f"{sender[-8:]}: {e}", {sender})
             if not self.finished:
                 await self._fail(failure)
             await stream.refuse(str(e))
@@ -531,9 +553,30 @@ class RoundRunner:
 
     async def _add_part(self, member: str, index: int, payload) -> None:
         self._raise_if_failed()
-        if self.reducer.add_part(member, index, payload):
+        try:
+            completed = self.reducer.add_part(member, index, payload)
+        except Malformed as e:  # the part that completed a reduction found someone's values non-finite
+            self._note_malformed(e)
+            raise
+        if completed:
             async with self._changed:
                 self._changed.notify_all()
+
+    def _checked(self, peer: str, error: ProtocolError) -> AveragingError:
+        """What a ``ProtocolError`` on ``peer``'s stream says of it: a ``Malformed`` (noted) when its own
+        bytes failed a check here; the error itself when the stream only closed or was refused."""
+        if isinstance(error, Refused):
+            self.refused_by.add(peer)
+        if isinstance(error, (StreamClosed, Refused)):
+            return error
+        failure = Malformed(f"{peer[-8:]} sent malformed data: {error}", {peer})
+        self._note_malformed(failure)
+        return failure
+
+    def _note_malformed(self, error: Malformed) -> None:
+        for peer in error.peers:
+            if peer != self.me:
+                self.malformed.setdefault(peer, str(error))
 
     async def _result(self, i: int):
         async with self._changed:
@@ -560,8 +603,8 @@ class RoundRunner:
     def _raise_if_failed(self) -> None:
         error = self.error
         if error is not None:  # a fresh exception each time: re-raising one object grows its traceback
-            if isinstance(error, PeerFailure):
-                raise PeerFailure(str(error), error.peers) from None  # still names its culprits
+            if isinstance(error, PeerFailure):  # still names its culprits, Malformed or not
+                raise (Malformed if isinstance(error, Malformed) else PeerFailure)(str(error), error.peers) from None
             raise AveragingError(str(error) if isinstance(error, AveragingError) else f"round failed: {error}") \
                 from None
 

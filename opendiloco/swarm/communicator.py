@@ -12,7 +12,8 @@ states, one job per module:
     SETTLE    comm/runner.py   an attempt that failed here after members may have completed it asks them
     DONE / FAILED
 
-A failed attempt changes nothing and is retried with whoever is still there, unless members may
+A failed attempt changes nothing and is retried with whoever is still there (less a member whose bytes
+failed this worker's checks: it is left out of the next groups, exclusion.py), unless members may
 have completed it (they apply without every confirmation): then this worker asks them, and ends
 with the group's outcome (``runner.resolve``): it applies the average it holds, adopts the group's
 state (``RoundCounted``), or retries when they all failed it. A worker that finds the group ahead
@@ -45,6 +46,7 @@ from ..comm.wire import field as meta_field
 from ..errors import AveragingError, InDoubt, Interrupted, PeerFailure, RoundCounted, SwarmError
 from ..pacing import Pace
 from . import records
+from .exclusion import EXCLUDE_ROUNDS, Offenders
 from .matchmaking import Doorbell, Matchmaker, MatchmakingSettings
 from .membership import Membership, RunSecret
 from .node import start_dht, visible_maddrs
@@ -79,9 +81,13 @@ class SwarmSettings:
     aggregation: Aggregation = dataclass_field(default_factory=Aggregation)
     """How shard owners combine contributions: weight and norm bounds, optionally CenteredClip
     (``opendiloco.comm.aggregation``); part of what a group agrees on."""
+    exclude_rounds: int = EXCLUDE_ROUNDS
+    """How many outer steps a member caught sending malformed data is left out of this worker's groups
+    (``exclusion.py``)."""
     config_fingerprint: str = ""
     """The hash of the settings every worker of the run must share: a worker with another one is
-    refused at start (``refuse_other_settings``) and never grouped with, waited for or downloaded from."""
+    refused at start when every live worker of the run has them (``refuse_other_settings``), and
+    never grouped with, waited for or downloaded from."""
 
 
 LEAVE_TIMEOUT = 1.0
@@ -136,6 +142,8 @@ class SwarmCommunicator(Communicator):
         """The state of the latest round (for status and tests)."""
         self._runner: RoundRunner | None = None
         """The latest attempt's runner (what a stop in the middle of it may leave in doubt)."""
+        self.offenders = Offenders(s.exclude_rounds)
+        """Members this worker caught sending malformed data: left out of its next groups."""
 
         self._loop = uvloop.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="opendiloco-comm", daemon=True)
@@ -154,7 +162,8 @@ class SwarmCommunicator(Communicator):
             f"{codec_label(self.codec, self.result_codec)}|{s.aggregation.label}",
             self._interrupted,
             doorbell=self.doorbell, ring_members=self._ring_members,
-            joiners=lambda step: self.state_server.recent_joiners(step, within=s.straggler_wait + 10.0))
+            joiners=lambda step: self.state_server.recent_joiners(step, within=s.straggler_wait + 10.0),
+            offenders=self.offenders)
         self._workers_snapshot: dict[str, records.WorkerRecord] = {}
         self._pace_refresh = asyncio.run_coroutine_threadsafe(self._refresh_workers(), self._loop)
         self._leaving = asyncio.run_coroutine_threadsafe(self._leave_when_stopping(), self._loop)
@@ -196,19 +205,28 @@ class SwarmCommunicator(Communicator):
         return comm
 
     def refuse_other_settings(self) -> None:
-        """Raises ``SwarmError`` (one line) if a live worker of the run has another config fingerprint."""
+        """Raises ``SwarmError`` (one line) if the run's live workers all train with another config
+        fingerprint: this worker is the odd one out. Workers with other settings beside some with
+        this worker's are their writers' problem (never grouped with, waited for or downloaded
+        from, and named in a warning): one record cannot keep every newcomer out of a run."""
         try:
-            others = self.presence.other_settings()
+            workers = self.presence.records.read_workers(self.presence.max_ttl)
         except AveragingError as e:  # the DHT did not answer: the rounds' own checks still apply
             log.warning("could not compare settings with the run's workers: %s", e)
             return
-        if others:
-            rec, mine = others[0], self.settings.config_fingerprint or "none"
-            raise SwarmError(
-                f"worker {rec.peer_id[-8:]} of run {self.settings.run_id!r} trains with other settings "
-                f"(config fingerprint {rec.config or 'none'}, this worker's {mine}): the [model] section, "
-                "data.tokenizer, optim.local_steps, fragments, outer_lr, outer_momentum, outer_nesterov and "
-                "swarm.weight_by_samples must be the same on every worker (compare their --print-config)")
+        others = [r for p, r in workers.items() if p != self._peer_id]
+        foreign = [r for r in others if r.config != self.settings.config_fingerprint]
+        if not foreign:
+            return
+        if len(foreign) < len(others):
+            self.presence.same_settings(workers)  # warns once for each of the others
+            return
+        rec, mine = foreign[0], self.settings.config_fingerprint or "none"
+        raise SwarmError(
+            f"worker {rec.peer_id[-8:]} of run {self.settings.run_id!r} trains with other settings "
+            f"(config fingerprint {rec.config or 'none'}, this worker's {mine}): the [model] section, "
+            "data.tokenizer, optim.local_steps, fragments, outer_lr, outer_momentum, outer_nesterov and "
+            "swarm.weight_by_samples must be the same on every worker (compare their --print-config)")
 
     # -- plumbing ----------------------------------------------------------------------------
     @property
@@ -359,12 +377,15 @@ class SwarmCommunicator(Communicator):
                                            "have completed it; not keeping the work", completed=False,
                                            group_outer_step=key.outer_step + 1) from None
                     raise
+                finally:
+                    self._note_offenders(group)
             except RoundCounted:  # the group completed it (or may have): adopt its state, never retry
                 self.state = RoundState.FAILED
                 raise
             except AveragingError as e:
-                if isinstance(e, PeerFailure):
-                    suspects |= e.peers - {self._peer_id}
+                if isinstance(e, PeerFailure):  # one that refused us failed knowingly: it is back for the retry
+                    runner = self._runner if self._runner is not None and self._runner.group is group else None
+                    suspects |= e.peers - {self._peer_id} - (runner.refused_by if runner else set())
                 errors.append(f"attempt {attempt}: {e}")
                 log.warning("round %s, attempt %d with %d peers failed: %s", key, attempt, len(group.members), e)
                 attempt += 1
@@ -376,9 +397,17 @@ class SwarmCommunicator(Communicator):
                                  extra={"attempts": len(errors) + 1, "group_id": group.group_id,
                                         "digest": outcome.digest, "transfer_s": outcome.seconds,
                                         "matchmaking_s": mm_s, "bytes_sent": outcome.bytes_sent,
-                                        "entered_at": entered_at, "settled": settled, **outcome.bounded})
+                                        "bytes_received": outcome.bytes_received, "entered_at": entered_at,
+                                        "settled": settled, **outcome.bounded})
         self.state = RoundState.FAILED
         raise AveragingError(f"round {key}: no complete round in {s.max_attempts} attempts: " + "; ".join(errors))
+
+    def _note_offenders(self, group: Group) -> None:
+        """Remembers the members whose bytes failed this worker's own checks in this attempt."""
+        runner = self._runner
+        if runner is not None and runner.group is group:
+            for peer, reason in dict(runner.malformed).items():  # a stopped attempt may still be ending
+                self.offenders.add(peer, group.key.outer_step, reason)
 
     def _settle(self, group: Group, doubt: InDoubt) -> RoundOutcome | None:
         """Asks the members that may have completed a failed attempt whether they did (``runner.resolve``):

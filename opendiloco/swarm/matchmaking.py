@@ -4,7 +4,9 @@ Each worker announces it is ready for round ``k`` (attempt ``a``). When every li
 run at that outer step is ready (or the ones still missing are past the ready time they published,
 plus ``straggler_wait``, with at least ``min_group_size`` ready), the ready peer with the smallest
 id closes the group and publishes its members; everyone adopts the group published under the
-smallest id, so no two views split the run.
+smallest id, so no two views split the run. A group never holds both a member and a peer that member
+avoids (it caught it sending malformed data: ``exclusion.py``); who is left out is decided from the
+announcements, the same way on every member.
 Blocking by design: it runs on the communicator's round thread, never on the event loop. A stop
 request (the communicator's ``interrupted`` flag) ends every wait here at once: the polls look at it,
 and so do the DHT calls they make (``records.wait_dht``), which a partition can keep waiting for seconds.
@@ -13,6 +15,7 @@ and so do the DHT calls they make (``records.wait_dht``), which a partition can 
 from __future__ import annotations
 
 import collections
+import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -22,7 +25,10 @@ from ..comm.base import RoundKey
 from ..comm.runner import Group, make_group_id
 from ..errors import AveragingError, BehindError, Interrupted
 from . import records
+from .exclusion import Offenders, announced_avoid, conflict_free, conflicts, part_of
 from .presence import Presence
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -75,9 +81,10 @@ class Matchmaker:
     def __init__(self, run_records: records.RunRecords, presence: Presence, settings: MatchmakingSettings,
                  codec_name: str, interrupted: threading.Event, *, doorbell: Doorbell | None = None,
                  ring_members: Callable[[Sequence[str], str, int], None] | None = None,
-                 joiners: Callable[[int], set[str]] | None = None):
+                 joiners: Callable[[int], set[str]] | None = None, offenders: Offenders | None = None):
         """``joiners(outer_step)``: peers that just downloaded this worker's state of that outer step
-        (they are on their way to its round, possibly before their progress record can be read)."""
+        (they are on their way to its round, possibly before their progress record can be read).
+        ``offenders``: the peers this worker caught sending malformed data (named in its announcements)."""
         self.records, self.presence, self.settings = run_records, presence, settings
         self.joiners = joiners or (lambda outer_step: set())
         self.codec_name, self.interrupted = codec_name, interrupted
@@ -88,6 +95,11 @@ class Matchmaker:
         self.taken: set[str] = set()
         """Peers in groups of the current attempt that leave this worker out."""
         self._taken_for = ""
+        self.offenders = offenders if offenders is not None else Offenders()
+        self.avoids: dict[str, frozenset[str]] = {}
+        """The peers each peer that announced the current attempt avoids (its announcement's ``avoid``)."""
+        self._told = ""
+        """The round key for which this worker was last told that members refuse it."""
         self.no_shows: dict[str, int] = {}
         """Peers that published a ready time and then did not come (by the round key they missed):
         their ready time is not believed again until they take part in a round."""
@@ -103,6 +115,7 @@ class Matchmaker:
         s, me = self.settings, self.me
         announce_key = self.records.round_key(key)
         began, announced, polls = self.records.clock.now(), None, 0
+        mine_avoid: frozenset[str] = frozenset()
         gkey = self.records.group_key(key, attempt)
         while True:
             self._raise_if_interrupted()  # a stopping worker neither announces nor publishes
@@ -116,15 +129,19 @@ class Matchmaker:
             gkey = self.records.group_key(key, attempt)
             if announced != attempt:
                 value = {"attempt": attempt, "numel": numel, "codec": self.codec_name, "part": s.part_numel,
-                         "config": s.config, "since": began}
+                         "config": s.config, "since": began, "avoid": self.offenders.active(key.outer_step)}
                 self.records.store(announce_key, value, self.records.clock.now() + s.record_ttl)
-                ready[me], announced = value, attempt
+                ready[me], announced, mine_avoid = value, attempt, announced_avoid(value)
             if gkey != self._taken_for:
                 self.taken, self._taken_for = set(), gkey
             # An announcement outlives its round in the DHT: a peer that has applied this round
             # has done it, and must not be grouped with by a worker that arrives late.
             announced_ok = self._compatible(ready, attempt, numel) - self._moved_on(workers, key)
+            self.avoids = {p: announced_avoid(ready[p]) for p in announced_ok}
+            self.avoids[me] = mine_avoid  # what we announced for this attempt, whether read back yet or not
             compatible = announced_ok - (self.taken - {me}) - self._gone(workers, ready, key)
+            mine = part_of(me, compatible, self.avoids)  # without peers that members of it avoid
+            self._tell_if_refused(key, compatible)
             # Peers heading for this round: at its outer step, or one behind with a streamed round
             # still in flight that they will apply before they come. Peers already in a group that
             # leaves us out are not waited for. Peers that just downloaded our state of this step
@@ -133,8 +150,9 @@ class Matchmaker:
             heading |= {p for p in self.joiners(key.outer_step)
                         if p not in workers or workers[p].heading < key.outer_step}
             expected = (heading - set(suspects) - self.taken) | {me}
-            missing = expected - compatible
-            enough = len(compatible) >= s.min_group_size
+            # A peer that would be left out of our group even if it came now is not waited for.
+            missing = {p for p in expected - compatible if p in part_of(me, compatible | {p}, self.avoids)}
+            enough = len(mine) >= s.min_group_size
             now = self.records.clock.now()
             # Everyone measures from the earliest announcement, so that the leader and the members
             # give up on a straggler at the same moment.
@@ -145,7 +163,12 @@ class Matchmaker:
                     if p in workers and workers[p].ready_at is not None:
                         self.no_shows[p] = key.outer_step
                 others = set(workers) - {me}
-                if compatible == {me} and others:
+                if mine == {me} and others:
+                    refusing = self._refusing(compatible)
+                    if refusing:
+                        raise AveragingError(f"round {key}: left out of the group: {len(refusing)} member(s) refuse to "
+                                             f"average with this worker, naming it for malformed data "
+                                             f"({', '.join(p[-8:] for p in refusing)}); not applied alone")
                     # Alone while the run has other live workers: a round of one would fork θ_global
                     # from theirs. If they are all past this round, this worker is the one behind;
                     # else (joining, catching up, behind a slow link) the work is kept and goes into
@@ -155,7 +178,7 @@ class Matchmaker:
                                           group_outer_step=key.outer_step + 1)
                     raise AveragingError(f"round {key}: no other worker was ready in time ({len(others)} other "
                                          "live worker(s) in the run); not applied alone")
-                isolated = self.records.clock.isolated() if compatible == {me} else None
+                isolated = self.records.clock.isolated() if mine == {me} else None
                 if isolated:
                     raise AveragingError(f"round {key}: not applied alone: {isolated}")
                 break
@@ -225,9 +248,9 @@ class Matchmaker:
         """The group published for this round and attempt that holds this worker, or None.
 
         A group counts if its publisher leads it (the smallest member id), its members are
-        distinct, every one of them announced this attempt with our settings (``announced``), and
-        some of them are alive; of several holding us, the smallest publisher's wins. Records are
-        signed, so a publisher can only speak for itself.
+        distinct, every one of them announced this attempt with our settings (``announced``), none
+        of them avoids another (``self.avoids``), and some of them are alive; of several holding us,
+        the smallest publisher's wins. Records are signed, so a publisher can only speak for itself.
 
         Groups that leave this worker out are other workers' business (``self.taken`` notes their
         members, so nobody waits for them here), unless together they are at least half the run's
@@ -236,7 +259,8 @@ class Matchmaker:
         published = {p: tuple(sorted(set(m))) for p, m in
                      self.records.subkey_values(gkey, self.settings.record_ttl + 10).items()
                      if isinstance(m, list) and m and all(isinstance(x, str) for x in m)
-                     and len(set(m)) == len(m) and p == min(m) and live & set(m) and set(m) <= announced}
+                     and len(set(m)) == len(m) and p == min(m) and live & set(m) and set(m) <= announced
+                     and not conflicts(m, self.avoids)}
         holding_me = {p: m for p, m in published.items() if self.me in m}
         if holding_me:
             members = holding_me[min(holding_me)]
@@ -246,6 +270,19 @@ class Matchmaker:
         if self.taken and 2 * len(self.taken) >= len(live | self.taken):
             raise BehindError(f"left out of the group for round {key}", group_outer_step=key.outer_step + 1)
         return None
+
+    def _refusing(self, candidates: set[str]) -> list[str]:
+        """The candidates whose announcements avoid this worker."""
+        return sorted(p for p in candidates if self.me in self.avoids.get(p, ()))
+
+    def _tell_if_refused(self, key: RoundKey, candidates: set[str]) -> None:
+        """Says once per round key why this worker is left out of the group, when members refuse it."""
+        refusing = self._refusing(candidates)
+        if refusing and self._told != str(key) and self.me not in conflict_free(candidates, self.avoids):
+            self._told = str(key)
+            log.warning("round %s: left out of the group: %d member(s) refuse to average with this worker (%s): "
+                        "their checks found data it sent malformed, they say (docs/trust.md)", key, len(refusing),
+                        ", ".join(p[-8:] for p in refusing))
 
     def _took_part(self, members) -> None:
         for m in members:
@@ -270,7 +307,7 @@ class Matchmaker:
             members = self._published(key, gkey, live, compatible)
             if members is not None:
                 return self._group(key, attempt, members)
-            candidates = compatible - (self.taken - {me}) - gone
+            candidates = part_of(me, compatible - (self.taken - {me}) - gone, self.avoids)
             if len(candidates) < s.min_group_size:
                 raise AveragingError(f"round {key}: {len(candidates)} peer(s) left for a group, need "
                                      f"{s.min_group_size}")
@@ -292,6 +329,7 @@ class Matchmaker:
                 announcements = self._announcements(announce_key)
                 compatible |= self._compatible(announcements, attempt, numel)
                 compatible -= self._moved_on(workers, key)
+                self.avoids.update({p: announced_avoid(announcements[p]) for p in compatible if p in announcements})
                 gone = self._gone(workers, {p: announcements.get(p) for p in compatible}, key)
             self.doorbell.wait(str(key), attempt, s.poll_interval)
 

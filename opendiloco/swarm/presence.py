@@ -17,6 +17,10 @@ SECRET_CHECK_EVERY = 5
 
 CLOCK_SLACK = 10.0
 """Seconds a record may claim to live beyond its kind's TTL (peers' clocks differ a little)."""
+PROGRESS_FIELDS = frozenset(records.WorkerRecord.__dataclass_fields__) - {"peer_id", "time", "left", "config"} \
+    | {"ready_in"}
+"""What a worker reports of its progress (``report``): its record's fields that the worker itself
+sets, and ``ready_in`` (stored as ``ready_at``); the rest is this module's to set."""
 
 
 class Presence:
@@ -54,6 +58,12 @@ class Presence:
     def report(self, **fields) -> None:
         """Updates this worker's record; published at once if its outer step or readiness changed,
         else with the next heartbeat. ``ready_in`` (seconds from now) is stored as ``ready_at``."""
+        unknown = fields.keys() - PROGRESS_FIELDS
+        if unknown:  # a misspelt field would otherwise vanish from the record without a word
+            raise TypeError(f"report_progress got unknown field(s) {sorted(unknown)}; a worker's record has "
+                            f"{sorted(PROGRESS_FIELDS)}")
+        if "name" in fields:
+            fields["name"] = str(fields["name"] or "")[:records.NAME_MAX]
         now = self.records.clock.now()
         if "ready_in" in fields:  # None: not known yet
             ready_in = fields.pop("ready_in")
@@ -137,11 +147,6 @@ class Presence:
                             "never waited for, averaged with or downloaded from", peer[-8:], self.run_id,
                             rec.config or "none", self.config or "none")
         return out
-
-    def other_settings(self) -> list[records.WorkerRecord]:
-        """Live workers of the run whose config fingerprint differs from this worker's."""
-        return [r for p, r in self.records.read_workers(self.max_ttl).items()
-                if p != self.peer_id and r.config != self.config]
 
     def my_claim(self, outer_step: int) -> Claim | None:
         mine = self.get("global_hash")

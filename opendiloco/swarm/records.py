@@ -36,6 +36,10 @@ from .signing import Identity
 log = logging.getLogger(__name__)
 
 
+NAME_MAX = 64
+"""Characters of a worker's name in its record (a longer one makes the record malformed)."""
+
+
 @dataclass
 class WorkerRecord:
     peer_id: str
@@ -71,6 +75,8 @@ class WorkerRecord:
     """Set when a worker leaves cleanly, so others stop waiting for it at once."""
     config: str = ""
     """The fingerprint of the settings the run's workers must share (``config_fingerprint``)."""
+    name: str = ""
+    """The name its user gave the worker (``[run] worker``), for people reading the run; never trusted."""
 
     @property
     def heading(self) -> int:
@@ -108,6 +114,8 @@ class WorkerRecord:
                     return None
             rec.ready = bool(rec.ready)
             rec.next_round = int(rec.next_round)
+            if not isinstance(rec.name, str) or len(rec.name) > NAME_MAX:
+                return None
             if not isinstance(rec.global_hash, str) or not isinstance(rec.config, str) or not (
                     rec.loss is None or isinstance(rec.loss, (int, float))):
                 return None

@@ -11,8 +11,10 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+
+from opendiloco.testing.prefork import PreforkServer
 
 
 def children_table() -> dict[int, list[int]]:
@@ -71,10 +73,19 @@ class ProcessGroup:
         self.procs: list[subprocess.Popen] = []
         self.known: set[int] = set()
 
+    prefork: PreforkServer | None = None
+    """Set (by the test suite) to start Python programs by forking a pre-imported interpreter."""
+
     def spawn(self, args: Sequence[str], name: str, env: dict | None = None) -> subprocess.Popen:
-        with open(self.log_dir / f"{name}.log", "ab") as log:
-            proc = subprocess.Popen(list(args), stdout=log, stderr=subprocess.STDOUT, cwd=self.cwd,
-                                    env=dict(os.environ, PYTHONUNBUFFERED="1", **(env or {})))
+        path = self.log_dir / f"{name}.log"
+        full_env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
+        proc = None
+        if self.prefork is not None:
+            proc = self.prefork.spawn(args, path, self.cwd or Path.cwd(), full_env)
+        if proc is None:
+            with open(path, "ab") as log:
+                proc = subprocess.Popen(list(args), stdout=log, stderr=subprocess.STDOUT, cwd=self.cwd,
+                                        env=full_env)
         proc.name = name
         self.procs.append(proc)
         return proc
@@ -106,6 +117,23 @@ class ProcessGroup:
                     from None
             if proc.returncode != 0:
                 raise ProcessError(f"{proc.name} exited with {proc.returncode}:\n{self.log(proc.name)}")
+
+    def wait_for(self, condition: Callable[[], object], timeout: float, what: str,
+                 alive: Sequence[subprocess.Popen] = (), show: Sequence[str] = ()) -> None:
+        """Polls ``condition`` until it holds. Raises ``ProcessError`` (with the logs of ``alive`` and
+        of the processes named in ``show``) if a process of ``alive`` exits first, or after
+        ``timeout`` seconds: state what must happen relative to the run, with a generous bound."""
+        deadline = time.monotonic() + timeout
+        while not condition():
+            for proc in alive:
+                if proc.poll() is not None:
+                    raise ProcessError(f"{proc.name} exited ({proc.returncode}) while waiting for {what}:\n"
+                                       f"{self.log(proc.name)}")
+            if time.monotonic() > deadline:
+                names = [p.name for p in alive] + [n for n in show if n not in {p.name for p in alive}]
+                logs = "\n".join(f"--- {n}\n{self.log(n)}" for n in names)
+                raise ProcessError(f"no {what} within {timeout:.0f}s\n{logs}")
+            time.sleep(0.1)
 
     def stop(self, grace: float = 10.0) -> list[int]:
         self.track()

@@ -86,6 +86,11 @@ class RunConfig(Section):
     wandb_project: str = "opendiloco"
     wandb_mode: Literal["online", "offline"] = "offline"
     """offline writes the run under the run dir (``wandb sync`` uploads it later); online needs a login."""
+    metrics_port: int | None = Field(None, ge=0, le=65535)
+    """Serve this worker's figures for Prometheus at ``http://metrics_host:metrics_port/metrics``
+    (default: off; 0 takes a free port, written to the ``start`` record as ``metrics_url``)."""
+    metrics_host: str = "127.0.0.1"
+    """Where the metrics are served; another address (``0.0.0.0``) is the user's explicit choice."""
 
     @field_validator("name", "worker")
     @classmethod
@@ -283,6 +288,9 @@ class SwarmConfig(Section):
     """A contribution's part is scaled down to at most this multiple of the group's median norm (inf: off)."""
     max_weight_ratio: float = Field(4.0, ge=1)
     """A claimed weight counts at most this multiple of the group's median weight (inf: off)."""
+    exclude_rounds: int = Field(16, ge=0, le=1_000_000)
+    """Outer steps for which a member caught sending malformed data is left out of this worker's
+    groups (0: only for the retries of the round it was caught in); docs/trust.md."""
     secret_file: str | None = None
     """A file holding the run secret: only workers started with it take part (a closed run). Unset:
     $OPENDILOCO_RUN_SECRET, else $OPENDILOCO_RUN_SECRET_FILE. The secret itself is never a config

@@ -1,9 +1,10 @@
-"""Optional metric outputs besides ``metrics.jsonl``: Weights & Biases and TensorBoard.
+"""Optional metric outputs besides ``metrics.jsonl``: Weights & Biases, TensorBoard and Prometheus.
 
 Each sink receives the same records as ``metrics.jsonl`` and logs their numbers as scalars at the
 record's inner step, under ``train/``, ``eval/``, ``swarm/`` (one point per outer step: group
 size, sync time, utilisation of the round, bytes sent, contributed and dropped steps),
-``checkpoint/`` and ``run/``. A sink that fails is logged once and turned off: metrics never
+``checkpoint/`` and ``run/``. Prometheus (``prometheus.py``) takes the records themselves, to add
+them up into counters. A sink that fails is logged once and turned off: metrics never
 stop training.
 """
 
@@ -50,6 +51,12 @@ def scalars(record: dict) -> tuple[int | None, dict[str, float]]:
 
 class Sink:
     name = "sink"
+
+    def write(self, record: dict) -> None:
+        """One record of metrics.jsonl; by default its numbers go to ``log`` (if it has any)."""
+        step, values = scalars(record)
+        if values:
+            self.log(step, values)
 
     def log(self, step: int | None, values: dict[str, float]) -> None: ...
 
@@ -111,12 +118,9 @@ class SinkSet:
         self.sinks = sinks
 
     def __call__(self, record: dict) -> None:
-        step, values = scalars(record)
-        if not values:
-            return
         for sink in list(self.sinks):
             try:
-                sink.log(step, values)
+                sink.write(record)
             except Exception as e:
                 log.warning("metrics to %s failed, turned off: %s: %s", sink.name, type(e).__name__, e)
                 self.sinks.remove(sink)
@@ -130,11 +134,12 @@ class SinkSet:
         self.sinks = []
 
 
-def make_sinks(cfg, run_dir: Path) -> SinkSet | None:
-    """The sinks ``cfg.run.log_to`` asks for; one that cannot start is logged and left out."""
-    if not cfg.run.log_to:
+def make_sinks(cfg, run_dir: Path, started: tuple[Sink, ...] | list[Sink] = ()) -> SinkSet | None:
+    """The sinks ``cfg.run.log_to`` asks for (one that cannot start is logged and left out), after
+    ``started`` (sinks the trainer started itself, such as the Prometheus exporter)."""
+    if not cfg.run.log_to and not started:
         return None
-    sinks: list[Sink] = []
+    sinks: list[Sink] = list(started)
     for name in dict.fromkeys(cfg.run.log_to):
         try:
             if name == "wandb":

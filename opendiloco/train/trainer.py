@@ -28,6 +28,7 @@ from .config import Config, config_fingerprint, to_toml
 from .data import PackedStream, eval_batches, make_corpus
 from .metrics import MetricsWriter
 from .model import PersistentBuffers, build_model, count_parameters
+from .prometheus import PrometheusSink, start_exporter
 from .ranks import RanksError, WorkerRanks
 from .sinks import make_sinks, missing_package
 from .tokenizer import make_tokenizer
@@ -341,7 +342,7 @@ class Trainer:
         set_rng_state(ckpt["rng"])
 
     def _join(self, resumed: bool) -> None:
-        """Adopts θ_global and the step counters of a live peer, if there is one (DESIGN.md invariant 9)."""
+        """Adopts θ_global and the step counters of a live peer, if there is one (docs/invariants.md, 9)."""
         swarm = self.cfg.swarm
         try:
             state = self.comm.download_state(timeout=swarm.join_timeout, max_bytes=self.opt.shareable_state_bound())
@@ -524,18 +525,28 @@ class Trainer:
             CheckpointManager(self.run_dir).remove_stale_temp_files()
         self._build_model_and_data()  # before joining a swarm: a data problem fails fast
         self._checkpoint = self._read_checkpoint() if self.resume else None  # a bad one too
-        if self.ranks.multi:  # a worker of several processes joins the swarm from its rank 0 only
-            self.comm = LocalRanks(functools.partial(make_communicator, self.cfg, self.run_dir)
-                                   if self.ranks.leader else None, timeout=self._hand_off_timeout())
-        else:
-            self.comm = make_communicator(self.cfg, self.run_dir)
+        exporter = self._start_exporter()  # before joining a swarm: a port in use is told at once
+        try:
+            if self.ranks.multi:  # a worker of several processes joins the swarm from its rank 0 only
+                self.comm = LocalRanks(functools.partial(make_communicator, self.cfg, self.run_dir)
+                                       if self.ranks.leader else None, timeout=self._hand_off_timeout())
+            else:
+                self.comm = make_communicator(self.cfg, self.run_dir)
+        except BaseException:
+            if exporter is not None:
+                exporter.close()
+            raise
         try:
             if self.ranks.leader:
-                self.metrics = MetricsWriter(self.run_dir / "metrics.jsonl", forward=make_sinks(self.cfg, self.run_dir))
+                started = [exporter] if exporter is not None else []
+                self.metrics = MetricsWriter(self.run_dir / "metrics.jsonl",
+                                             forward=make_sinks(self.cfg, self.run_dir, started))
             else:  # the other ranks keep their own records (their θ_global hash at each outer step), no sinks
                 self.metrics = MetricsWriter(self.run_dir / f"metrics.rank{self.ranks.rank}.jsonl")
         except BaseException:
             self.comm.close()
+            if exporter is not None:
+                exporter.close()
             raise
         try:
             self._build_optimizer()
@@ -548,6 +559,20 @@ class Trainer:
             finally:
                 self.metrics.close()
                 self.comm.close()
+
+    def _start_exporter(self) -> PrometheusSink | None:
+        """The Prometheus exporter ``[run] metrics_port`` asks for (rank 0 only), or None."""
+        run = self.cfg.run
+        self.metrics_url = None
+        if run.metrics_port is None or not self.ranks.leader:
+            return None
+        try:
+            exporter = start_exporter(run.metrics_port, run.metrics_host)
+        except OSError as e:
+            raise TrainError(str(e)) from None
+        self.metrics_url = exporter.url
+        log.info("metrics for Prometheus at %s", exporter.url)
+        return exporter
 
     def _hand_off_timeout(self) -> float:
         """How long the worker's other processes wait for rank 0: its longest wait on the swarm (joining,
@@ -566,7 +591,7 @@ class Trainer:
         self.metrics.write("start", worker=cfg.worker, peer_id=self.comm.peer_id, device=str(self.device),
                            precision=self.precision, parameters=count_parameters(self.model),
                            inner_step=self.opt.inner_steps_total, outer_step=self.opt.outer_step,
-                           resumed=resumed, config=cfg.model_dump())
+                           resumed=resumed, metrics_url=self.metrics_url, config=cfg.model_dump())
         log.info("worker %s on %s (%s): %.2fM parameters, run dir %s", cfg.worker, self.device, self.precision,
                  count_parameters(self.model) / 1e6, self.run_dir)
 
@@ -659,7 +684,8 @@ class Trainer:
                            eval_loss=tally.eval_loss if evaluated else None, ok=report.ok,
                            group_size=report.group_size, peers=list(report.peers), allreduce_s=report.allreduce_s,
                            sync_s=report.seconds, transfer_s=report.extra.get("transfer_s"),
-                           bytes_sent=report.extra.get("bytes_sent"), round_compute_s=tally.round_compute_s,
+                           matchmaking_s=report.extra.get("matchmaking_s"), bytes_sent=report.extra.get("bytes_sent"),
+                           bytes_received=report.extra.get("bytes_received"), round_compute_s=tally.round_compute_s,
                            global_hash=report.global_hash, reason=report.reason, steps=report.steps,
                            contributed_steps=report.contributed_steps, dropped_steps=report.dropped_steps,
                            weight=report.weight, fragment=report.fragment,
@@ -679,7 +705,8 @@ class Trainer:
         tally.last_report = now
         self.comm.report_progress(
             outer_step=self.opt.outer_step, inner_step=self.opt.inner_steps_total,
-            samples_per_s=tally.tokens_per_s() / self.cfg.data.seq_len, loss=loss, global_hash=tally.global_hash)
+            samples_per_s=tally.tokens_per_s() / self.cfg.data.seq_len, loss=loss, global_hash=tally.global_hash,
+            name=self.cfg.worker)
 
 
 @dataclass

@@ -26,6 +26,10 @@ from opendiloco.swarm.state_transfer import StateServer, fetch_state
 from opendiloco.swarm.streams import P2PStreams
 
 RECORD_TTL = 4.0
+# The poisoner must stay the run's donor while the honest worker is stopped: its record lives long
+# enough that a heartbeat delayed on a loaded machine never leaves the run looking empty (a joiner
+# accepts records up to its own record_ttl plus the clock slack, 14 s in tests/swarm/worker.py).
+POISONER_TTL = 12.0
 
 
 def _momentum_buffers(state):
@@ -94,16 +98,23 @@ async def serve_poisoned(args, dht, p2p, book) -> None:
     server.provider = provider
     await server.listen()
     mirror = donor.to_value()
-    while True:  # a heartbeat: the honest worker's claim, as our own
+
+    async def watch():  # off the heartbeat's path: a slow read never delays a store
+        while True:
+            others = [p for p in await asyncio.to_thread(book.read_workers, 60) if p != peer_id]
+            with open(args.marker + ".live.tmp", "w") as f:
+                f.write("\n".join(others))
+            os.replace(args.marker + ".live.tmp", args.marker + ".live")
+            await asyncio.sleep(0.5)
+
+    watcher = asyncio.create_task(watch())
+    while not watcher.done():  # a heartbeat: the honest worker's claim, as our own
         mirror["time"] = get_dht_time()
-        await book.store_async(book.workers_key(), mirror, get_dht_time() + RECORD_TTL)
-        others = [p for p in book.read_workers(60) if p != peer_id]
-        with open(args.marker + ".live.tmp", "w") as f:
-            f.write("\n".join(others))
-        os.replace(args.marker + ".live.tmp", args.marker + ".live")
+        await book.store_async(book.workers_key(), mirror, get_dht_time() + POISONER_TTL)
         with open(args.marker + ".up", "w") as f:
             f.write(peer_id)
         await asyncio.sleep(1.0)
+    watcher.result()  # a failed watcher is this script's error, not a silent stop
 
 
 async def main_async(args) -> None:

@@ -62,6 +62,12 @@ class Swarm(ProcessGroup):
         except ProcessError as e:
             pytest.fail(str(e))
 
+    def wait_for(self, condition, timeout: float, what: str, alive=(), show=()) -> None:
+        try:
+            super().wait_for(condition, timeout, what, alive, show)
+        except ProcessError as e:
+            pytest.fail(str(e))
+
 
 @pytest.fixture
 def swarm(tmp_path):

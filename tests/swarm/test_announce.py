@@ -8,7 +8,6 @@ only /ip4/127.0.0.2/tcp/PORT, an address it does not list among its own listen a
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -19,17 +18,12 @@ from hivemind.utils.timed_storage import get_dht_time
 from opendiloco.swarm.membership import Membership
 from opendiloco.swarm.node import SwarmError, start_dht, visible_maddrs
 from opendiloco.swarm.records import RunRecords
+from opendiloco.testing.ports import free_port
 from opendiloco.testing.proctree import alive, descendants
 
 from .conftest import ROOT
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(60)]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("0.0.0.0", 0))
-        return s.getsockname()[1]
 
 
 async def _connected_peers(dht, node) -> dict[str, list[str]]:
@@ -67,7 +61,7 @@ def dhts():
 
 
 def test_node_advertises_exactly_its_announce_maddrs_and_peers_reach_it_there(dhts):
-    port = free_port()
+    port = free_port("0.0.0.0")
     announced = f"/ip4/127.0.0.2/tcp/{port}"
     node = start_dht(host_maddrs=[f"/ip4/0.0.0.0/tcp/{port}"], announce_maddrs=[announced])
     dhts.append(node)
@@ -95,7 +89,7 @@ def test_node_advertises_exactly_its_announce_maddrs_and_peers_reach_it_there(dh
 
 
 def test_several_announce_maddrs_including_dns_are_all_advertised(dhts):
-    port = free_port()
+    port = free_port("0.0.0.0")
     announced = [f"/dns4/localhost/tcp/{port}", f"/ip4/127.0.0.2/tcp/{port}"]
     node = start_dht(host_maddrs=[f"/ip4/0.0.0.0/tcp/{port}"], announce_maddrs=announced)
     dhts.append(node)

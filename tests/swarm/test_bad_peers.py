@@ -5,7 +5,6 @@ donor dies. The bad donor lives in the test suite (bad_donor.py), not in the lib
 from __future__ import annotations
 
 import signal
-import socket
 import sys
 import time
 from pathlib import Path
@@ -13,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from opendiloco.testing.ports import free_port
 from opendiloco.train.checkpoint import CheckpointManager
 from opendiloco.train.config import config_fingerprint, load_config
 from opendiloco.train.trainer import train
@@ -22,12 +22,6 @@ pytestmark = [pytest.mark.swarm, pytest.mark.timeout(240)]
 
 A_PEER_ID = "12D3KooWGgEAuNWLZb7GVo74gmgpNRfhpY9vUm7b21qfyvqF9wGL"
 LOCAL = ["--swarm.host-maddrs", "/ip4/127.0.0.1/tcp/0"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _train(swarm, name: str, run_dir: Path, *extra: str):
@@ -41,17 +35,8 @@ def _finish(swarm, proc, timeout: float) -> tuple[int, list[str]]:
     return proc.returncode, swarm.log(proc.name, tail=20000).strip().splitlines()
 
 
-def _wait_for(predicate, timeout: float, what: str, proc=None, swarm=None) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if proc is not None and proc.poll() is not None:
-            pytest.fail(f"{proc.name} exited while waiting for {what}:\n{swarm.log(proc.name)}")
-        assert time.monotonic() < deadline, f"no {what} within {timeout:.0f}s"
-        time.sleep(0.2)
-
-
 def test_train_with_an_unreachable_peer_is_one_line(swarm, tmp_path):
-    peer = f"/ip4/127.0.0.1/tcp/{_free_port()}/p2p/{A_PEER_ID}"  # a well-formed address nobody listens on
+    peer = f"/ip4/127.0.0.1/tcp/{free_port()}/p2p/{A_PEER_ID}"  # a well-formed address nobody listens on
     proc = _train(swarm, "lonely", tmp_path / "run", "--swarm.initial-peers", peer)
     code, lines = _finish(swarm, proc, 120)
     assert code == 2, lines
@@ -86,8 +71,8 @@ def test_workers_with_other_settings_are_refused_in_one_line(swarm, tmp_path):
     first = _train(swarm, "first", tmp_path / "first", "--swarm.initial-peers", *peers, "--train.total-steps", "100000",
                    "--train.throttle", "0.05", "--swarm.join-timeout", "1")
     metrics = tmp_path / "first" / "metrics.jsonl"
-    _wait_for(lambda: metrics.is_file() and '"event": "start"' in metrics.read_text(), 120, "start of the first worker",
-              first, swarm)
+    swarm.wait_for(lambda: metrics.is_file() and '"event": "start"' in metrics.read_text(), 120,
+                   "start of the first worker", [first])
     theirs = config_fingerprint(load_config(None, SMALL))
     for name, other in (("heads", ["--model.num-heads", "2"]), ("local-steps", ["--optim.local-steps", "8"])):
         second = _train(swarm, name, tmp_path / name, "--swarm.initial-peers", *peers, *other)
@@ -100,8 +85,21 @@ def test_workers_with_other_settings_are_refused_in_one_line(swarm, tmp_path):
         assert lines[-1].startswith(expected), lines[-1]
         assert not (tmp_path / name / "checkpoints").exists()
     assert first.poll() is None  # the run goes on
-    first.send_signal(signal.SIGTERM)
-    assert first.wait(60) == 0
+
+    # One record with other settings beside a worker with ours refuses only its writer: a newcomer
+    # with the run's settings starts (before, every newcomer exited 2 on that one record).
+    marker = _bad_donor(swarm, tmp_path, "stall", ["--model.num-heads", "2"], outer_step=0)
+    fake = Path(f"{marker}.up").read_text()[-8:]
+    newcomer = _train(swarm, "newcomer", tmp_path / "newcomer", "--swarm.initial-peers", *peers,
+                      "--train.total-steps", "100000", "--train.throttle", "0.05")
+    started = tmp_path / "newcomer" / "metrics.jsonl"
+    swarm.wait_for(lambda: started.is_file() and '"event": "start"' in started.read_text(), 120,
+                   "start of the newcomer", [newcomer])
+    warned = [line for line in swarm.log("newcomer", tail=10**6).splitlines() if "has other settings" in line]
+    assert warned and all(fake in line for line in warned), warned
+    for proc in (newcomer, first):
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0, swarm.log(proc.name)
 
 
 def first_peer(run_dir: Path) -> str:
@@ -120,7 +118,7 @@ def _bad_donor(swarm, tmp_path: Path, mode: str, config_args: list[str], outer_s
     fingerprint = config_fingerprint(load_config(None, [*SMALL, *config_args]))
     swarm.spawn([sys.executable, "-m", "tests.swarm.bad_donor", "--peers-file", str(swarm.peers_file), "--mode", mode,
                  "--marker", str(marker), "--config", fingerprint, "--outer-step", str(outer_step)], f"donor-{mode}")
-    _wait_for(lambda: Path(f"{marker}.up").exists(), 90, "bad donor")
+    swarm.wait_for(lambda: Path(f"{marker}.up").exists(), 90, "bad donor")
     return marker
 
 
@@ -132,7 +130,7 @@ def test_ctrl_c_during_a_state_download_stops_at_once_and_keeps_the_checkpoint(s
     marker = _bad_donor(swarm, tmp_path, "stall", [])
     proc = _train(swarm, "joiner", run_dir, "--resume", "--train.total-steps", "100",
                   "--swarm.initial-peers", *swarm.peers_file.read_text().split(), "--swarm.join-timeout", "600")
-    _wait_for(lambda: marker.exists(), 120, "state request", proc, swarm)
+    swarm.wait_for(lambda: marker.exists(), 120, "state request", [proc])
     time.sleep(1.0)  # well inside the download
     sent = time.monotonic()
     proc.send_signal(signal.SIGINT)  # once, as a user would
@@ -168,11 +166,11 @@ def test_ctrl_c_during_a_catch_up_download_stops_at_once_and_writes_the_checkpoi
     proc = _train(swarm, "worker", run_dir, "--train.total-steps", "100000", "--train.throttle", "0.2",
                   "--swarm.join-timeout", "1", "--swarm.initial-peers", *peers)
     metrics = run_dir / "metrics.jsonl"
-    _wait_for(lambda: metrics.is_file() and '"event": "outer_step"' in metrics.read_text(), 120, "first outer step",
-              proc, swarm)
+    swarm.wait_for(lambda: metrics.is_file() and '"event": "outer_step"' in metrics.read_text(), 120,
+                   "first outer step", [proc])
     # It says it is far ahead, whatever step the worker (alone until then, so fast) has reached.
     marker = _bad_donor(swarm, tmp_path, "stall", [], outer_step=1_000_000)
-    _wait_for(lambda: marker.exists(), 120, "state request", proc, swarm)
+    swarm.wait_for(lambda: marker.exists(), 120, "state request", [proc])
     time.sleep(1.0)
     sent = time.monotonic()
     proc.send_signal(signal.SIGINT)
@@ -194,7 +192,7 @@ def test_workers_with_other_settings_that_start_together_never_average_together(
     swarm.bootstrap()
     odd = swarm.worker("b0", seed=2, local_steps=4, min_group_size=2, matchmaking_timeout=10,
                        run_until_stopped=True, config_fingerprint="bbbb")
-    _wait_for(lambda: swarm.records("b0", "start"), 120, "start of b0", odd, swarm)
+    swarm.wait_for(lambda: swarm.records("b0", "start"), 120, "start of b0", [odd])
     pair = [swarm.worker(name, seed=i, outer_steps=2, local_steps=4, min_group_size=2, straggler_wait=30,
                          config_fingerprint="aaaa") for i, name in enumerate(("a0", "a1"))]
     swarm.wait(pair, timeout=180)

@@ -12,7 +12,6 @@ import math
 import os
 import signal
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -43,15 +42,6 @@ def records(path: Path, event: str = "outer_step") -> list[dict]:
 
 def hashes(path: Path) -> dict[int, str]:
     return {r["outer_step"]: r["global_hash"] for r in records(path) if r["ok"]}
-
-
-def wait_for(condition, timeout: float, what: str, swarm, names=()) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            logs = "\n".join(f"--- {n}\n{swarm.log(n)}" for n in names)
-            pytest.fail(f"timed out waiting for {what}\n{logs}")
-        time.sleep(0.2)
 
 
 def rank_pids(agent_pid: int) -> dict[int, int]:
@@ -91,8 +81,8 @@ def test_two_workers_of_two_processes_agree_and_match_single_process_workers(swa
             def waiting(run):
                 return any(w.ready and w.outer_step == 0 for w in fetch_workers(peers, run, settle=0.3))
 
-            wait_for(lambda: all(waiting(run) for run in launch), 150, "the first workers to wait in round 1",
-                     swarm, ["ranks0", "single0"])
+            swarm.wait_for(lambda: all(waiting(run) for run in launch), 150, "the first workers to wait in round 1",
+                           show=["ranks0", "single0"])
     swarm.wait(procs, timeout=240)
 
     leader = {name: records(d / "metrics.jsonl") for name, d in dirs.items()}
@@ -136,7 +126,7 @@ def test_losing_a_process_or_a_worker_leaves_the_others_training(swarm, tmp_path
                                                     "--train.total-steps", "100000")], "victim",
                          env={"OMP_NUM_THREADS": "1"})
     together = lambda: any(r["ok"] and r["group_size"] == 2 for r in records(survivor_dir / "metrics.jsonl"))  # noqa: E731
-    wait_for(together, 200, "both workers to average together", swarm, ["survivor", "victim"])
+    swarm.wait_for(together, 200, "both workers to average together", show=["survivor", "victim"])
     ranks = rank_pids(victim.pid)
     assert sorted(ranks) == [0, 1], ranks
     killed_at = len(records(survivor_dir / "metrics.jsonl"))
@@ -149,8 +139,8 @@ def test_losing_a_process_or_a_worker_leaves_the_others_training(swarm, tmp_path
     assert victim.returncode != 0
     # The survivor goes on alone: rounds of one (a round or two may still hold, or fail on, the victim).
     after = lambda: records(survivor_dir / "metrics.jsonl")[killed_at:]  # noqa: E731
-    wait_for(lambda: sum(r["ok"] and r["group_size"] == 1 for r in after()) >= 3, 200,
-             "three rounds without the victim", swarm, ["survivor", "victim"])
+    swarm.wait_for(lambda: sum(r["ok"] and r["group_size"] == 1 for r in after()) >= 3, 200,
+                   "three rounds without the victim", show=["survivor", "victim"])
     assert all(r["group_size"] <= 1 for r in after()[2:]), after()
     survivor.send_signal(signal.SIGTERM)
     swarm.wait([survivor], timeout=60)

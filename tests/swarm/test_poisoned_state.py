@@ -11,7 +11,6 @@ import math
 import os
 import signal
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -21,30 +20,19 @@ pytestmark = [pytest.mark.swarm, pytest.mark.timeout(400)]
 H = 5
 
 
-def _wait_for(predicate, timeout: float, what: str, swarm, *procs) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        for proc in procs:
-            if proc.poll() is not None:
-                pytest.fail(f"{proc.name} exited while waiting for {what}:\n{swarm.log(proc.name)}")
-        assert time.monotonic() < deadline, f"no {what} within {timeout:.0f}s: " + " | ".join(
-            swarm.log(p.name) for p in procs)
-        time.sleep(0.2)
-
-
 @pytest.mark.parametrize("field", ["inner_steps_total", "momentum_buffer"])
 def test_a_joiner_refuses_a_poisoned_state_and_takes_the_honest_one(swarm, tmp_path, field):
     swarm.bootstrap()
     # The honest worker trains two outer steps alone, then stays in the run without training: it holds
     # the run's state (outer step 2) and serves it.
     honest = swarm.worker("honest", outer_steps=2, local_steps=H, linger=True)
-    _wait_for(lambda: swarm.records("honest", "linger"), 120, "the honest worker's outer step 2", swarm, honest)
+    swarm.wait_for(lambda: swarm.records("honest", "linger"), 120, "the honest worker's outer step 2", [honest])
     held = swarm.records("honest", "linger")[0]
     marker = tmp_path / "poisoner"
     poisoner = swarm.spawn([sys.executable, "-m", "tests.swarm.bad_donor", "--peers-file", str(swarm.peers_file),
                             "--run-id", "test", "--mode", "poison", "--poison", field, "--outer-step", "2",
                             "--marker", str(marker)], "poisoner")
-    _wait_for(lambda: Path(f"{marker}.up").exists(), 120, "the poisoner", swarm, poisoner)
+    swarm.wait_for(lambda: Path(f"{marker}.up").exists(), 120, "the poisoner", [poisoner])
     bad = Path(f"{marker}.up").read_text()[-8:]
 
     # The honest worker is stopped until its record has expired: the poisoner is then the only donor of
@@ -52,18 +40,18 @@ def test_a_joiner_refuses_a_poisoned_state_and_takes_the_honest_one(swarm, tmp_p
     os.kill(honest.pid, signal.SIGSTOP)
     try:
         live = Path(f"{marker}.live")
-        _wait_for(lambda: live.exists() and not live.read_text().split(), 60, "the honest record to expire",
-                  swarm, poisoner)
+        swarm.wait_for(lambda: live.exists() and not live.read_text().split(), 60, "the honest record to expire",
+                       [poisoner])
         joiner = swarm.worker("joiner", outer_steps=4, local_steps=H, join_timeout=240, straggler_wait=3,
                               matchmaking_timeout=10)
         refusal = f"refused the state of donor {bad}: "
-        _wait_for(lambda: refusal in swarm.log("joiner", tail=10**6) or swarm.records("joiner", "start"), 120,
-                  "a download", swarm, joiner)
+        swarm.wait_for(lambda: refusal in swarm.log("joiner", tail=10**6) or swarm.records("joiner", "start"),
+                       120, "a download", [joiner])
         assert refusal in swarm.log("joiner", tail=10**6), swarm.records("joiner", "start")  # not adopted
     finally:
         os.kill(honest.pid, signal.SIGCONT)
     # Back in the run: the joiner's next try finds the honest donor.
-    _wait_for(lambda: swarm.records("joiner", "start"), 120, "the joiner's start", swarm, joiner)
+    swarm.wait_for(lambda: swarm.records("joiner", "start"), 120, "the joiner's start", [joiner])
     start = swarm.records("joiner", "start")[0]
     assert start["downloaded"] and start["outer_step"] == 2, start
     assert start["global_hash"] == held["global_hash"] and start["inner_steps_total"] == held["inner_steps_total"]

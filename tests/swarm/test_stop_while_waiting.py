@@ -19,7 +19,10 @@ import time
 
 import pytest
 
-from opendiloco.swarm.node import ensure_identity
+from opendiloco.comm.base import RoundKey
+from opendiloco.swarm.membership import Membership
+from opendiloco.swarm.node import ensure_identity, start_dht
+from opendiloco.swarm.records import RunRecords
 from opendiloco.swarm.signing import Identity
 from opendiloco.testing.proctree import descendants
 from tests.test_train_loop import SMALL
@@ -39,17 +42,6 @@ def _metrics(run_dir) -> list[dict]:
 
 def _rounds(run_dir) -> list[dict]:
     return [r for r in _metrics(run_dir) if r["event"] == "outer_step" and r["ok"]]
-
-
-def _wait_for(condition, timeout: float, what: str, swarm, procs, names) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        for name in names:
-            assert procs[name].poll() is None, f"{name} exited:\n{swarm.log(name)}"
-        if time.monotonic() > deadline:
-            logs = "\n".join(f"--- {n}\n{swarm.log(n)}" for n in names)
-            pytest.fail(f"timed out waiting for {what}\n{logs}")
-        time.sleep(0.05)
 
 
 def _trained_past_round(run_dir) -> bool:
@@ -89,6 +81,23 @@ def _stop_and_time(swarm, proc, run_dir) -> float:
     return took
 
 
+class _GroupsLed:
+    """Reads, from the DHT as any peer of an open run can, the rounds for which ``leader`` has
+    published a group: a leader publishes its group just before it sends its part to the members."""
+
+    def __init__(self, peers: list[str], run_id: str, leader: str):
+        self.dht = start_dht(initial_peers=peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        self.book = RunRecords(self.dht, Membership.open(run_id))
+        self.leader = leader
+
+    def published(self, events) -> bool:
+        return any(self.leader in self.book.subkey_values(self.book.group_key(RoundKey(event), 0), 3600)
+                   for event in events)
+
+    def close(self) -> None:
+        self.dht.shutdown()
+
+
 def test_sigterm_abandons_matchmaking_and_exchange_with_a_frozen_peer(swarm, tmp_path):
     peers = swarm.bootstrap()
     procs = {}
@@ -116,13 +125,14 @@ def test_sigterm_abandons_matchmaking_and_exchange_with_a_frozen_peer(swarm, tmp
             args += ["--swarm.identity-path", identity]
         procs[name] = swarm.spawn(args, name)
     names = list(dirs)
-    _wait_for(lambda: all(_rounds(dirs[n]) for n in names), 150, "a first round in both runs", swarm, procs, names)
+    swarm.wait_for(lambda: all(_rounds(dirs[n]) for n in names), 150, "a first round in both runs",
+                   [procs[n] for n in names])
 
     def fresh_round(run: str) -> None:
         """Returns just after the pair of ``run`` has completed a round."""
         done = len(_rounds(dirs[f"wait_{run}"]))
-        _wait_for(lambda: len(_rounds(dirs[f"wait_{run}"])) > done, 60, f"a fresh round in run {run}", swarm, procs,
-                  [f"wait_{run}", f"peer_{run}"])
+        swarm.wait_for(lambda: len(_rounds(dirs[f"wait_{run}"])) > done, 60, f"a fresh round in run {run}",
+                       [procs[f"wait_{run}"], procs[f"peer_{run}"]])
 
     frozen: list[int] = []
     try:
@@ -138,18 +148,26 @@ def test_sigterm_abandons_matchmaking_and_exchange_with_a_frozen_peer(swarm, tmp
         assert "the worker is stopping" in log and "peers failed" not in log, log  # it left in matchmaking
 
         # Exchange: peer_x (no throttle) announces its next round at once and freezes there; wait_x,
-        # a few seconds later, publishes their group and sends to it, then waits for its answer.
+        # a few seconds later, publishes their group (seen here in the DHT) and sends to it, then waits
+        # for its answer.
         fresh_round("x")
         rounds = len(_rounds(dirs["wait_x"]))
-        _wait_for(lambda: len(_rounds(dirs["peer_x"])) >= rounds, 30, "peer_x's record of the round", swarm, procs,
-                  ["peer_x"])
+        swarm.wait_for(lambda: len(_rounds(dirs["peer_x"])) >= rounds, 30, "peer_x's record of the round",
+                       [procs["peer_x"]])
         # Both log every 2 inner steps: once one has logged a step past the round, it has 3 steps or fewer
         # left before the next.
-        _wait_for(lambda: _trained_past_round(dirs["peer_x"]), 30, "peer_x to train on", swarm, procs, ["peer_x"])
+        swarm.wait_for(lambda: _trained_past_round(dirs["peer_x"]), 30, "peer_x to train on", [procs["peer_x"]])
         time.sleep(1.0)  # peer_x is in its round by now, wait_x (1 s a step) still trains
-        _freeze([procs["peer_x"].pid], frozen)
-        _wait_for(lambda: _trained_past_round(dirs["wait_x"]), 60, "wait_x to train on", swarm, procs, ["wait_x"])
-        time.sleep(3 * SLOW + 3.0)
+        groups = _GroupsLed(peers, "x", ids[0][0])
+        try:
+            _freeze([procs["peer_x"].pid], frozen)
+            # wait_x publishes its next group (with the frozen peer_x) and then sends to it: the exchange.
+            # (A round that reached outer step n had event n - 1; the next one is event n.)
+            upcoming = range(_rounds(dirs["wait_x"])[-1]["outer_step"], _rounds(dirs["wait_x"])[-1]["outer_step"] + 2)
+            swarm.wait_for(lambda: groups.published(upcoming), 120, "wait_x's next group", [procs["wait_x"]])
+        finally:
+            groups.close()
+        time.sleep(3.0)
         took_x = _stop_and_time(swarm, procs["wait_x"], dirs["wait_x"])
         log = _since_sigterm(swarm, "wait_x")
         assert "2 peers failed: the worker is stopping" in log, swarm.log("wait_x")  # it left mid exchange

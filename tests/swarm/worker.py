@@ -86,6 +86,24 @@ class RecordingCommunicator(SwarmCommunicator):
     stall_at: tuple[int, float] | None = None
     marker = None
     fault: tuple[int, str] | None = None
+    attempts_path = None
+    """Where each attempt's group and outcome go, one JSON line each (``--out`` + ``.attempts``)."""
+
+    def _exchange(self, group, flat, weight, out, error_out):
+        try:
+            outcome = super()._exchange(group, flat, weight, out, error_out)
+        except BaseException as e:
+            self._log_attempt(group, e)
+            raise
+        self._log_attempt(group, None)
+        return outcome
+
+    def _log_attempt(self, group, error) -> None:
+        if self.attempts_path:
+            with open(self.attempts_path, "a") as f:
+                f.write(json.dumps({"outer_step": group.key.outer_step, "members": list(group.members),
+                                    "ok": error is None, "error": type(error).__name__ if error else None,
+                                    "time": time.time()}) + "\n")
 
     def _round(self, flat, weight, key, out, error_out=None):
         sent = flat.clone()
@@ -174,6 +192,7 @@ def main():
                              config_fingerprint=args.config_fingerprint)
     comm = RecordingCommunicator(dht, settings, secret=RunSecret.from_environment())  # closed if the env says so
     comm.dump_dir = args.dump
+    comm.attempts_path = args.out + ".attempts"
     if args.stall_in_allreduce:
         comm.stall_at = (int(args.stall_in_allreduce[0]), args.stall_in_allreduce[1])
         comm.marker = args.out + ".inround"
@@ -239,6 +258,7 @@ def main():
                                       "fragment": s.fragment, "bytes_sent": s.extra.get("bytes_sent"),
                                       "clipped": s.extra.get("clipped"), "capped": s.extra.get("capped"),
                                       "settled": s.extra.get("settled"), "counted": s.extra.get("counted"),
+                                      "matchmaking_s": s.extra.get("matchmaking_s"),
                                       "carried": s.extra.get("carried"), "theta_max": theta_max(opt),
                                       "time": time.time()}) + "\n")
                 out.flush()

@@ -1,0 +1,102 @@
+"""Members that broke rounds, left out of the next groups.
+
+A worker whose own checks found a member's bytes malformed (``errors.Malformed``: a part of the wrong
+size or order, non-finite values, an average that does not match its digest) remembers that member for
+``rounds`` outer steps (``Offenders``) and names it in its announcements (``avoid``). Only this
+worker's own checks put a peer there, never another peer's word.
+
+An announced ``avoid`` binds its announcer: a group never holds both a member and a peer it avoids.
+Who of the two is left out is decided the same way by every member, from the announcements alone
+(``conflict_free``): the peer in the most conflicts goes, then the one named by more members, then the
+larger id. So a member caught by one honest worker is out of the very next attempt, while a peer that
+names others without cause can keep out at most one honest member (naming a second makes it the one in
+the most conflicts), and only from groups it is in itself. See docs/trust.md.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+from collections.abc import Iterable, Mapping
+
+log = logging.getLogger(__name__)
+
+MAX_AVOID = 4
+"""The most peers one announcement names (this worker's latest offenders; a reader takes no more)."""
+MAX_OFFENDERS = 64
+"""The most peers ``Offenders`` remembers: the oldest entry goes first."""
+EXCLUDE_ROUNDS = 16
+"""How many outer steps an offender is left out of this worker's groups, from the one it was caught in."""
+
+
+class Offenders:
+    """The peers this worker caught sending malformed data, each until an outer step (bounded in size)."""
+
+    def __init__(self, rounds: int = EXCLUDE_ROUNDS, capacity: int = MAX_OFFENDERS):
+        self.rounds, self.capacity = rounds, capacity
+        self._until: collections.OrderedDict[str, int] = collections.OrderedDict()
+
+    def add(self, peer: str, outer_step: int, reason: str) -> None:
+        """``peer`` failed this worker's checks in the round of ``outer_step``; a repeat renews its time."""
+        renewed = peer in self._until
+        self._until.pop(peer, None)
+        self._until[peer] = outer_step + self.rounds
+        while len(self._until) > self.capacity:
+            self._until.popitem(last=False)
+        log.warning("peer %s sent malformed data in round %d (%s); %s out of this worker's groups until outer "
+                    "step %d", peer[-8:], outer_step, reason, "still" if renewed else "left", outer_step + self.rounds)
+
+    def active(self, outer_step: int) -> list[str]:
+        """The offenders still left out at ``outer_step``, the latest caught first, at most ``MAX_AVOID``."""
+        for peer in [p for p, until in self._until.items() if until < outer_step]:
+            del self._until[peer]
+        return list(reversed(self._until))[:MAX_AVOID]
+
+    def __contains__(self, peer: str) -> bool:
+        return peer in self._until
+
+
+def announced_avoid(value) -> frozenset[str]:
+    """The peers an announcement's ``avoid`` names (anything out of form: none; at most ``MAX_AVOID``)."""
+    avoid = value.get("avoid") if isinstance(value, dict) else None
+    if not isinstance(avoid, list):
+        return frozenset()
+    return frozenset([p for p in avoid if isinstance(p, str) and len(p) <= 128][:MAX_AVOID])
+
+
+def conflicts(members: Iterable[str], avoids: Mapping[str, frozenset[str]]) -> set[tuple[str, str]]:
+    """(a, b) for each member a that avoids a member b."""
+    members = set(members)
+    return {(a, b) for a in members for b in avoids.get(a, ()) if b in members and b != a}
+
+
+def conflict_free(candidates: Iterable[str], avoids: Mapping[str, frozenset[str]]) -> set[str]:
+    """The candidates less those left out so that no member avoids another (the same on every member).
+
+    One at a time: the peer in conflict with the most others, then the one named by the most, then the
+    larger id. Pure: a function of the candidates and their announcements."""
+    group = set(candidates)
+    while edges := conflicts(group, avoids):
+        against: dict[str, set[str]] = collections.defaultdict(set)
+        named: collections.Counter = collections.Counter()
+        for a, b in edges:
+            against[a].add(b)
+            against[b].add(a)
+            named[b] += 1
+        group.discard(max(against, key=lambda p: (len(against[p]), named[p], p)))
+    return group
+
+
+def partition(candidates: Iterable[str], avoids: Mapping[str, frozenset[str]]) -> list[set[str]]:
+    """The candidates cut into groups without conflicts: ``conflict_free`` of them, then of the rest..."""
+    rest, parts = set(candidates), []
+    while rest:
+        part = conflict_free(rest, avoids)
+        parts.append(part)
+        rest -= part
+    return parts
+
+
+def part_of(me: str, candidates: Iterable[str], avoids: Mapping[str, frozenset[str]]) -> set[str]:
+    """The group ``partition`` gives ``me`` (``me`` is among the candidates)."""
+    return next(part for part in partition(set(candidates) | {me}, avoids) if me in part)

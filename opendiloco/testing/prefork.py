@@ -1,0 +1,267 @@
+"""Starting Python processes by forking one that has already imported torch and hivemind.
+
+A swarm test starts several worker processes, and each fresh interpreter spends about 2.4 s of CPU
+importing torch, hivemind and this package before it does anything; over the suite that was half
+of all the CPU it used. A *prefork server* pays that once: it imports the heavy modules, then, for
+each request, forks a child that runs the requested program (``python -m mod``, ``python -c
+code`` or ``python script.py``) with the requested arguments, environment, working directory and
+log file. The server reaps its children and writes each exit status to a file, so the caller's
+handle (:class:`ForkedProcess`) answers ``poll``/``wait``/``terminate`` as ``subprocess.Popen``
+does, by PID.
+
+Forking is only safe from a process with one thread: the server checks that before every fork
+and stops serving (callers fall back to ``subprocess.Popen``) if an import ever started one. A
+request whose environment differs from the server's in what an interpreter reads only at start
+(``LD_PRELOAD``, ``PYTHON*``, ``HIVEMIND_*``, thread counts, ...) is not served either.
+
+This is test machinery: a user's processes start the ordinary way.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+PRELOAD = ("torch", "hivemind", "opendiloco.swarm.communicator", "opendiloco.swarm.bootstrap",
+           "opendiloco.train.trainer", "opendiloco.cli")
+"""What the server imports once, for all its children."""
+
+STARTUP_ENV = ("LD_", "PYTHON", "HIVEMIND_", "OMP_", "MKL_", "TORCH_", "CUDA_", "FAKETIME", "MALLOC_")
+"""Environment variables read when an interpreter or a preloaded library starts: a request that
+sets any of them otherwise than the server's environment gets a fresh interpreter instead."""
+
+REQUEST_MAX = 1 << 20
+START_TIMEOUT = 120.0
+
+
+# -- the server ---------------------------------------------------------------------------------
+def _threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def _exit_code(status: int) -> int:
+    return -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+
+
+def _run_child(request: dict) -> None:
+    """In the forked child: becomes the requested program. Never returns to the server's loop: the
+    program's end (or its ``SystemExit``) ends the interpreter the ordinary way (atexit handlers,
+    multiprocessing children, non-daemon threads)."""
+    import random
+
+    os.setpgid(0, 0) if request.get("new_group") else None
+    log = os.open(request["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.close(log)
+    os.close(null)
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    random.seed()  # a fresh interpreter seeds from the OS; forked children must not share a sequence
+    try:
+        import numpy
+
+        numpy.random.seed()
+    except ImportError:
+        pass
+    kind, target, args = request["kind"], request["target"], request["args"]
+    import runpy
+    import types
+
+    if kind == "-m":
+        sys.argv = [target, *args]
+        sys.path[0] = request["cwd"]
+        runpy.run_module(target, run_name="__main__", alter_sys=True)
+    elif kind == "-c":
+        sys.argv = ["-c", *args]
+        sys.path[0] = ""
+        main = types.ModuleType("__main__")
+        sys.modules["__main__"] = main
+        exec(compile(target, "<string>", "exec"), main.__dict__)
+    else:  # a script's path
+        sys.argv = [target, *args]
+        sys.path[0] = os.path.dirname(os.path.abspath(target))
+        runpy.run_path(target, run_name="__main__")
+    sys.exit(0)
+
+
+def serve(sock_path: str, status_dir: str) -> None:
+    """The server's loop: one request per connection (JSON), answered with the child's PID."""
+    for name in PRELOAD:
+        __import__(name)
+    if _threads() != 1:
+        print(f"prefork: importing started {_threads() - 1} thread(s); not serving", file=sys.stderr)
+        sys.exit(3)
+    parent = os.getppid()
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(sock_path)
+    server.listen(16)
+    Path(sock_path + ".ready").write_text(str(os.getpid()))
+    while os.getppid() == parent:  # the caller is gone: so is the server (its children stay tracked by PID)
+        ready, _, _ = select.select([server], [], [], 0.05)
+        _reap(status_dir)
+        if not ready:
+            continue
+        conn, _ = server.accept()
+        with conn:
+            conn.settimeout(10)
+            request = json.loads(_read_all(conn))
+            if _threads() != 1:
+                conn.sendall(b"0")
+                continue
+            pid = os.fork()
+            if pid == 0:
+                server.close()
+                conn.close()
+                _run_child(request)
+            conn.sendall(str(pid).encode())
+
+
+def _reap(status_dir: str) -> None:
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        tmp = os.path.join(status_dir, f"{pid}.tmp")
+        with open(tmp, "w") as f:
+            f.write(str(_exit_code(status)))
+        os.replace(tmp, os.path.join(status_dir, str(pid)))
+
+
+def _read_all(conn: socket.socket) -> bytes:
+    chunks, size = [], 0
+    while True:
+        chunk = conn.recv(65536)
+        if not chunk:
+            return b"".join(chunks)
+        size += len(chunk)
+        if size > REQUEST_MAX:
+            raise ValueError("prefork request too large")
+        chunks.append(chunk)
+
+
+# -- the caller's side --------------------------------------------------------------------------
+class ForkedProcess:
+    """A child of the prefork server, driven like ``subprocess.Popen`` (by PID; its exit status is
+    the one the server wrote when it reaped it)."""
+
+    def __init__(self, pid: int, args: Sequence[str], status_dir: Path):
+        self.pid = pid
+        self.args = list(args)
+        self.returncode: int | None = None
+        self._status = status_dir / str(pid)
+
+    def poll(self) -> int | None:
+        if self.returncode is None and self._status.exists():
+            self.returncode = int(self._status.read_text())
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            time.sleep(0.02)
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:  # not yet reaped, so the PID is still this process's
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+class PreforkServer:
+    """The caller's handle on one prefork server (started on first use, stopped by ``close``)."""
+
+    def __init__(self, workdir: Path):
+        self.workdir = Path(workdir)
+        self.status_dir = self.workdir / "status"
+        self.sock_path = str(self.workdir / "prefork.sock")
+        self.proc: subprocess.Popen | None = None
+        self.failed = False
+        self.env = dict(os.environ, PYTHONUNBUFFERED="1")
+
+    def _start(self) -> bool:
+        self.status_dir.mkdir(parents=True, exist_ok=True)
+        with open(self.workdir / "prefork.log", "ab") as log:
+            self.proc = subprocess.Popen([sys.executable, "-m", __name__, self.sock_path, str(self.status_dir)],
+                                         stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                         env=self.env)
+        deadline = time.monotonic() + START_TIMEOUT
+        while not os.path.exists(self.sock_path + ".ready"):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.failed = True
+                self.close()
+                return False
+            time.sleep(0.05)
+        return True
+
+    def serves(self, args: Sequence[str], env: dict) -> bool:
+        if self.failed or len(args) < 2 or args[0] != sys.executable:
+            return False
+        if args[1] in ("-m", "-c"):
+            if len(args) < 3:
+                return False
+        elif args[1].startswith("-") or not args[1].endswith(".py"):
+            return False
+        keys = {k for k in set(env) | set(self.env) if k.startswith(STARTUP_ENV)}
+        return all(env.get(k) == self.env.get(k) for k in keys)
+
+    def spawn(self, args: Sequence[str], log: Path, cwd: Path, env: dict) -> ForkedProcess | None:
+        """The started child, or None if this server cannot start it (the caller starts it itself)."""
+        if not self.serves(args, env) or (self.proc is None and not self._start()):
+            return None
+        if args[1] in ("-m", "-c"):
+            kind, target, rest = args[1], args[2], args[3:]
+        else:
+            kind, target, rest = "script", args[1], args[2:]
+        request = {"kind": kind, "target": target, "args": list(rest), "log": str(log), "cwd": str(cwd),
+                   "env": env}
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+            conn.settimeout(30)
+            try:
+                conn.connect(self.sock_path)
+                conn.sendall(json.dumps(request).encode())
+                conn.shutdown(socket.SHUT_WR)
+                pid = int(conn.recv(64) or b"0")
+            except (OSError, ValueError):
+                pid = 0
+        if pid <= 0:
+            self.failed = True
+            return None
+        return ForkedProcess(pid, args, self.status_dir)
+
+    def close(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+
+
+if __name__ == "__main__":
+    serve(sys.argv[1], sys.argv[2])
