@@ -118,6 +118,11 @@ class RoundState(enum.Enum):
 
 
 class SwarmCommunicator(Communicator):
+    round_runner: type[RoundRunner] = RoundRunner
+    """What runs an attempt's exchange (``comm/runner.py``). The fault hook of tests and benchmarks:
+    a subclass that sends, stalls or breaks on purpose (an attacker, a peer cut mid-round), set on a
+    communicator subclass or an instance, with the protocol itself left as it is."""
+
     def __init__(self, dht: hivemind.DHT, settings: SwarmSettings | None = None, *, own_dht: bool = True,
                  secret: RunSecret | None = None, identity: Identity | None = None):
         """``secret``: the run secret (None: an open run). ``identity``: the key of the DHT node's p2p
@@ -446,7 +451,7 @@ class SwarmCommunicator(Communicator):
                           error_out: torch.Tensor | None = None) -> RoundOutcome:
         """The exchange and verification of one attempt, on the event loop."""
         s = self.settings
-        runner = self._runner = RoundRunner(
+        runner = self._runner = self.round_runner(
             group, self._peer_id, flat, weight, self.codec, out=out, part_numel=s.part_numel,
             timeout=s.allreduce_timeout, confirm_timeout=s.verify_timeout, result_codec=self.result_codec,
             error_out=error_out, aggregation=s.aggregation)

@@ -34,17 +34,7 @@ class MalformedRunner(RoundRunner):
 
 
 class Breaker(worker.RecordingCommunicator):
-    async def _data_plane(self, group, flat, weight, out, error_out=None):
-        s = self.settings
-        runner = self._runner = MalformedRunner(
-            group, self.peer_id, flat, weight, self.codec, out=out, part_numel=s.part_numel,
-            timeout=s.allreduce_timeout, confirm_timeout=s.verify_timeout, result_codec=self.result_codec,
-            error_out=error_out, aggregation=s.aggregation)
-        await self.rounds.register(runner)
-        try:
-            return await runner.run(self.reduce_streams.connect)
-        finally:
-            self.rounds.finish(group.group_id)
+    round_runner = MalformedRunner
 
 
 if __name__ == "__main__":
