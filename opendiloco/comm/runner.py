@@ -418,7 +418,6 @@ class RoundRunner:
         except (ProtocolError, OSError, ConnectionError) as e:
             raise PeerFailure(f"exchange with {peer[-8:]}: {e}", {peer}) from None
         except (AveragingError, asyncio.CancelledError):  # Malformed among them
-
             raise
         except Exception as e:  # the transport's own errors (unreachable peer, closed daemon...)
             raise PeerFailure(f"exchange with {peer[-8:]} failed: {type(e).__name__}: {e}", {peer}) from None

@@ -57,7 +57,6 @@ def _run_child(request: dict) -> None:
     multiprocessing children, non-daemon threads)."""
     import random
 
-    os.setpgid(0, 0) if request.get("new_group") else None
     log = os.open(request["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
