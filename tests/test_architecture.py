@@ -69,7 +69,7 @@ MAY_IMPORT = {
     "train": {"core", "comm", "optimizer", "swarm", "train", "package"},
     "package": {"core", "comm", "optimizer", "package"},
 }
-STANDARD_LIBRARY_ONLY = ["pacing.py", "errors.py"]
+STANDARD_LIBRARY_ONLY = ["pacing.py", "errors.py", "swarm/partners.py", "swarm/quorum.py"]
 
 
 def layer(module: str) -> str | None:

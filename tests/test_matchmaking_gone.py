@@ -16,6 +16,7 @@ from opendiloco.comm.base import RoundKey
 from opendiloco.errors import AveragingError
 from opendiloco.swarm.clock import RunClock
 from opendiloco.swarm.matchmaking import Matchmaker, MatchmakingSettings
+from opendiloco.swarm.partners import Partners
 from opendiloco.swarm.records import WorkerRecord
 
 pytestmark = pytest.mark.timeout(60)
@@ -55,6 +56,7 @@ class Writer:
 class Presence:
     def __init__(self, me: str, workers):
         self.peer_id, self._workers = me, workers
+        self.partners = Partners(me)
 
     def live_workers(self):
         return dict(self._workers())

@@ -72,21 +72,31 @@ class Aggregation:
             return [1.0 if w > 0 else 0.0 for w in declared], over
         return [min(w, cap) for w in declared], over
 
-    def combine(self, parts: Sequence[torch.Tensor], weights: Sequence[float]) -> tuple[torch.Tensor, list[int]]:
+    def scales(self, norms: dict[int, float]) -> tuple[dict[int, float], list[int]]:
+        """Each contributing member's scale (1, or down to the clip bound) and the indices clipped.
+
+        ``norms``: the norms of the parts of the members with a positive weight, by member index.
+        """
+        scale, clipped = dict.fromkeys(norms, 1.0), []
+        if not math.isinf(self.clip_ratio) and norms:
+            bound = self.clip_ratio * lower_median(list(norms.values()))
+            if bound > 0:  # all-zero parts (or most of them): nothing to compare against
+                for i, n in norms.items():
+                    if n > bound:
+                        scale[i], clipped = bound / n, clipped + [i]
+        return scale, clipped
+
+    def combine(self, parts: Sequence[torch.Tensor], weights: Sequence[float],
+                norms: Sequence[float] | None = None) -> tuple[torch.Tensor, list[int]]:
         """The aggregate of one part (fp32, fresh) and the indices of members whose part was clipped.
 
-        ``weights`` are the round's (from ``weights``), with a positive sum; parts of weight 0 are left out.
+        ``weights`` are the round's (from ``weights``), with a positive sum; parts of weight 0 are left
+        out. ``norms``: the parts' norms, if the caller has them already.
         """
         total = sum(weights)
         members = [i for i, w in enumerate(weights) if w > 0]
-        norms = {i: float(torch.linalg.vector_norm(parts[i])) for i in members}
-        scale, clipped = {i: 1.0 for i in members}, []
-        if not math.isinf(self.clip_ratio):
-            bound = self.clip_ratio * lower_median(list(norms.values()))
-            if bound > 0:  # all-zero parts (or most of them): nothing to compare against
-                for i in members:
-                    if norms[i] > bound:
-                        scale[i], clipped = bound / norms[i], clipped + [i]
+        scale, clipped = self.scales({i: float(torch.linalg.vector_norm(parts[i])) if norms is None else norms[i]
+                                      for i in members})
         acc = torch.zeros_like(parts[members[0]], dtype=torch.float32)
         for i in members:  # a fixed order in fp32: the owner computes, everyone decodes its bytes
             acc.add_(parts[i], alpha=weights[i] * scale[i] / total)

@@ -23,6 +23,7 @@ import asyncio
 import collections
 import logging
 import math
+import random
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -31,7 +32,8 @@ from dataclasses import field as dataclass_field
 import torch
 
 from ..errors import AveragingError, InDoubt, Malformed, PeerFailure, ProtocolError, RoundCounted
-from ..fingerprint import new_hasher
+from ..fingerprint import new_hasher, tensor_bytes
+from . import audit
 from .aggregation import Aggregation
 from .base import RoundKey
 from .buffers import all_finite
@@ -104,8 +106,11 @@ class ShardReducer:
     """
 
     def __init__(self, codec: Codec, numel: int, members: Sequence[str], part_numel: int,
-                 result_codec: Codec | None = None, aggregation: Aggregation | None = None):
+                 result_codec: Codec | None = None, aggregation: Aggregation | None = None, committed: bool = False):
+        """``committed``: the owner commits to what it combined (``audit.py``): per part, each member's
+        Merkle root and norm (``manifests``), and the declared weights, all under its digest."""
         self.codec, self.numel, self.members = codec, numel, tuple(members)
+        self.committed = committed
         self.result_codec = result_codec or codec
         self.aggregation = aggregation or Aggregation()
         self.used_weights: list[float] = []
@@ -121,6 +126,15 @@ class ShardReducer:
         self._hasher = new_hasher()
         self.digest: str | None = None
         self.total_weight: float | None = None
+        self._roots: list[dict[str, str]] = [{} for _ in self.parts]
+        self._norms: list[dict[str, float]] = [{} for _ in self.parts]
+        self.manifests: list[dict | None] = [None] * len(self.parts)
+        """Per part, what the owner committed to: ``{"roots": [...], "norms": [...]}`` in member order."""
+
+    @property
+    def declared(self) -> list[float]:
+        """The weights the members declared, in member order."""
+        return [self.weights[m] for m in self.members]
 
     def part_bytes(self, i: int) -> int:
         """The size of member contributions' part i."""
@@ -143,6 +157,8 @@ class ShardReducer:
             if total <= 0:
                 raise AveragingError("every member of the group contributed weight 0")
             self.used_weights, self.capped = used, [self.members[i] for i in capped]
+            if self.committed:
+                self._hasher.update(audit.weights_bytes(self.declared))
             self.total_weight = total
 
     def add_part(self, member: str, index, payload) -> list[int]:
@@ -154,6 +170,8 @@ class ShardReducer:
             raise ProtocolError(f"{member[-8:]} sent more parts than the shard has")
         a, b = self.parts[index]
         values = self.codec.view_bytes(payload, b - a)  # size-checked; checked for finiteness when reduced
+        if self.committed:
+            self._roots[index][member], self._norms[index][member] = self._commitment(member, index, values)
         self._next_part[member] = index + 1
         self._pending[index][member] = values
         done = []
@@ -161,6 +179,10 @@ class ShardReducer:
         while len(done) + index < len(self.parts) and self._complete(index + len(done)):
             done.append(self._reduce(index + len(done)))
         return done
+
+    def _commitment(self, member: str, index: int, values: torch.Tensor) -> tuple[str, float]:
+        """What the owner commits to for ``member``'s part ``index``: its Merkle root and norm."""
+        return audit.MerkleTree(values).root, audit.norm_of(values)
 
     def _complete(self, i: int) -> bool:
         return self.results[i] is None and len(self._pending[i]) == len(self.members) \
@@ -170,7 +192,8 @@ class ShardReducer:
         contributions = self._pending[i]
         # A fixed order in fp32, and only the owner computes it: bit-identical replicas. The result
         # is a fresh tensor (a payload's bytes may be the contribution itself, with the "none" codec).
-        acc, clipped = self.aggregation.combine([contributions[m] for m in self.members], self.used_weights)
+        norms = [self._norms[i][m] for m in self.members] if self.committed else None
+        acc, clipped = self.aggregation.combine([contributions[m] for m in self.members], self.used_weights, norms)
         self.clipped.update(self.members[j] for j in clipped)
         # A weighted mean of finite values is finite: one pass over it checks every contribution; only
         # when it fails are the contributions checked one by one, to name the sender.
@@ -181,8 +204,13 @@ class ShardReducer:
             raise PeerFailure("the members' values overflow when combined", self.members)
         self._pending[i] = {}
         encoded = self.result_codec.to_bytes(acc)
-        self.results[i] = encoded
         self._hasher.update(encoded)
+        if self.committed:
+            manifest = {"roots": [self._roots[i][m] for m in self.members], "norms": norms}
+            self._hasher.update(audit.manifest_bytes(manifest["roots"], manifest["norms"]))
+            self.manifests[i] = manifest
+            self._roots[i], self._norms[i] = {}, {}
+        self.results[i] = encoded
         if i == len(self.parts) - 1:
             self.digest = self._hasher.hexdigest()
         return i
@@ -201,9 +229,17 @@ class RoundRunner:
     def __init__(self, group: Group, me: str, flat: torch.Tensor, weight: float, codec: Codec, *,
                  out: torch.Tensor | None = None, part_numel: int = DEFAULT_PART_NUMEL,
                  timeout: float = 60.0, confirm_timeout: float = 5.0, result_codec: Codec | None = None,
-                 error_out: torch.Tensor | None = None, aggregation: Aggregation | None = None):
+                 error_out: torch.Tensor | None = None, aggregation: Aggregation | None = None,
+                 audit_chunks: int = 0):
         """``error_out`` (shaped like ``flat``) receives what encoding lost of this worker's contribution:
-        ``flat`` minus the values the owners received (for error feedback)."""
+        ``flat`` minus the values the owners received (for error feedback). ``audit_chunks``: chunks of
+        every other owner's shard this worker spot-checks before it confirms (``audit.py``; 0: none,
+        and owners commit to nothing)."""
+        if isinstance(audit_chunks, bool) or not isinstance(audit_chunks, int) \
+                or not 0 <= audit_chunks <= audit.MAX_AUDIT_CHUNKS:
+            raise ValueError(f"audit_chunks must be an int in [0, {audit.MAX_AUDIT_CHUNKS}], got {audit_chunks!r}")
+        self.audit_chunks = audit_chunks
+        """What the group agrees on (its label); ``_per_owner`` is what this round audits of each shard."""
         if me not in group.members:
             raise ValueError("this worker is not a member of the group")
         if not isinstance(part_numel, int) or part_numel < 1:
@@ -221,7 +257,17 @@ class RoundRunner:
         self.bounds = shard_bounds(flat.numel(), len(self.members))
         a, b = self.bounds[self.my_index]
         self.aggregation = aggregation or Aggregation()
-        self.reducer = ShardReducer(codec, b - a, self.members, part_numel, self.result_codec, self.aggregation)
+        self.reducer = ShardReducer(codec, b - a, self.members, part_numel, self.result_codec, self.aggregation,
+                                    committed=audit_chunks > 0)
+        self._trees: dict[tuple[int, int], audit.MerkleTree] = {}
+        """(owner, part) -> the Merkle tree of this worker's own values of that part (answers audits)."""
+        self._own_norms: dict[tuple[int, int], float] = {}
+        share = (len(group.members) - 1) / len(group.members)
+        round_bytes = int(share * (codec.wire_bytes(flat.numel()) + self.result_codec.wire_bytes(flat.numel())))
+        self._per_owner = audit.chunks_per_owner(audit_chunks, flat.numel(), len(group.members), part_numel,
+                                                 round_bytes)
+        self._manifests: dict[int, dict] = {}
+        """owner -> what it committed to: ``weights`` and, per part, ``roots`` and ``norms``."""
         self._bounded: dict[str, set[str]] = {"clipped": set(), "capped": set()}
         self.bytes_sent = 0
         self.bytes_received = 0
@@ -277,6 +323,8 @@ class RoundRunner:
             if len(totals) != 1:
                 raise ProtocolError(f"shards report different total weights {sorted(totals)}")
             digest = self._whole_digest()
+            if self.audit_chunks:
+                await self._audit()
             confirmed, missing = await self._verify(digest)
         except BaseException as e:
             await self._fail(e if isinstance(e, Exception) else AveragingError("round cancelled"))
@@ -363,6 +411,7 @@ class RoundRunner:
             async def send_parts():
                 for i, (pa, pb) in enumerate(parts):
                     payload = self._encode(a + pa, a + pb)
+                    self._commit(j, i, payload, pb - pa)
                     if i == len(parts) - 1:
                         self._parts_out.add(j)
                     await stream.send(Code.PART, {"i": i}, payload)
@@ -380,6 +429,10 @@ class RoundRunner:
                 if not (math.isfinite(total) and 0 < total <= MAX_WEIGHT * len(self.members)):
                     raise ProtocolError(f"invalid total weight {total!r}")
                 hasher = new_hasher()
+                manifest = None
+                if self.audit_chunks:
+                    manifest = {"weights": self._checked_weights(first.meta, total), "roots": [], "norms": []}
+                    hasher.update(audit.weights_bytes(manifest["weights"]))
                 for i, (pa, pb) in enumerate(parts):
                     frame = await stream.recv(max_payload=self.result_codec.wire_bytes(pb - pa),
                                               expect=Code.RESULT_PART)
@@ -390,6 +443,11 @@ class RoundRunner:
                     if not all_finite(target):
                         raise ProtocolError("averaged part is not finite")
                     hasher.update(frame.payload)
+                    if manifest is not None:
+                        roots, norms = self._checked_manifest(frame.meta, j, i)
+                        hasher.update(audit.manifest_bytes(roots, norms))
+                        manifest["roots"].append(roots)
+                        manifest["norms"].append(norms)
                     self.bytes_received += payload_size(frame.payload)
                 end = await stream.recv(max_payload=0, expect=Code.RESULT_END)
                 if meta_field(end.meta, "digest", str) != hasher.hexdigest():
@@ -400,6 +458,8 @@ class RoundRunner:
                                                                    for m in named):
                         raise ProtocolError(f"the owner's {kind} list names non-members")
                     self._bounded[kind].update(named)
+                if manifest is not None:
+                    self._manifests[j] = manifest
                 return hasher.hexdigest(), float(total)
 
             sender, receiver = asyncio.create_task(send_parts()), asyncio.create_task(receive_results())
@@ -430,7 +490,9 @@ class RoundRunner:
         await self._begin(self.me, self.weight)
         a, b = self.bounds[self.my_index]
         for i, (pa, pb) in enumerate(self.reducer.parts):
-            await self._add_part(self.me, i, self._encode(a + pa, a + pb))
+            payload = self._encode(a + pa, a + pb)
+            self._commit(self.my_index, i, payload, pb - pa)
+            await self._add_part(self.me, i, payload)
             await asyncio.sleep(0)  # let the streams move while we encode
         for i, (pa, pb) in enumerate(self.reducer.parts):
             self.result_codec.decode_into(await self._result(i), self.out[a + pa : a + pb])
@@ -443,13 +505,147 @@ class RoundRunner:
     def codec_label(self) -> str:
         """What the group agrees on: the wire formats (``contribution`` or ``contribution/result``) and
         how owners aggregate, e.g. ``fp16|mean-clip4-w4``."""
-        return f"{codec_label(self.codec, self.result_codec)}|{self.aggregation.label}"
+        label = f"{codec_label(self.codec, self.result_codec)}|{self.aggregation.label}"
+        return label + (f"|audit{self.audit_chunks}" if self.audit_chunks else "")
 
     def _encode(self, a: int, b: int) -> memoryview | bytes:
         """Our contribution's values [a, b) as a payload (their quantisation error into ``error_out``)."""
         if self.error_out is None:
             return self.codec.to_bytes(self.flat[a:b])
         return self.codec.to_bytes_with_error(self.flat[a:b], self.error_out[a:b])
+
+    # -- the owners' commitments and their audit (audit.py) ----------------------------------------
+    def _commit(self, j: int, i: int, payload, numel: int) -> None:
+        """Remembers the Merkle tree and norm of our part i of shard j, as its owner will decode it."""
+        if self.audit_chunks:
+            values = self.codec.view_bytes(payload, numel)
+            self._trees[(j, i)] = audit.MerkleTree(values)
+            self._own_norms[(j, i)] = audit.norm_of(values)
+
+    def _checked_weights(self, meta: dict, total: float) -> list[float]:
+        """The declared weights an owner committed to: ours as we sent it, and a total that follows."""
+        weights = meta_field(meta, "weights", list)
+        if len(weights) != len(self.members) or not all(
+                isinstance(w, (int, float)) and not isinstance(w, bool) and math.isfinite(w) and 0 <= w <= MAX_WEIGHT
+                for w in weights):
+            raise ProtocolError("the owner's declared weights are malformed")
+        weights = [float(w) for w in weights]
+        if weights[self.my_index] != self.weight:
+            raise ProtocolError(f"the owner says this worker declared weight {weights[self.my_index]!r}, "
+                                f"it declared {self.weight!r}")
+        used = sum(self.aggregation.weights(weights)[0])
+        if abs(used - total) > 1e-9 * max(used, 1e-30):
+            raise ProtocolError(f"total weight {total!r} does not follow from the declared weights ({used!r})")
+        return weights
+
+    def _checked_manifest(self, meta: dict, j: int, i: int) -> tuple[list[str], list[float]]:
+        """Part i's roots and norms as shard j's owner committed to them; ours must be what we sent."""
+        roots, norms = meta_field(meta, "roots", list), meta_field(meta, "norms", list)
+        if len(roots) != len(self.members) or len(norms) != len(self.members) \
+                or not all(isinstance(r, str) and len(r) == audit.HASH_HEX for r in roots) \
+                or not all(isinstance(n, (int, float)) and not isinstance(n, bool) and n >= 0 for n in norms):
+            raise ProtocolError(f"the owner's commitment for part {i} is malformed")
+        norms = [float(n) for n in norms]
+        if roots[self.my_index] != self._trees[(j, i)].root \
+                or not audit.norms_agree(norms[self.my_index], self._own_norms[(j, i)]):
+            raise ProtocolError(f"the owner misreports this worker's part {i} (its commitment names other values)")
+        return roots, norms
+
+    def _own_chunk(self, j: int, i: int, c: int) -> torch.Tensor:
+        """Our values of chunk c of part i of shard j, as the owner decoded them (encoded again)."""
+        a = self.bounds[j][0]
+        pa, pb = part_bounds(self.bounds[j][1] - a, self.part_numel)[i]
+        ca, cb = audit.chunk_range(pb - pa, c)
+        block = audit.rounding(self.codec)[0]  # the codec's blocks are aligned to the part's start
+        ea, eb = ca // block * block, min(pb - pa, -(-cb // block) * block)
+        encoded = self.codec.to_bytes(self.flat[a + pa + ea : a + pa + eb])
+        values = self.codec.view_bytes(encoded, eb - ea)[ca - ea : cb - ea].to(torch.float32, copy=True)
+        if audit.leaf_hash(values) != self._trees[(j, i)].leaf(c):
+            raise AveragingError(f"encoding part {i} of shard {j} again gave other values: the codec is not "
+                                 "deterministic, so owners cannot be audited")
+        return values
+
+    async def _audit(self) -> None:
+        """Spot-checks ``audit_chunks`` random chunks of every other owner's shard: asks every other member
+        for its values of them (with Merkle paths to what the owner committed), recomputes the result."""
+        rng = random.SystemRandom()  # picked after the results arrived: no owner can know which
+        picked: dict[int, list[tuple[int, int]]] = {}
+        for j in range(len(self.members)):
+            if j == self.my_index:
+                continue
+            parts = part_bounds(self.bounds[j][1] - self.bounds[j][0], self.part_numel)
+            chunks = [(i, c) for i, (pa, pb) in enumerate(parts) for c in range(audit.chunk_count(pb - pa))]
+            picked[j] = rng.sample(chunks, min(self._per_owner, len(chunks)))
+        asked = [[j, i, c] for j, chosen in sorted(picked.items()) for i, c in chosen]
+        streams = dict(self._confirm_streams)
+        answers = await asyncio.gather(*(self._ask(m, streams[m], asked) for m in sorted(streams)))
+        values = dict(zip(sorted(streams), answers))
+        for n, (j, i, c) in enumerate(asked):
+            owner = self.members[j]
+            a = self.bounds[j][0]
+            pa, pb = part_bounds(self.bounds[j][1] - a, self.part_numel)[i]
+            ca, cb = audit.chunk_range(pb - pa, c)
+            chunk = [self._own_chunk(j, i, c) if m == self.my_index else values[m][n]
+                     for m in range(len(self.members))]
+            part_result = self.out[a + pa : a + pb]
+            result = part_result[ca:cb]
+            tol = audit.tolerance(result, part_result, ca, self.result_codec)
+            manifest = self._manifests[j]
+            wrong = audit.check_chunk(self.aggregation, manifest["weights"], manifest["norms"][i], chunk, result, tol,
+                                      self.result_codec)
+            if wrong is not None:
+                failure = Malformed(f"{owner[-8:]} owns a shard whose result failed this worker's audit (part {i}, "
+                                    f"values {pa + ca}-{pa + cb}): {wrong}", {owner})
+                self._note_malformed(failure)
+                raise failure
+
+    async def _ask(self, m: int, stream: ByteStream, asked: list) -> list[torch.Tensor]:
+        """Member m's values of the ``asked`` chunks, each proven against its owner's committed root."""
+        peer = self.members[m]
+        try:
+            await stream.send(Code.AUDIT, {"chunks": asked})
+            out = []
+            for j, i, c in asked:
+                a = self.bounds[j][0]
+                pa, pb = part_bounds(self.bounds[j][1] - a, self.part_numel)[i]
+                ca, cb = audit.chunk_range(pb - pa, c)
+                frame = await asyncio.wait_for(stream.recv(max_payload=4 * (cb - ca), expect=Code.AUDIT_ANSWER),
+                                               self.timeout)
+                self.bytes_received += payload_size(frame.payload)
+                if payload_size(frame.payload) != 4 * (cb - ca):
+                    raise ProtocolError(f"an audit answer of {payload_size(frame.payload)} bytes")
+                values = torch.frombuffer(bytearray(frame.payload), dtype=torch.float32)
+                if not all_finite(values) or not audit.path_ok(values, c, frame.meta.get("path"),
+                                                                  self._manifests[j]["roots"][i][m], pb - pa):
+                    # Its values, or the owner's commitment to them: the member itself checks the latter.
+                    raise PeerFailure(f"{peer[-8:]}'s values of part {i} of {self.members[j][-8:]}'s shard do not "
+                                      "match what the owner committed to", {peer, self.members[j]})
+                out.append(values)
+            return out
+        except (ProtocolError, OSError, ConnectionError, asyncio.TimeoutError) as e:
+            raise PeerFailure(f"audit answers from {peer[-8:]}: {type(e).__name__}: {e}", {peer}) from None
+
+    async def _answer_audit(self, stream: ByteStream, sender: str, meta: dict) -> None:
+        """Our values of the chunks ``sender`` audits, with their Merkle paths (checked before any work)."""
+        asked = meta_field(meta, "chunks", list)
+        if len(asked) > self._per_owner * len(self.members):
+            raise ProtocolError(f"an audit of {len(asked)} chunks; at most {self._per_owner} per owner")
+        per_owner: collections.Counter = collections.Counter()
+        for entry in asked:
+            if not (isinstance(entry, list) and len(entry) == 3 and all(type(x) is int for x in entry)):
+                raise ProtocolError("a malformed audit request")
+            j, i, c = entry
+            if not (0 <= j < len(self.members)) or self.members[j] == sender or (j, i) not in self._trees \
+                    or not 0 <= c < len(self._trees[(j, i)].levels[0]):
+                raise ProtocolError(f"an audit of a chunk that does not exist ({j}, {i}, {c})")
+            per_owner[j] += 1
+            if per_owner[j] > self._per_owner:
+                raise ProtocolError(f"an audit of more than {self._per_owner} chunks of one shard")
+        for j, i, c in asked:
+            values = self._own_chunk(j, i, c)
+            payload = tensor_bytes(values)
+            await stream.send(Code.AUDIT_ANSWER, {"path": self._trees[(j, i)].path(c)}, payload)
+            self.bytes_sent += payload_size(payload)
 
     async def _verify(self, digest: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
         """Tells every member our digest and waits for theirs; a different one refuses the round."""
@@ -509,6 +705,10 @@ class RoundRunner:
                 self.bytes_received += payload_size(frame.payload)
                 await self._add_part(sender, meta_field(frame.meta, "i", int), frame.payload)
             await self._unless_failed(writer)
+            if self.audit_chunks:
+                request = await self._unless_failed(asyncio.wait_for(stream.recv(max_payload=0, expect=Code.AUDIT),
+                                                                     self.timeout + self.confirm_timeout))
+                await self._answer_audit(stream, sender, request.meta)
             confirm = await self._unless_failed(asyncio.wait_for(stream.recv(max_payload=0, expect=Code.CONFIRM),
                                                                  self.timeout + self.confirm_timeout))
             async with self._changed:
@@ -533,10 +733,13 @@ class RoundRunner:
         async with self._changed:
             await self._changed.wait_for(lambda: self.reducer.total_weight is not None or self.error is not None)
             self._raise_if_failed()
-        await stream.send(Code.RESULT, {"total_weight": self.reducer.total_weight})
+        opening = {"total_weight": self.reducer.total_weight}
+        if self.audit_chunks:
+            opening["weights"] = self.reducer.declared
+        await stream.send(Code.RESULT, opening)
         for i in range(len(self.reducer.parts)):
             payload = await self._result(i)
-            await stream.send(Code.RESULT_PART, {"i": i}, payload)
+            await stream.send(Code.RESULT_PART, {"i": i, **(self.reducer.manifests[i] or {})}, payload)
             self.bytes_sent += payload_size(payload)
         self._results_out.add(stream.remote)  # from here on, that member may complete the round
         await stream.send(Code.RESULT_END, {"digest": self.reducer.digest, "clipped": sorted(self.reducer.clipped),

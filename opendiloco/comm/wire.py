@@ -39,6 +39,10 @@ class Code(enum.IntEnum):
     """A member's digest of the whole average, sent to every other member before anyone applies it."""
     REFUSE = 7
     """The sender refuses the round or the message (meta: a short reason)."""
+    AUDIT = 12
+    """A member asks another for its values of chunks of the round's shards (meta: ``chunks``, [owner, part, chunk])."""
+    AUDIT_ANSWER = 13
+    """One asked chunk: the values (fp32) and their Merkle path (meta: ``path``) to the owner's committed root."""
     # matchmaking (swarm/matchmaking.py)
     GROUP = 8
     """A round's leader has published its group (meta: round key, attempt): read it from the DHT now."""

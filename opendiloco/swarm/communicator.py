@@ -38,6 +38,7 @@ import torch
 import uvloop
 
 from ..comm.aggregation import Aggregation
+from ..comm.audit import DEFAULT_AUDIT_CHUNKS
 from ..comm.base import AverageResult, Communicator, FutureWork, RoundKey, StateProvider, Work
 from ..comm.compression import codec_label, get_codec
 from ..comm.runner import DEFAULT_PART_NUMEL, Group, RoundOutcome, RoundRunner, Rounds, resolve
@@ -81,6 +82,9 @@ class SwarmSettings:
     aggregation: Aggregation = dataclass_field(default_factory=Aggregation)
     """How shard owners combine contributions: weight and norm bounds, optionally CenteredClip
     (``opendiloco.comm.aggregation``); part of what a group agrees on."""
+    audit_chunks: int = DEFAULT_AUDIT_CHUNKS
+    """Random chunks of every other owner's shard result a member recomputes per round
+    (``opendiloco.comm.audit``; 0: none); part of what a group agrees on."""
     exclude_rounds: int = EXCLUDE_ROUNDS
     """How many outer steps a member caught sending malformed data is left out of this worker's groups
     (``exclusion.py``)."""
@@ -164,7 +168,8 @@ class SwarmCommunicator(Communicator):
             straggler_wait=s.straggler_wait, max_wait=s.max_wait,
             record_ttl=s.max_wait + s.matchmaking_timeout + s.allreduce_timeout,
             poll_interval=s.poll_interval, part_numel=s.part_numel, config=s.config_fingerprint),
-            f"{codec_label(self.codec, self.result_codec)}|{s.aggregation.label}",
+            f"{codec_label(self.codec, self.result_codec)}|{s.aggregation.label}"
+            + (f"|audit{s.audit_chunks}" if s.audit_chunks else ""),
             self._interrupted,
             doorbell=self.doorbell, ring_members=self._ring_members,
             joiners=lambda step: self.state_server.recent_joiners(step, within=s.straggler_wait + 10.0),
@@ -325,7 +330,8 @@ class SwarmCommunicator(Communicator):
             await asyncio.sleep(interval)
 
     def peer_paces(self, outer_step: int) -> list[Pace]:
-        snapshot = self._workers_snapshot
+        """The paces of the peers heading for ``outer_step`` whose word counts here (``partners.py``)."""
+        snapshot = self.presence.partners.voters(self._workers_snapshot)
         return [r.pace() for p, r in snapshot.items() if p != self._peer_id and r.heading == outer_step]
 
     # -- a round -------------------------------------------------------------------------------
@@ -397,6 +403,7 @@ class SwarmCommunicator(Communicator):
                 continue
             self.state = RoundState.DONE
             self.presence.last_group = set(group.members)
+            self.presence.partners.add(group.members)
             self.report_progress(last_sync_time=self.records.clock.now())
             return AverageResult(outcome.flat, group.members, outcome.total_weight, time.perf_counter() - began,
                                  extra={"attempts": len(errors) + 1, "group_id": group.group_id,
@@ -454,7 +461,7 @@ class SwarmCommunicator(Communicator):
         runner = self._runner = self.round_runner(
             group, self._peer_id, flat, weight, self.codec, out=out, part_numel=s.part_numel,
             timeout=s.allreduce_timeout, confirm_timeout=s.verify_timeout, result_codec=self.result_codec,
-            error_out=error_out, aggregation=s.aggregation)
+            error_out=error_out, aggregation=s.aggregation, audit_chunks=s.audit_chunks)
         await self.rounds.register(runner)
         try:
             return await runner.run(self.reduce_streams.connect)
@@ -493,7 +500,8 @@ class SwarmCommunicator(Communicator):
             else:  # what the run confirms now (it may have moved past the state an error named)
                 # Catching up (a step to reach) weighs this worker's own state; joining does not.
                 mine = None if min_outer_step is None else self.presence.my_claim(self.presence.get("outer_step", -1))
-                claim = confirmed(workers, self._peer_id, mine, min_outer_step)
+                voters = workers if mine is None else self.presence.partners.voters(workers)
+                claim = confirmed(voters, self._peer_id, mine, min_outer_step)
                 wanted, wanted_step = (None, None) if claim is None else (claim.global_hash, claim.outer_step)
             candidates = [r for r in others
                           if wanted is not None and (r.global_hash, r.outer_step) == (wanted, wanted_step)
@@ -540,7 +548,8 @@ class SwarmCommunicator(Communicator):
         while True:
             workers = self.live_workers()
             mine = self.presence.my_claim(self.presence.get("outer_step", -1)) if catching_up else None
-            claim = confirmed(workers, self._peer_id, mine, outer_step)
+            claim = confirmed(workers if mine is None else self.presence.partners.voters(workers), self._peer_id,
+                              mine, outer_step)
             if claim is not None and claim.outer_step == outer_step:
                 return claim.global_hash
             if claim is not None or time.monotonic() >= deadline:

@@ -146,9 +146,9 @@ class Matchmaker:
             # still in flight that they will apply before they come. Peers already in a group that
             # leaves us out are not waited for. Peers that just downloaded our state of this step
             # come too, whatever their record says yet.
+            joiners = self.joiners(key.outer_step)
             heading = {p for p, r in workers.items() if r.heading == key.outer_step}
-            heading |= {p for p in self.joiners(key.outer_step)
-                        if p not in workers or workers[p].heading < key.outer_step}
+            heading |= {p for p in joiners if p not in workers or workers[p].heading < key.outer_step}
             expected = (heading - set(suspects) - self.taken) | {me}
             # A peer that would be left out of our group even if it came now is not waited for.
             missing = {p for p in expected - compatible if p in part_of(me, compatible | {p}, self.avoids)}
@@ -157,7 +157,11 @@ class Matchmaker:
             # Everyone measures from the earliest announcement, so that the leader and the members
             # give up on a straggler at the same moment.
             shared = self._shared_start({p: ready[p] for p in compatible}, began, now)
-            give_up_at = max((self._wait_until(workers.get(p), shared) for p in missing), default=shared)
+            # A ready time is believed in full from a peer whose word counts here, or that has just
+            # downloaded our state to join; from any other peer, for one grace at most (``partners.py``).
+            believable = (self.presence.partners.vouched(set(workers) | {me}) & missing) | joiners
+            give_up_at = max((self._wait_until(workers.get(p), shared, p in believable) for p in missing),
+                             default=shared)
             if enough and now >= give_up_at:
                 for p in missing:  # it promised a time and is not here: its next promise is not believed
                     if p in workers and workers[p].ready_at is not None:
@@ -225,17 +229,22 @@ class Matchmaker:
         """Peers that have applied this round already (their announcement of it may still be read)."""
         return {p for p, r in workers.items() if r.outer_step > key.outer_step} - {self.me}
 
-    def _wait_until(self, record, began: float) -> float:
+    def _wait_until(self, record, began: float, vouched: bool = True) -> float:
         """Until when (DHT time) a live peer that is not ready yet is waited for.
 
         Its own published ready time plus ``straggler_wait`` of grace (a 4x slower peer says it
         comes 4x later, and is waited for); ``straggler_wait`` from the start of matchmaking for
-        a peer that published none; never more than ``max_wait``. A dead peer stops being waited
-        for when its record expires, a hung one when its ready time has passed.
+        a peer that published none or did not come when it promised; never more than ``max_wait``.
+        A peer whose word does not count here (``vouched`` False: ``partners.py``) is believed for
+        one ``straggler_wait`` at most, so however many identities a no-show uses, a round waits for
+        the unvouched ones ``2 * straggler_wait`` at most. A dead peer
+        stops being waited for when its record expires, a hung one when its ready time has passed.
         """
         s = self.settings
         believed = record is not None and record.ready_at is not None and record.peer_id not in self.no_shows
         expected = record.ready_at if believed else began
+        if not vouched:  # believed for one grace at most: an honest newcomer that joined through another member
+            expected = min(expected, began + s.straggler_wait)
         return min(max(expected, began) + s.straggler_wait, began + s.max_wait)
 
     def _shared_start(self, announcements: dict, began: float, now: float) -> float:
@@ -254,7 +263,8 @@ class Matchmaker:
 
         Groups that leave this worker out are other workers' business (``self.taken`` notes their
         members, so nobody waits for them here), unless together they are at least half the run's
-        live workers: then the run moves on without us (``BehindError``: catch up to it).
+        live workers whose word counts here (``partners.py``): then the run moves on without us
+        (``BehindError``: catch up to it).
         """
         published = {p: tuple(sorted(set(m))) for p, m in
                      self.records.subkey_values(gkey, self.settings.record_ttl + 10).items()
@@ -267,7 +277,8 @@ class Matchmaker:
             self._took_part(members)
             return members
         self.taken = set().union(*published.values()) if published else set()
-        if self.taken and 2 * len(self.taken) >= len(live | self.taken):
+        voters = self.presence.partners.vouched(live | self.taken)  # fresh identities do not count
+        if self.taken & voters and 2 * len(self.taken & voters) >= len(voters):
             raise BehindError(f"left out of the group for round {key}", group_outer_step=key.outer_step + 1)
         return None
 

@@ -8,6 +8,7 @@ import threading
 
 from ..errors import BehindError, DriftError
 from . import records
+from .partners import Partners
 from .quorum import Claim, confirmed_ahead, drifted
 
 log = logging.getLogger(__name__)
@@ -42,9 +43,14 @@ class Presence:
         """This worker's config fingerprint: workers with another one are not part of its run."""
         self._foreign: set[str] = set()
         self._other_secrets: set[str] = set()
-        self._unconfirmed_ahead: set[str] = set()
+        self._unconfirmed_ahead = -1
+        """The outer step at which unconfirmed claims to be ahead were last reported (once per step:
+        fresh identities can make new claims every second)."""
         self.last_group: set[str] = set()
         """The members of this worker's last completed round (set by the communicator)."""
+        self.partners = Partners(peer_id)
+        """Every peer that completed a round with this worker: once there is one, only their
+        records vote here (``partners.py``)."""
         self._progress: dict = {"outer_step": -1, "config": config}
         self._lock = threading.Lock()
         self._publishing: set = set()
@@ -154,18 +160,19 @@ class Presence:
 
     def raise_if_behind(self, workers: dict[str, records.WorkerRecord], outer_step: int) -> None:
         """``BehindError`` if the run confirms a state ahead of this worker's (``quorum``); one peer's
-        claim to be ahead triggers nothing."""
+        claim to be ahead triggers nothing, nor do the claims of peers that never completed a round
+        with this worker once it has partners (``partners.py``)."""
         mine = self.my_claim(outer_step) or Claim(outer_step, "")
-        claim = confirmed_ahead(workers, self.peer_id, mine)
+        claim = confirmed_ahead(self.partners.voters(workers), self.peer_id, mine)
         if claim is not None:
             raise BehindError(f"the run is at outer step {claim.outer_step} (θ_global {claim.global_hash}), "
                               f"this worker at {outer_step}", group_outer_step=claim.outer_step,
                               expected_hash=claim.global_hash)
         ahead = {p for p, r in workers.items() if p != self.peer_id and r.outer_step > outer_step}
-        if ahead and not self._unconfirmed_ahead >= ahead:
+        if ahead and self._unconfirmed_ahead != outer_step:
+            self._unconfirmed_ahead = outer_step
             log.warning("%d peer(s) say they are ahead (outer step %d) without the run confirming it; ignored",
                         len(ahead), max(workers[p].outer_step for p in ahead))
-        self._unconfirmed_ahead = ahead
 
     def raise_if_drifted(self, outer_step: int, workers: dict[str, records.WorkerRecord]) -> None:
         """``DriftError`` if the run confirms another θ_global than ours (``quorum``): a claim with more
@@ -176,6 +183,7 @@ class Presence:
         published its result are not counted against us: they are on their way to our state.
         """
         mine = self.my_claim(outer_step)
+        workers = self.partners.voters(workers)
         best = None if mine is None else drifted(workers, self.peer_id, mine, self.last_group)
         if best is None:
             return

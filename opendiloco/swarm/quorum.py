@@ -14,6 +14,9 @@ rules, the same for every worker:
   them, at its outer step or behind it, wins (a worker that went on alone goes back); of claims
   tied at its own outer step, the smallest hash wins, on every worker alike.
 
+Callers pass only the records whose word counts (``partners.py``): once a worker has completed a
+round with peers, only theirs; before that, every live worker's.
+
 In a run of two each worker is half the run: there, as in any run whose live workers are half
 attackers, no vote can tell who is honest. Signatures stop impersonation, not Sybils: in an open
 run anyone may start many workers; in a closed run only holders of the secret can.

@@ -288,6 +288,9 @@ class SwarmConfig(Section):
     """A contribution's part is scaled down to at most this multiple of the group's median norm (inf: off)."""
     max_weight_ratio: float = Field(4.0, ge=1)
     """A claimed weight counts at most this multiple of the group's median weight (inf: off)."""
+    audit_chunks: int = Field(4, ge=0, le=64)
+    """Random chunks of every other shard owner's result each member checks per round, from the
+    other members' values (0: owners are trusted); docs/trust.md."""
     exclude_rounds: int = Field(16, ge=0, le=1_000_000)
     """Outer steps for which a member caught sending malformed data is left out of this worker's
     groups (0: only for the retries of the round it was caught in); docs/trust.md."""

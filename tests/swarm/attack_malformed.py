@@ -23,6 +23,12 @@ class MalformedRunner(RoundRunner):
         self.target = next(j for j in range(len(self.members)) if j != self.my_index)
         self.sent_bad = False
 
+    def _commit(self, j, i, payload, numel):
+        try:  # what owners would check it against: a short part has none (and it lies anyway)
+            super()._commit(j, i, payload, numel)
+        except Exception:
+            pass
+
     def _encode(self, a: int, b: int):
         payload = super()._encode(a, b)
         if self.sent_bad or a != self.bounds[self.target][0]:

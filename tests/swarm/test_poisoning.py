@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -18,13 +19,14 @@ from tests.swarm.conftest import WORKER
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(300)]
 
 ATTACKER = Path(__file__).with_name("attack_poison.py")
+OWNER = Path(__file__).with_name("attack_owner.py")
 OPTS = dict(outer_steps=6, local_steps=5, straggler_wait=5, allreduce_timeout=20, matchmaking_timeout=60)
 
 
 def spawn(swarm, script: Path, name: str, **options):
     args = [sys.executable, str(script), "--peers-file", str(swarm.peers_file), "--out", str(swarm.out(name))]
     for key, value in options.items():
-        args += [f"--{key.replace('_', '-')}", str(value)]
+        args += [f"--{key.replace('_', '-')}"] + ([] if value is True else [str(value)])
     return swarm.spawn(args, name)
 
 
@@ -63,3 +65,36 @@ def test_an_insider_cannot_take_over_the_average(swarm, aggregation):
     else:
         # Bounded: the attacker moves each average by at most a few honest steps; no blow-up.
         assert poisoned < 5 * first, (poisoned, clean, first)
+
+
+@pytest.mark.parametrize("result", ["60000", "-4x"])
+def test_a_shard_owner_cannot_decide_its_shard(swarm, result):
+    """An insider that owns a shard sets its result (tests/swarm/attack_owner.py). Before the owners'
+    audit, every round was "ok", digests agreeing, nobody named, and the loss went to 1e16. Now every
+    member audits random chunks of every other owner's result: the round it does so in fails for
+    everyone, it is named, left out of the next groups, and the honest workers go on."""
+    swarm.bootstrap()
+    opts = dict(run_id="owned", run_until_stopped=True, local_steps=10, step_delay=0.05, straggler_wait=4,
+                allreduce_timeout=20, matchmaking_timeout=60, min_group_size=2)
+    honest = [spawn(swarm, WORKER, f"honest{i}", seed=i + 1, **opts) for i in range(3)]
+    owner = spawn(swarm, OWNER, "owner", seed=4, owner_result=result, **opts)
+    names = [f"honest{i}" for i in range(3)]
+    deadline = time.monotonic() + 240
+    while not all(sum(r["ok"] for r in swarm.records(n)) >= 6 for n in names):
+        assert time.monotonic() < deadline, {n: [(r["ok"], r["reason"]) for r in swarm.records(n)] for n in names}
+        assert all(p.poll() is None for p in honest), {n: swarm.log(n) for n in names}
+        time.sleep(0.3)
+    for proc in honest + [owner]:
+        proc.terminate()
+    swarm.wait(honest + [owner], timeout=60)
+
+    bad = swarm.records("owner", "start")[0]["peer_id"]
+    for name in names:
+        rounds = swarm.records(name)
+        # No round it was in was applied: its result never entered θ_global.
+        assert all(bad not in r["peers"] for r in rounds if r["ok"]), rounds
+        losses = [r["loss"] for r in rounds]  # training as usual (its result in a round: 1e16 within 34 rounds)
+        assert all(math.isfinite(x) and x <= 2 * losses[0] for x in losses) and losses[-1] < losses[0], losses
+    # It was caught by the audit (in some member's log), and left out after that.
+    logs = "".join(swarm.log(n, tail=400000) for n in names)
+    assert "failed this worker's audit" in logs and bad[-8:] in logs

@@ -171,6 +171,10 @@ def test_a_member_whose_round_failed_after_the_group_completed_it_ends_with_the_
     # its attempt after allreduce_timeout: the margin keeps that order on a busy machine.
     opts = dict(outer_steps=4, local_steps=5, step_delay=0.02, min_group_size=3, pace="swarm",
                 straggler_wait=3, allreduce_timeout=15)
+    if fault == "freeze":
+        # With owners audited, a member silent before it answers the audit fails the round for everyone (its
+        # shard cannot be checked: tests/test_audit.py); this is the settling of a round without the audit.
+        opts["audit_chunks"] = 0
     procs = [swarm.worker(f"w{i}", seed=i + 1, **opts) for i in range(2)]
     procs.append(swarm.worker("victim", seed=7, fault_in_round=(2, fault), **opts))
     swarm.wait(procs, timeout=240)

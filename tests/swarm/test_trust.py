@@ -27,10 +27,10 @@ HONEST = dict(run_id=RUN, run_until_stopped=True, local_steps=10, step_delay=0.1
               allreduce_timeout=20, matchmaking_timeout=30, max_wait=15)
 
 
-def start_honest(swarm, n: int = 2):
+def start_honest(swarm, n: int = 2, options=HONEST):
     return [swarm.spawn([sys.executable, str(WORKER), "--peers-file", str(swarm.peers_file), "--out",
                          str(swarm.out(f"honest{i}")), "--seed", str(i + 1)]
-                        + [a for k, v in HONEST.items() for a in ((f"--{k.replace('_', '-')}",) if v is True
+                        + [a for k, v in options.items() for a in ((f"--{k.replace('_', '-')}",) if v is True
                                                                    else (f"--{k.replace('_', '-')}", str(v)))],
                         f"honest{i}", env={"OPENDILOCO_RUN_SECRET": SECRET}) for i in range(n)]
 
@@ -157,3 +157,47 @@ def test_workers_of_one_run_id_with_different_secrets_are_told_in_one_line(swarm
         line = told(name)[-1]
         assert f"of run {RUN!r}" in line and mine in line and "give every worker of the run the same secret" in line
     assert not any(r["group_size"] > 1 for n in ("right", "wrong", "none") for r in swarm.records(n))
+
+
+def test_identities_that_never_averaged_with_a_worker_neither_take_it_over_stall_it_nor_set_its_pace(swarm):
+    """One insider, many keys (``attack_sybil.py``): three records "one step ahead" for a poisoned state
+    it serves, then a new identity a second "ready in an hour", then a new identity a second "ready with
+    10**12 samples". Two honest workers that have averaged together count only each other's word."""
+    options = {**HONEST, "pace": "swarm"}
+    swarm.bootstrap()
+    honest = start_honest(swarm, options=options)
+    wait_for(lambda: len(steps_together(swarm)) >= 1, 150, "no common outer step", swarm)
+    out = swarm.tmp / "sybil.json"
+    attacker = swarm.spawn([sys.executable, str(HERE / "attack_sybil.py"), "--peers-file", str(swarm.peers_file),
+                            "--out", str(out), "--run-id", RUN, "--keys", "3", "--duration", "45"], "sybil",
+                           env={"OPENDILOCO_RUN_SECRET": SECRET})
+    swarm.wait([attacker], timeout=240)
+    report = json.loads(out.read_text())
+    stop(swarm, honest)
+
+    def during(rounds, phase):
+        began, ended = report[phase]
+        return [r for r in rounds if r["ok"] and began + 2 <= r["time"] <= ended]
+
+    for i in range(2):  # the figures, for the record (shown when the test fails)
+        rounds = swarm.records(f"honest{i}")
+        print(f"honest{i}: caught up/healed {[r['outer_step'] for r in rounds if r['reason']]}, last losses "
+              f"{[round(r['loss'], 4) for r in rounds[-3:]]}, round seconds while stalled "
+              f"{[round(r['allreduce_s'], 1) for r in during(rounds, 'stall')]}, steps per round while paced "
+              f"{[r['steps'] for r in during(rounds, 'pace')]}")
+    for i in range(2):
+        rounds = swarm.records(f"honest{i}")
+        assert all(not set(report["identities"]) & set(r["peers"]) for r in rounds)
+        # Takeover: three votes against two, for a state that hashes right: never adopted.
+        began, ended = report["takeover"]
+        assert not any("caught up" in (r["reason"] or "") or "healed" in (r["reason"] or "")
+                       for r in rounds if began <= r["time"] <= ended + 10), rounds
+        assert all(math.isfinite(r["loss"]) and r["loss"] < 0.5 for r in rounds[-3:]), rounds[-3:]
+        # Stall: each new identity's "ready in an hour" is not believed; a round waits for the
+        # unknown peers straggler_wait at most, never max_wait.
+        stalled = during(rounds, "stall")
+        assert stalled and all(r["allreduce_s"] < HONEST["max_wait"] for r in stalled), stalled
+        # Pace: a made-up "ready with 10**12 samples" does not end the rounds early.
+        paced = sorted(r["steps"] for r in during(rounds, "pace"))
+        assert paced and paced[len(paced) // 2] >= 0.7 * HONEST["local_steps"], paced
+    assert report["served"] == 0  # nobody asked for its state

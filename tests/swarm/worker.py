@@ -120,17 +120,12 @@ class RecordingCommunicator(SwarmCommunicator):
                 f.write(f"{group.key.outer_step} {time.time()}\n")
             await asyncio.sleep(self.stall_at[1])
         if self.fault and self.fault[0] == group.key.outer_step:  # its first attempt only
-            s, fault = self.settings, self.fault[1]
-            self.fault = None
-            runner = FaultyRunner(group, self.peer_id, flat, weight, self.codec, out=out, part_numel=s.part_numel,
-                                  timeout=s.allreduce_timeout, confirm_timeout=s.verify_timeout,
-                                  result_codec=self.result_codec, error_out=error_out, aggregation=s.aggregation)
-            runner.fault = fault
-            await self.rounds.register(runner)
+            fault, self.fault = self.fault[1], None
+            self.round_runner = type("Faulty", (FaultyRunner,), {"fault": fault})  # the fault hook, this attempt
             try:
-                return await runner.run(self.reduce_streams.connect)
+                return await super()._data_plane(group, flat, weight, out, error_out)
             finally:
-                self.rounds.finish(group.group_id)
+                del self.round_runner  # the class's again
         return await super()._data_plane(group, flat, weight, out, error_out)
 
 
@@ -176,6 +171,7 @@ def main():
     p.add_argument("--linger", action="store_true",
                    help="after --outer-steps, stay in the run (serving state, heartbeat), not training, until SIGTERM")
     p.add_argument("--aggregation", default="mean", choices=["mean", "centered-clip"])
+    p.add_argument("--audit-chunks", type=int, default=4, help="chunks of each other owner's shard audited (0: none)")
     p.add_argument("--config-fingerprint", default="", help="the settings fingerprint this worker publishes")
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s [{args.seed}] %(name)s: %(message)s")
@@ -188,7 +184,7 @@ def main():
                              straggler_wait=args.straggler_wait, allreduce_timeout=args.allreduce_timeout,
                              matchmaking_timeout=args.matchmaking_timeout, max_wait=args.max_wait,
                              heartbeat_interval=1.0, record_ttl=4.0, verify_timeout=3.0,
-                             aggregation=Aggregation(args.aggregation),
+                             aggregation=Aggregation(args.aggregation), audit_chunks=args.audit_chunks,
                              config_fingerprint=args.config_fingerprint)
     comm = RecordingCommunicator(dht, settings, secret=RunSecret.from_environment())  # closed if the env says so
     comm.dump_dir = args.dump

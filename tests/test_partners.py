@@ -1,0 +1,127 @@
+"""Votes that cost something: once a worker has completed a round with peers, fresh identities
+neither vote it ahead, nor stall its rounds with a ready time, nor leave it behind with a group of
+their own (``opendiloco/swarm/partners.py``). Matchmakers run over an in-memory record table."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from opendiloco.comm.base import RoundKey
+from opendiloco.errors import BehindError
+from opendiloco.swarm.matchmaking import Matchmaker
+from opendiloco.swarm.partners import Partners
+from opendiloco.swarm.quorum import Claim, confirmed_ahead, drifted
+from opendiloco.swarm.records import WorkerRecord
+from tests.test_matchmaking_gone import SETTINGS, Presence, Table, Writer
+
+pytestmark = pytest.mark.fast
+
+
+def test_everyone_counts_until_the_first_partner_then_only_partners_and_me():
+    partners = Partners("me")
+    assert partners.vouched({"me", "a", "f"}) == {"me", "a", "f"}  # a newcomer trusts the run, as a joiner
+    partners.add(["me", "a"])
+    assert "a" in partners and "me" not in partners and len(partners) == 1
+    assert partners.vouched({"me", "a", "f"}) == {"me", "a"}
+    workers = {p: WorkerRecord(p, outer_step=3) for p in ("me", "a", "f")}
+    assert set(partners.voters(workers)) == {"me", "a"}
+    # Its partners all gone: a newcomer again (else it could never follow a run that went on without it).
+    assert partners.vouched({"me", "f", "g"}) == {"me", "f", "g"}
+
+
+def test_partners_are_bounded_and_the_oldest_is_forgotten_first():
+    partners = Partners("me", limit=3)
+    partners.add(["a", "b", "c"])
+    partners.add(["a"])  # seen again: now the newest
+    partners.add(["d"])
+    assert "b" not in partners and {"a", "c", "d"} == {p for p in "abcd" if p in partners}
+
+
+def test_fresh_identities_claiming_the_run_is_ahead_do_not_outvote_a_partner():
+    workers = {"me": WorkerRecord("me", outer_step=5, global_hash="h"),
+               "a": WorkerRecord("a", outer_step=5, global_hash="h"),
+               "f1": WorkerRecord("f1", outer_step=6, global_hash="poison"),
+               "f2": WorkerRecord("f2", outer_step=6, global_hash="poison")}
+    mine = Claim(5, "h")
+    assert confirmed_ahead(workers, "me", mine) == Claim(6, "poison")  # every record a vote: 2 of 4
+    partners = Partners("me")
+    partners.add(["a"])
+    assert confirmed_ahead(partners.voters(workers), "me", mine) is None
+    # Nor can they pull it back to a state of theirs at its own step.
+    workers.update({p: WorkerRecord(p, outer_step=5, global_hash="0poison") for p in ("f1", "f2", "f3")})
+    assert drifted(workers, "me", mine) == Claim(5, "0poison")
+    assert drifted(partners.voters(workers), "me", mine) is None
+    # A partner that moved on with the run is followed.
+    workers["a"] = WorkerRecord("a", outer_step=6, global_hash="next")
+    assert confirmed_ahead(partners.voters(workers), "me", mine) == Claim(6, "next")
+
+
+def _matchmaker(table: Table, me: str, workers: dict, settings=SETTINGS, partners=()) -> Matchmaker:
+    presence = Presence(me, lambda: workers)
+    presence.partners.add(partners)
+    return Matchmaker(Writer(table, me), presence, settings, "fp16", threading.Event())
+
+
+def test_a_fresh_identity_that_promises_to_be_ready_in_an_hour_costs_partners_only_the_grace():
+    settings = dataclasses.replace(SETTINGS, max_wait=60.0)
+    table, key = Table(), RoundKey(1)
+    now = table.clock.now()
+    workers = {p: WorkerRecord(p, outer_step=1, time=now) for p in ("b", "c")}
+    # Heading for round 1, "ready in an hour": a new identity every round would cost max_wait each time.
+    workers["f"] = WorkerRecord("f", outer_step=1, next_round=1, ready_at=now + 3600, time=now)
+    results: dict[str, object] = {}
+
+    def member(me: str) -> None:
+        mm = _matchmaker(table, me, workers, settings, partners={"b", "c"})
+        results[me] = mm.form_group(key, 0, 10)[0].members
+
+    threads = [threading.Thread(target=member, args=(m,), daemon=True) for m in ("b", "c")]
+    began = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(settings.max_wait / 2)
+    assert results == {"b": ("b", "c"), "c": ("b", "c")}, results
+    assert time.monotonic() - began < settings.max_wait / 2
+    # Only f is missing, and none of the missing are partners: still not believed (the partners b and c are
+    # live, so b is no newcomer).
+    assert _matchmaker(table, "b", workers, settings, partners={"c"}).presence.partners.vouched(
+        set(workers)) == {"b", "c"}
+    # Its promise would be believed from a partner (the same record, another standing).
+    assert _matchmaker(table, "b", workers, settings, partners={"c", "f"})._wait_until(
+        workers["f"], now, vouched=True) == now + settings.max_wait
+
+
+def test_a_group_of_fresh_identities_does_not_leave_a_partner_behind():
+    table, key = Table(), RoundKey(4)
+    now = table.clock.now()
+    announcement = {"attempt": 0, "numel": 10, "codec": "fp16", "part": SETTINGS.part_numel, "config": "",
+                    "since": now}
+    table.values[table.round_key(key)] = {p: announcement for p in ("f1", "f2")}
+    table.values[table.group_key(key, 0)] = {"f1": ["f1", "f2"]}
+    live = {"b", "c", "f1", "f2"}
+    fooled = _matchmaker(table, "b", {})
+    with pytest.raises(BehindError):  # without partners: two of four went on, so the run did
+        fooled._published(key, table.group_key(key, 0), live, {"f1", "f2"})
+    partner = _matchmaker(table, "b", {}, partners={"c"})
+    assert partner._published(key, table.group_key(key, 0), live, {"f1", "f2"}) is None
+    assert partner.taken == {"f1", "f2"}  # their business: not waited for
+    # The same group with a partner in it is the run moving on.
+    table.values[table.round_key(key)]["c"] = announcement
+    table.values[table.group_key(key, 0)] = {"c": ["c", "f1"]}
+    with pytest.raises(BehindError):
+        partner._published(key, table.group_key(key, 0), live, {"c", "f1", "f2"})
+
+
+def test_a_ready_time_from_a_peer_whose_word_does_not_count_is_believed_for_one_grace_at_most():
+    mm = SimpleNamespace(settings=dataclasses.replace(SETTINGS, straggler_wait=5.0, max_wait=600.0), no_shows={})
+    began = 1000.0
+    assert Matchmaker._wait_until(mm, WorkerRecord("p", ready_at=1120.0), began, vouched=True) == 1125.0
+    assert Matchmaker._wait_until(mm, WorkerRecord("p", ready_at=1120.0), began, vouched=False) == 1010.0
+    assert Matchmaker._wait_until(mm, WorkerRecord("p", ready_at=1003.0), began, vouched=False) == 1008.0
+    assert Matchmaker._wait_until(mm, WorkerRecord("p"), began, vouched=False) == 1005.0
