@@ -11,12 +11,12 @@
 Writes what it got to ``--out`` (JSON) and keeps its records alive for ``--duration`` seconds.
 """
 
-import argparse
 import asyncio
 import io
 import json
 import time
 
+import attacker  # tests/swarm/attacker.py: this script's own folder is on the path
 import torch
 from hivemind.utils.timed_storage import get_dht_time
 
@@ -128,18 +128,10 @@ async def main_async(args) -> dict:
 
 
 def main():
-    p = argparse.ArgumentParser()
-    p.add_argument("--peers-file", required=True)
-    p.add_argument("--out", required=True)
-    p.add_argument("--run-id", required=True)
-    p.add_argument("--config", default="")
+    p = attacker.insider_arguments()
     p.add_argument("--duration", type=float, default=40.0)
     p.add_argument("--hammer", type=int, default=12)
-    p.add_argument("--record-ttl", type=float, default=4.0, help="the run's record_ttl (its records look normal)")
-    args = p.parse_args()
-    report = asyncio.run(main_async(args))
-    with open(args.out, "w") as f:
-        json.dump(report, f)
+    attacker.run(main_async, p)
 
 
 if __name__ == "__main__":

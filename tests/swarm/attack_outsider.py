@@ -8,11 +8,10 @@ what it got to ``--out`` (JSON).
 - contribute: an opening of a round's stream; ring: a matchmaking doorbell.
 """
 
-import argparse
 import asyncio
-import json
 import time
 
+import attacker  # tests/swarm/attacker.py: this script's own folder is on the path
 from hivemind.utils.timed_storage import get_dht_time
 
 from opendiloco.comm.wire import ByteStream, Code, Refused, StreamClosed
@@ -86,20 +85,14 @@ async def main_async(args) -> dict:
 
 
 def main():
-    p = argparse.ArgumentParser()
-    p.add_argument("--peers-file", required=True)
-    p.add_argument("--out", required=True)
-    p.add_argument("--run-id", required=True)
+    p = attacker.arguments()
     p.add_argument("--workers-key", required=True)
     p.add_argument("--state-protocol", required=True)
     p.add_argument("--reduce-protocol", required=True)
     p.add_argument("--match-protocol", required=True)
     p.add_argument("--targets", nargs="+", required=True)
     p.add_argument("--publish-for", type=float, default=5.0)
-    args = p.parse_args()
-    report = asyncio.run(main_async(args))
-    with open(args.out, "w") as f:
-        json.dump(report, f)
+    attacker.run(main_async, p)
 
 
 if __name__ == "__main__":

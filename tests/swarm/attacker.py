@@ -1,0 +1,33 @@
+"""What the attacker scripts beside this file share: their command line and their JSON report.
+
+Each script is run as a program (its folder is then on the path): ``attacker.run(main_async, parser)``
+parses the options, runs the attack and writes what it got to ``--out``.
+"""
+
+import argparse
+import asyncio
+import json
+
+
+def arguments() -> argparse.ArgumentParser:
+    """The options every attacker takes: where the run is, which run, where the report goes."""
+    p = argparse.ArgumentParser()
+    p.add_argument("--peers-file", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--run-id", required=True)
+    return p
+
+
+def insider_arguments() -> argparse.ArgumentParser:
+    """An insider's options besides: the run's settings fingerprint and record lifetime (its records look normal)."""
+    p = arguments()
+    p.add_argument("--config", default="")
+    p.add_argument("--record-ttl", type=float, default=4.0, help="the run's record_ttl")
+    return p
+
+
+def run(main_async, parser: argparse.ArgumentParser) -> None:
+    args = parser.parse_args()
+    report = asyncio.run(main_async(args))
+    with open(args.out, "w") as f:
+        json.dump(report, f)
