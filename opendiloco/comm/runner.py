@@ -67,6 +67,14 @@ def part_bounds(numel: int, part_numel: int) -> list[tuple[int, int]]:
     return [(a, min(a + part_numel, numel)) for a in range(0, numel, part_numel)]
 
 
+def group_label(codec: Codec, result_codec: Codec | None, aggregation: Aggregation, audit_chunks: int) -> str:
+    """What a group's members must agree on, e.g. ``fp16|mean-clip4-w4|audit4``: the wire formats
+    (``contribution`` or ``contribution/result``), how owners aggregate, and how much members audit.
+    Matchmaking groups only announcements that carry the same label; an opening frame names it."""
+    label = f"{codec_label(codec, result_codec)}|{aggregation.label}"
+    return label + (f"|audit{audit_chunks}" if audit_chunks else "")
+
+
 def make_group_id(run_id: str, key: RoundKey, attempt: int, members: Sequence[str]) -> str:
     h = new_hasher()
     h.update(f"{run_id}|{key}|{attempt}|{','.join(members)}".encode())
@@ -503,10 +511,8 @@ class RoundRunner:
 
     @property
     def codec_label(self) -> str:
-        """What the group agrees on: the wire formats (``contribution`` or ``contribution/result``) and
-        how owners aggregate, e.g. ``fp16|mean-clip4-w4``."""
-        label = f"{codec_label(self.codec, self.result_codec)}|{self.aggregation.label}"
-        return label + (f"|audit{self.audit_chunks}" if self.audit_chunks else "")
+        """What the group agrees on (``group_label``)."""
+        return group_label(self.codec, self.result_codec, self.aggregation, self.audit_chunks)
 
     def _encode(self, a: int, b: int) -> memoryview | bytes:
         """Our contribution's values [a, b) as a payload (their quantisation error into ``error_out``)."""
@@ -551,14 +557,19 @@ class RoundRunner:
             raise ProtocolError(f"the owner misreports this worker's part {i} (its commitment names other values)")
         return roots, norms
 
-    def _own_chunk(self, j: int, i: int, c: int) -> torch.Tensor:
-        """Our values of chunk c of part i of shard j, as the owner decoded them (encoded again)."""
+    def _chunk_span(self, j: int, i: int, c: int) -> tuple[int, int, int, int]:
+        """Where chunk c of part i of shard j lies: (the part's first value in the flat vector, the part's
+        length, the chunk's [start, end) within the part)."""
         a = self.bounds[j][0]
         pa, pb = part_bounds(self.bounds[j][1] - a, self.part_numel)[i]
-        ca, cb = audit.chunk_range(pb - pa, c)
+        return (a + pa, pb - pa, *audit.chunk_range(pb - pa, c))
+
+    def _own_chunk(self, j: int, i: int, c: int) -> torch.Tensor:
+        """Our values of chunk c of part i of shard j, as the owner decoded them (encoded again)."""
+        start, n, ca, cb = self._chunk_span(j, i, c)
         block = audit.rounding(self.codec)[0]  # the codec's blocks are aligned to the part's start
-        ea, eb = ca // block * block, min(pb - pa, -(-cb // block) * block)
-        encoded = self.codec.to_bytes(self.flat[a + pa + ea : a + pa + eb])
+        ea, eb = ca // block * block, min(n, -(-cb // block) * block)
+        encoded = self.codec.to_bytes(self.flat[start + ea : start + eb])
         values = self.codec.view_bytes(encoded, eb - ea)[ca - ea : cb - ea].to(torch.float32, copy=True)
         if audit.leaf_hash(values) != self._trees[(j, i)].leaf(c):
             raise AveragingError(f"encoding part {i} of shard {j} again gave other values: the codec is not "
@@ -582,20 +593,19 @@ class RoundRunner:
         values = dict(zip(sorted(streams), answers))
         for n, (j, i, c) in enumerate(asked):
             owner = self.members[j]
-            a = self.bounds[j][0]
-            pa, pb = part_bounds(self.bounds[j][1] - a, self.part_numel)[i]
-            ca, cb = audit.chunk_range(pb - pa, c)
+            start, numel, ca, cb = self._chunk_span(j, i, c)
             chunk = [self._own_chunk(j, i, c) if m == self.my_index else values[m][n]
                      for m in range(len(self.members))]
-            part_result = self.out[a + pa : a + pb]
+            part_result = self.out[start : start + numel]
             result = part_result[ca:cb]
             tol = audit.tolerance(result, part_result, ca, self.result_codec)
             manifest = self._manifests[j]
             wrong = audit.check_chunk(self.aggregation, manifest["weights"], manifest["norms"][i], chunk, result, tol,
                                       self.result_codec)
             if wrong is not None:
+                first = start - self.bounds[j][0]
                 failure = Malformed(f"{owner[-8:]} owns a shard whose result failed this worker's audit (part {i}, "
-                                    f"values {pa + ca}-{pa + cb}): {wrong}", {owner})
+                                    f"values {first + ca}-{first + cb}): {wrong}", {owner})
                 self._note_malformed(failure)
                 raise failure
 
@@ -606,9 +616,7 @@ class RoundRunner:
             await stream.send(Code.AUDIT, {"chunks": asked})
             out = []
             for j, i, c in asked:
-                a = self.bounds[j][0]
-                pa, pb = part_bounds(self.bounds[j][1] - a, self.part_numel)[i]
-                ca, cb = audit.chunk_range(pb - pa, c)
+                _, numel, ca, cb = self._chunk_span(j, i, c)
                 frame = await asyncio.wait_for(stream.recv(max_payload=4 * (cb - ca), expect=Code.AUDIT_ANSWER),
                                                self.timeout)
                 self.bytes_received += payload_size(frame.payload)
@@ -616,7 +624,7 @@ class RoundRunner:
                     raise ProtocolError(f"an audit answer of {payload_size(frame.payload)} bytes")
                 values = torch.frombuffer(bytearray(frame.payload), dtype=torch.float32)
                 if not all_finite(values) or not audit.path_ok(values, c, frame.meta.get("path"),
-                                                                  self._manifests[j]["roots"][i][m], pb - pa):
+                                                                  self._manifests[j]["roots"][i][m], numel):
                     # Its values, or the owner's commitment to them: the member itself checks the latter.
                     raise PeerFailure(f"{peer[-8:]}'s values of part {i} of {self.members[j][-8:]}'s shard do not "
                                       "match what the owner committed to", {peer, self.members[j]})

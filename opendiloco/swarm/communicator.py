@@ -40,8 +40,8 @@ import uvloop
 from ..comm.aggregation import Aggregation
 from ..comm.audit import DEFAULT_AUDIT_CHUNKS
 from ..comm.base import AverageResult, Communicator, FutureWork, RoundKey, StateProvider, Work
-from ..comm.compression import codec_label, get_codec
-from ..comm.runner import DEFAULT_PART_NUMEL, Group, RoundOutcome, RoundRunner, Rounds, resolve
+from ..comm.compression import get_codec
+from ..comm.runner import DEFAULT_PART_NUMEL, Group, RoundOutcome, RoundRunner, Rounds, group_label, resolve
 from ..comm.wire import ByteStream, Code
 from ..comm.wire import field as meta_field
 from ..errors import AveragingError, InDoubt, Interrupted, PeerFailure, RoundCounted, SwarmError
@@ -168,8 +168,7 @@ class SwarmCommunicator(Communicator):
             straggler_wait=s.straggler_wait, max_wait=s.max_wait,
             record_ttl=s.max_wait + s.matchmaking_timeout + s.allreduce_timeout,
             poll_interval=s.poll_interval, part_numel=s.part_numel, config=s.config_fingerprint),
-            f"{codec_label(self.codec, self.result_codec)}|{s.aggregation.label}"
-            + (f"|audit{s.audit_chunks}" if s.audit_chunks else ""),
+            group_label(self.codec, self.result_codec, s.aggregation, s.audit_chunks),
             self._interrupted,
             doorbell=self.doorbell, ring_members=self._ring_members,
             joiners=lambda step: self.state_server.recent_joiners(step, within=s.straggler_wait + 10.0),
@@ -500,8 +499,7 @@ class SwarmCommunicator(Communicator):
             else:  # what the run confirms now (it may have moved past the state an error named)
                 # Catching up (a step to reach) weighs this worker's own state; joining does not.
                 mine = None if min_outer_step is None else self.presence.my_claim(self.presence.get("outer_step", -1))
-                voters = workers if mine is None else self.presence.partners.voters(workers)
-                claim = confirmed(voters, self._peer_id, mine, min_outer_step)
+                claim = confirmed(self._voters(workers, mine), self._peer_id, mine, min_outer_step)
                 wanted, wanted_step = (None, None) if claim is None else (claim.global_hash, claim.outer_step)
             candidates = [r for r in others
                           if wanted is not None and (r.global_hash, r.outer_step) == (wanted, wanted_step)
@@ -541,6 +539,11 @@ class SwarmCommunicator(Communicator):
                                      + (f": {errors}" if errors else ""))
             self._interrupted.wait(0.5)
 
+    def _voters(self, workers: dict, mine) -> dict:
+        """The records that vote on a state to download: a joiner's (``mine`` None) counts every worker,
+        a worker catching up only those whose word counts here (``partners.py``)."""
+        return workers if mine is None else self.presence.partners.voters(workers)
+
     def _confirmed_hash_at(self, outer_step: int, catching_up: bool, timeout: float) -> str | None:
         """The θ_global hash the run confirms at ``outer_step`` once its records say so (within
         ``timeout``); None if the run confirms another state there, or moves past it first."""
@@ -548,8 +551,7 @@ class SwarmCommunicator(Communicator):
         while True:
             workers = self.live_workers()
             mine = self.presence.my_claim(self.presence.get("outer_step", -1)) if catching_up else None
-            claim = confirmed(workers if mine is None else self.presence.partners.voters(workers), self._peer_id,
-                              mine, outer_step)
+            claim = confirmed(self._voters(workers, mine), self._peer_id, mine, outer_step)
             if claim is not None and claim.outer_step == outer_step:
                 return claim.global_hash
             if claim is not None or time.monotonic() >= deadline:
