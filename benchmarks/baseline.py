@@ -7,7 +7,7 @@ With ``--world-size 1`` this is plain AdamW on one worker. With N > 1, N process
 rank) average their gradients with ``torch.distributed`` gloo after every backward pass, in one
 flat fp32 bucket, as DistributedDataParallel would: the same as one worker with N times the
 batch. Model, data and held-out batches come from the same code as ``opendiloco train``
-(``Trainer._build_model_and_data``), so rank r sees exactly the rows that DiLoCo worker
+(``Trainer.build_model_and_data``), so rank r sees exactly the rows that DiLoCo worker
 ``--run.worker`` would. Metrics go to ``<run dir>/metrics.jsonl`` in the trainer's format
 (``start``, ``train``, ``eval``, ``end``), with ``comm_s`` (time in the all-reduce) added.
 
@@ -80,7 +80,7 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
         print(f"config error: {e}", file=sys.stderr)
         return 2
     trainer = Trainer(cfg)
-    trainer._build_model_and_data()
+    trainer.build_model_and_data()
     model, stream, tc, o = trainer.model, trainer.stream, cfg.train, cfg.optim
     params = [p for p in model.parameters() if p.requires_grad]
     if args.world_size > 1:
@@ -88,7 +88,7 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
                                 world_size=args.world_size, timeout=timedelta(seconds=args.timeout))
     averager = GradientAverager(params, args.world_size) if args.world_size > 1 else None
     opt = torch.optim.AdamW(params, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
-    scaler = torch.amp.GradScaler("cuda") if trainer.precision == "fp16" else None
+    scaler = trainer.placement.grad_scaler()
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         opt, functools.partial(lr_lambda, warmup=o.warmup_steps, total=tc.total_steps, min_ratio=o.min_lr_ratio))
     lead = args.rank == 0
@@ -110,7 +110,7 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
         loss_sum = 0.0
         for _ in range(tc.grad_accum):
             batch = stream.next_batch(tc.batch_size).to(trainer.device, non_blocking=True)
-            with trainer._autocast():
+            with trainer.autocast():
                 loss = trainer.forward(input_ids=batch, labels=batch).loss / tc.grad_accum
             (scaler.scale(loss) if scaler is not None else loss).backward()
             loss_sum += float(loss.detach())

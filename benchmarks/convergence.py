@@ -4,7 +4,7 @@
 
 The sweep runs in-process. ``InProcessGroup`` averages the replicas' pseudo-gradients with the
 same codec as the swarm (fp16), and each replica is the trainer's own model, data shard and inner
-step (``Trainer._train_step``). So a point costs compute, not daemons. The model is a 0.2M-parameter
+step (``Trainer.train_step``). So a point costs compute, not daemons. The model is a 0.2M-parameter
 Llama (hidden 64, 2 layers, seq 64), batch 8 per worker, 4 workers.
 
 Every run uses the same inner lr schedule: linear warmup, then constant. The held-out loss at
@@ -55,10 +55,8 @@ def trainers(n: int, run_dir: Path, communicators, **kw):
     out = []
     for r in range(n):
         t = Trainer(config(run_dir, f"worker-{r}", **kw))
-        t._build_model_and_data()
-        t.comm = communicators[r]
+        t.build(communicators[r])
         t.metrics = MetricsWriter(run_dir / f"worker-{r}" / "metrics.jsonl")
-        t._build_optimizer()
         out.append(t)
     return out
 
@@ -86,7 +84,7 @@ def job(spec: dict) -> dict:
         def replica(t):
             try:
                 for step in range(1, at[-1] + 1):
-                    t._train_step()
+                    t.train_step()
                     if t is ts[0] and step in at:  # after the outer step: every replica holds θ_global
                         assert t.opt.local_step == 0 and t.opt.last_sync.ok
                         losses[step] = t.evaluate()

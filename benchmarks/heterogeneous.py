@@ -47,7 +47,7 @@ def step_compute_s(batch: int) -> float:
     cfg = load_config(str(ROOT / "configs/tiny.toml"), [*MODEL, "--train.batch-size", str(batch),
                                                        "--run.dir", "/tmp/opendiloco-hetero-calibration"])
     trainer = Trainer(cfg)
-    trainer._build_model_and_data()
+    trainer.build_model_and_data()
     model = trainer.model
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     times = []

@@ -16,7 +16,9 @@ from .comm.base import Communicator, CompletedWork, RoundKey, SharedState, Work
 from .comm.buffers import FlatBuffer, all_finite, unflatten
 from .comm.local import SingleWorker
 from .errors import AveragingError, BehindError, DriftError, LocalRankFailure, RoundCounted
-from .outer import OptimizerFactory, OuterState, fragmented_hash, validate_tensors
+from .fragment import Fragment, make_fragments
+from .optimizer_state import SavedRound, check_checkpoint, counters, fragment_work, joiner_position, settings_of
+from .outer import OptimizerFactory, OuterState, fragmented_hash
 from .pacing import PACES, Pace, round_due, seconds_to_target
 from .staging import DeviceSnapshot
 from .state_check import Reference, adoptable_optimizer_state, check_state, reference_groups
@@ -60,7 +62,7 @@ class _Round:
     """A round in flight: started at a fragment's sync event, applied ``overlap`` steps later."""
 
     key: RoundKey
-    fragment: int
+    fragment: Fragment
     steps: int
     began: float
     weight: float = 0.0
@@ -139,15 +141,13 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         self.outer = OuterState(trainable, buffers, outer_optimizer)
         if isinstance(fragments, int) and not isinstance(fragments, bool):
             check_schedule(local_steps, fragments, overlap, mix)
-            self.fragments = split_evenly(trainable, fragments) if fragments > 1 else [list(range(len(trainable)))]
+            groups = split_evenly(trainable, fragments) if fragments > 1 else [list(range(len(trainable)))]
         else:
-            self.fragments = fragments_from_groups(trainable, fragments)
-            check_schedule(local_steps, len(self.fragments), overlap, mix)
+            groups = fragments_from_groups(trainable, fragments)
+            check_schedule(local_steps, len(groups), overlap, mix)
+        self.fragments: list[Fragment] = make_fragments(groups, self.outer)
         self.overlap, self.mix = overlap, float(mix)
         self.error_feedback = bool(error_feedback)
-        self._residuals: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        """Per fragment (error feedback): [residual owed to the next contribution, the error of the
-        round in flight]; they swap when that round succeeds."""
         self.local_steps = local_steps
         self.communicator = communicator if communicator is not None else SingleWorker()
         self.weight_by_samples = weight_by_samples or pace == "swarm"
@@ -160,8 +160,6 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         self._outer_step = 0
         self._inner_steps_total = 0
         self._step_samples = 0
-        self._fragment_work = [0.0] * len(self.fragments)
-        """Per fragment: work (samples, or steps where none are counted) that no average holds yet."""
         self._pace_work = 0.0
         """Work since the last round attempt: what the pacing rule counts."""
         self._work_per_step = 0.0
@@ -172,17 +170,12 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         self._contributed_steps = 0
         self._dropped_steps = 0
         self.last_sync: SyncReport | None = None
-        self._buffers: dict[int, tuple[FlatBuffer, FlatBuffer]] = {}
-        """Per fragment: this worker's contribution [pseudo-gradients, buffers] (flat fp32, pinned for
-        CUDA models) and the buffer the group's average lands in."""
         self._pending: _Round | None = None
         self._snapshot: DeviceSnapshot | None = None
         self._schedule_high = 0
         self.blocked_s = 0.0
         """Seconds the last ``step()`` spent on outer-step work (starting or landing a round, waiting
         for one) after the inner step: what a loop should count as time not training."""
-        self._digests: list[str | None] = [None] * len(self.fragments)
-        """Per fragment, the digest of its θ_global (None: to compute); see ``fragmented_hash``."""
         # The communicator serves our state, and bounds and checks what it downloads for us (so that it can
         # go on to another donor when one serves a state we would refuse).
         self.communicator.attach_state_provider(SharedState(self.shareable_state, self.shareable_state_bound(),
@@ -246,15 +239,18 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         """Short hash of θ_global's exact bytes (cached; recomputed after each change)."""
         if self._hash is None:
             with self._state_lock:
-                self._hash = fragmented_hash(self.outer.global_params, self.fragments, self._digests)
+                digests = [f.digest for f in self.fragments]
+                self._hash = fragmented_hash(self.outer.global_params, [f.params for f in self.fragments], digests)
+                for f, digest in zip(self.fragments, digests):
+                    f.digest = digest
         return self._hash
 
-    def _global_changed(self, fragment: int | None = None) -> None:
+    def _global_changed(self, fragment: Fragment | None = None) -> None:
         """θ_global moved (one fragment of it, or all): the swarm learns the new outer step, hash and
         this worker's fresh pace in one record, published at once."""
         self._hash = None
-        for f in range(self.num_fragments) if fragment is None else [fragment]:
-            self._digests[f] = None
+        for f in self.fragments if fragment is None else [fragment]:
+            f.digest = None
         self.communicator.report_progress(outer_step=self._outer_step, global_hash=self.global_hash(),
                                           **self._pace_fields())
 
@@ -278,7 +274,8 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         self._local_step += 1
         self._inner_steps_total += 1
         self._uncommitted_steps += 1
-        self._fragment_work = [w + work for w in self._fragment_work]
+        for f in self.fragments:
+            f.work += work
         self._pace_work += work
         finished = False
         if self._pending is not None and self._local_step >= self.overlap:
@@ -350,19 +347,18 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         """Snapshots this worker's pseudo-gradient of the event's fragment and starts its round."""
         began = time.perf_counter()
         event = self._outer_step
-        fragment = fragment_of(event, self.num_fragments)
+        fragment = self.fragments[fragment_of(event, self.num_fragments)]
         self._publish_pace(ready=True)  # peers pacing themselves stop counting on our work growing
-        round_ = _Round(RoundKey(event, fragment), fragment, steps=self._local_step, began=began)
-        contribution, result = self._fragment_buffers(fragment)
-        indices = self._indices(fragment)
-        n = self._fragment_size(fragment)
-        weight = self._fragment_work[fragment] if self.weight_by_samples else 1.0
-        if self.overlap > 0 and self._on_cuda(fragment):
+        round_ = _Round(RoundKey(event, fragment.index), fragment, steps=self._local_step, began=began)
+        contribution, result = fragment.buffers()
+        n = fragment.size
+        weight = fragment.work if self.weight_by_samples else 1.0
+        if self.overlap > 0 and fragment.on_cuda():
             # The training thread only queues a device-side snapshot and its copy to pinned host
             # memory on a side stream; the subtraction and the round start once the copy has landed.
             self._snapshot = self._snapshot or DeviceSnapshot()
-            ready = self._snapshot.capture(self.outer.select(indices)[0], contribution.views[:n])
-            buffers = [b.detach().clone() for b in self.outer.buffers] if self._carries_buffers(fragment) else []
+            ready = self._snapshot.capture(fragment.tensors()[0], contribution.views[:n])
+            buffers = [b.detach().clone() for b in self.outer.buffers] if fragment.carries_buffers else []
 
             def prepare():
                 ready()
@@ -372,8 +368,8 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
 
             round_.prepared = self._snapshot.executor.submit(prepare)
         else:
-            self.outer.pseudo_gradient_into(contribution.views[:n], indices)
-            if self._carries_buffers(fragment):
+            self.outer.pseudo_gradient_into(contribution.views[:n], fragment.indices)
+            if fragment.carries_buffers:
                 self.outer.buffer_values_into(contribution.views[n:])
             round_.weight, round_.own_finite = self._finish_contribution(fragment, contribution, weight)
             try:
@@ -389,7 +385,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         """Hands the contribution to the communicator (with error feedback, where its error goes)."""
         extra = {}
         if self.error_feedback:
-            extra["error_out"] = self._fragment_residuals(round_.fragment)[1]
+            extra["error_out"] = round_.fragment.residuals()[1]
         return self.communicator.start(contribution.flat, weight=round_.weight, key=round_.key, out=result.flat,
                                        **extra)
 
@@ -400,7 +396,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         round_ = self._pending
         began = time.perf_counter()
         fragment = round_.fragment
-        contribution, _ = self._fragment_buffers(fragment)
+        contribution, _ = fragment.buffers()
         try:
             result = round_.wait()
             communicator_s = time.perf_counter() - round_.began
@@ -417,11 +413,10 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
             self._pending = None
             report = self._round_failed(str(e), time.perf_counter() - round_.began, round_.own_finite)
         else:
-            indices = self._indices(fragment)
-            n = self._fragment_size(fragment)
+            n = fragment.size
             views = unflatten(averaged, contribution.views)
             with self._state_lock:
-                self.outer.apply(views[:n], views[n:] if self._carries_buffers(fragment) else None, indices,
+                self.outer.apply(views[:n], views[n:] if fragment.carries_buffers else None, fragment.indices,
                                  mix=self.mix)
                 self._outer_step += 1
                 self._pending = None
@@ -430,71 +425,31 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
                                 extra=result.extra)
             self._contributed_steps += self._uncommitted_steps
             self._uncommitted_steps = 0
-            self._fragment_work[fragment] = 0.0
+            fragment.work = 0.0
             if self.error_feedback and round_.own_finite and round_.weight > 0:  # its loss is owed to the next one
-                owed, error = self._residuals[fragment]
-                self._residuals[fragment] = (error, owed)
+                fragment.settle_residuals()
             self._global_changed(fragment)  # publishes the fresh pace with the new outer step
             report.global_hash = self.global_hash()
         if not report.ok:
             self._publish_pace()
-        report.steps, report.weight, report.fragment = round_.steps, round_.weight, fragment
+        report.steps, report.weight, report.fragment = round_.steps, round_.weight, fragment.index
         report.seconds = round_.blocked_s + time.perf_counter() - began
         self.last_sync = report
         return report
 
     # -- contributions -------------------------------------------------------------------------
-    def _indices(self, fragment: int) -> list[int] | None:
-        """The fragment's parameter indices; None for the whole model (plain DiLoCo)."""
-        return None if self.num_fragments == 1 else self.fragments[fragment]
-
-    def _fragment_size(self, fragment: int) -> int:
-        """How many parameter tensors the fragment holds."""
-        return len(self.fragments[fragment])
-
-    def _carries_buffers(self, fragment: int) -> bool:
-        """Module buffers travel with the last fragment, which syncs at multiples of ``local_steps``."""
-        return fragment == self.num_fragments - 1
-
-    def _on_cuda(self, fragment: int) -> bool:
-        return any(p.device.type == "cuda" for p in self.outer.select(self._indices(fragment))[0])
-
-    def _fragment_buffers(self, fragment: int) -> tuple[FlatBuffer, FlatBuffer]:
-        """Allocated once per fragment: later rounds write into pages already in memory."""
-        if fragment not in self._buffers:
-            params = self.outer.select(self._indices(fragment))[0]
-            like = params + (self.outer.buffers if self._carries_buffers(fragment) else [])
-            self._buffers[fragment] = (FlatBuffer(like), FlatBuffer(like, pin=False))  # contribution pinned for CUDA
-        return self._buffers[fragment]
-
-    def _fragment_residuals(self, fragment: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Error feedback's [residual, error of the round in flight], shaped like the contribution."""
-        if fragment not in self._residuals:
-            numel = self._fragment_buffers(fragment)[0].numel
-            self._residuals[fragment] = (torch.zeros(numel), torch.zeros(numel))
-        return self._residuals[fragment]
-
-    def _param_numel(self, fragment: int) -> int:
-        """Values of the fragment's parameters at the head of its contribution (buffers follow)."""
-        return sum(p.numel() for p in self.outer.select(self._indices(fragment))[0])
-
     def error_residual(self, fragment: int = 0) -> torch.Tensor | None:
         """Error feedback: what the wire format has lost so far of this fragment's contributions, owed
         to its next one (flat, parameters then buffers; None before the fragment's first round)."""
-        return self._residuals[fragment][0] if fragment in self._residuals else None
+        return self.fragments[fragment].residual
 
-    def _reset_residuals(self) -> None:
-        for owed, _ in self._residuals.values():
-            owed.zero_()
-
-    def _finish_contribution(self, fragment: int, contribution: FlatBuffer, weight: float, *,
+    def _finish_contribution(self, fragment: Fragment, contribution: FlatBuffer, weight: float, *,
                              from_snapshot: bool = False, buffer_values=()) -> tuple[float, bool]:
         """Completes the contribution in place (Δ from a snapshot, buffers) and refuses a non-finite one:
         zeros with weight 0 go out instead. Returns (weight, own_finite)."""
-        indices = self._indices(fragment)
-        n = self._fragment_size(fragment)
+        n = fragment.size
         if from_snapshot:  # the views hold θ_local: Δ = θ_global − θ_local, in place
-            for view, g in zip(contribution.views[:n], self.outer.select(indices)[1]):
+            for view, g in zip(contribution.views[:n], fragment.tensors()[1]):
                 torch.sub(g.detach(), view, out=view)
             for view, b in zip(contribution.views[n:], buffer_values):
                 view.copy_(b.reshape(view.shape))
@@ -506,8 +461,8 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
             flat.zero_()
             weight = 0.0
         elif self.error_feedback:  # buffers are values, not updates: no feedback for them
-            m = self._param_numel(fragment)
-            flat[:m].add_(self._fragment_residuals(fragment)[0][:m])
+            m = fragment.param_numel()
+            flat[:m].add_(fragment.residuals()[0][:m])
         return weight, own_finite
 
     def _round_failed(self, reason: str, seconds: float, own_finite: bool) -> SyncReport:
@@ -524,8 +479,12 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
     def _drop_local_work(self) -> int:
         dropped, self._uncommitted_steps = self._uncommitted_steps, 0
         self._dropped_steps += dropped
-        self._fragment_work = [0.0] * self.num_fragments
+        self._clear_fragment_work()
         return dropped
+
+    def _clear_fragment_work(self) -> None:
+        for f in self.fragments:
+            f.work = 0.0
 
     def _catch_up(self, err: BehindError, seconds: float, own_finite: bool = True) -> SyncReport:
         log.warning("outer step %d: %s; loading state from a peer", self._outer_step, err)
@@ -590,7 +549,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
             with self._state_lock:  # the local weights hold work the group has (or may have) counted
                 self.outer.reset_local()
         self._uncommitted_steps = 0
-        self._fragment_work = [0.0] * self.num_fragments
+        self._clear_fragment_work()
         self._contributed_steps += contributed
         self._dropped_steps += dropped
         outcome = "completed round" if err.completed else "may have completed round"
@@ -613,19 +572,12 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         a joiner then takes exactly ``local_steps`` inner steps before its first outer step.
         """
         with self._state_lock:  # copies, so that serving it later never races an outer step
-            base, local = self._inner_steps_total - self._local_step, self._local_step
-            if self._pending is not None:
-                # Round ``outer_step`` has started here and not landed: the joiner holds θ_global
-                # without it, so it is placed one step before that round's start, to take part
-                # in it if the group is still forming.
-                gap = self._gap(self._outer_step)
-                base, local = base - gap, gap - 1
-            elif self.pace == "fixed":  # read between the inner step that makes a round due and its start
-                local = min(local, self._gap(self._outer_step) - 1)
+            base, local = joiner_position(self._inner_steps_total, self._local_step, self._gap(self._outer_step),
+                                          in_flight=self._pending is not None, fixed=self.pace == "fixed")
             return {
                 "outer": copy.deepcopy(self.outer.state_dict()),
                 "outer_step": self._outer_step,
-                "inner_steps_total": max(0, base),
+                "inner_steps_total": base,
                 "local_step": local,
                 "buffers": self.outer.buffer_values(),
             }
@@ -642,7 +594,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         return Reference(global_params=self.outer.global_params,
                          buffers=[torch.empty(b.shape, dtype=torch.float32, device="meta") for b in self.outer.buffers],
                          param_groups=reference_groups(self.outer.optimizer, self.outer.global_params),
-                         fragments=self.fragments, local_steps=self.local_steps, pace=self.pace)
+                         fragments=[f.params for f in self.fragments], local_steps=self.local_steps, pace=self.pace)
 
     def check_shareable_state(self, state: dict, min_outer_step: int | None = None,
                               expected_hash: str | None = None) -> None:
@@ -687,7 +639,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
                 self.outer.restart_local(keep_local)
             else:
                 self.outer.reset_local()
-                self._fragment_work = [0.0] * self.num_fragments
+                self._clear_fragment_work()
                 gap = self._gap(self._outer_step)
                 self._local_step = min(peer_local, gap - 1) if self.pace == "fixed" else 0
                 self._inner_steps_total = state["inner_steps_total"] + self._local_step
@@ -695,78 +647,50 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
             self._reset_residuals()  # owed against the θ_global this worker no longer holds
         self._global_changed()
 
-    # -- checkpoints -------------------------------------------------------------------------
+    # -- checkpoints (the format and its checks: ``opendiloco.optimizer_state``) ------------------
     def state_dict(self) -> dict:
         """Inner and outer state, counters and the streaming schedule. A round still in flight is
         saved as this worker's contribution to it, and started again (same key) on load."""
-        pending = None
-        if self._pending is not None:
-            r = self._pending
-            try:
-                if r.prepared is not None:
-                    r.prepared.result()  # its contribution must be complete before it is copied
-                prepared = True
-            except Exception as e:  # it failed to start: nothing to restart on load
-                log.debug("round %s did not start: %s", r.key, e)
-                prepared = False
-            if prepared:
-                contribution, _ = self._fragment_buffers(r.fragment)
-                pending = {"outer_step": r.key.outer_step, "fragment": r.fragment, "steps": r.steps,
-                           "weight": r.weight, "own_finite": r.own_finite, "contribution": contribution.flat.clone()}
+        pending = self._saved_round()
         return {
             "inner": self.inner.state_dict(),
             "outer": self.outer.state_dict(),
             "local_step": self._local_step,
             "outer_step": self._outer_step,
             "inner_steps_total": self._inner_steps_total,
-            "local_steps": self.local_steps,
-            "pace": self.pace,
-            "fragments": [list(f) for f in self.fragments],
-            "overlap": self.overlap,
-            "mix": self.mix,
-            "pending": pending,
-            "fragment_work": list(self._fragment_work),
+            **settings_of(self),
+            "fragments": [list(f.params) for f in self.fragments],
+            "pending": None if pending is None else pending.to_dict(),
+            "fragment_work": [f.work for f in self.fragments],
             "pace_work": self._pace_work,
             "uncommitted_steps": self._uncommitted_steps,
             "contributed_steps": self._contributed_steps,
             "dropped_steps": self._dropped_steps,
-            "error_feedback": {f: owed.clone() for f, (owed, _) in self._residuals.items()},
+            "error_feedback": {f.index: f.residual.clone() for f in self.fragments if f.residual is not None},
         }
 
+    def _saved_round(self) -> SavedRound | None:
+        r = self._pending
+        if r is None:
+            return None
+        try:
+            if r.prepared is not None:
+                r.prepared.result()  # its contribution must be complete before it is copied
+        except Exception as e:  # it failed to start: nothing to restart on load
+            log.debug("round %s did not start: %s", r.key, e)
+            return None
+        return SavedRound(r.key.outer_step, r.fragment.index, r.steps, r.weight, r.own_finite,
+                          r.fragment.buffers()[0].flat.clone())
+
     def load_state_dict(self, state_dict: dict) -> None:
-        missing = {"inner", "outer", "local_step", "outer_step", "inner_steps_total"} - state_dict.keys()
-        if missing:
-            raise ValueError(f"DiLoCoOptimizer state_dict is missing {sorted(missing)}")
-        outer = state_dict["outer"]
-        if not isinstance(outer, dict) or not {"global_params", "optimizer"} <= outer.keys():
-            raise ValueError("DiLoCoOptimizer state_dict['outer'] needs 'global_params' and 'optimizer'")
-        # Validate before touching anything, so a refused state dict leaves this optimizer as it was.
-        validate_tensors(outer["global_params"], self.outer.global_params, "outer.global_params")
-        differ = [f"{name} {state_dict[name]!r} (this optimizer: {getattr(self, name)!r})"
-                  for name in ("local_steps", "pace", "overlap", "mix")
-                  if name in state_dict and state_dict[name] != getattr(self, name)]
-        if differ:  # the counters and the pending round only mean something under the same schedule
-            raise ValueError("the state dict was saved with other settings: " + ", ".join(differ)
-                             + "; resume with the same ones")
-        saved = state_dict.get("fragments", [list(range(self.outer.num_params))])
-        if saved != [list(f) for f in self.fragments]:
-            raise ValueError(f"the state dict was saved with {len(saved)} fragment(s) cut differently; this optimizer "
-                             f"has {self.num_fragments}: resume with the same fragments")
-        pending = state_dict.get("pending")
-        if pending is not None:
-            contribution, _ = self._fragment_buffers(int(pending["fragment"]))
-            validate_tensors([pending["contribution"]], [contribution.flat], "pending contribution")
-        residuals = state_dict.get("error_feedback") or {}
-        if not isinstance(residuals, dict) or not all(
-                isinstance(f, int) and 0 <= f < self.num_fragments for f in residuals):
-            raise ValueError("DiLoCoOptimizer state_dict['error_feedback'] must map fragments to residuals")
-        for f, owed in residuals.items():
-            validate_tensors([owed], [self._fragment_buffers(f)[0].flat], f"error_feedback[{f}]")
+        # Checked before anything changes, so a refused state dict leaves this optimizer as it was.
+        pending, residuals = check_checkpoint(state_dict, settings=settings_of(self),
+                                              global_params=self.outer.global_params, fragments=self.fragments)
         self._wait_pending()
         inner_backup = self.inner.state_dict()
         self.inner.load_state_dict(state_dict["inner"])
         try:
-            self.outer.load_state_dict(outer)
+            self.outer.load_state_dict(state_dict["outer"])
         except Exception:
             self.inner.load_state_dict(inner_backup)
             raise
@@ -774,32 +698,30 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
             # torch's load_state_dict rebuilds param_groups: keep sharing them.
             self.param_groups = self.inner.param_groups
             self.state = self.inner.state
-        self._local_step = int(state_dict["local_step"])
-        self._outer_step = int(state_dict["outer_step"])
-        self._inner_steps_total = int(state_dict["inner_steps_total"])
-        work = state_dict.get("fragment_work", [float(self._local_step)] * self.num_fragments)
-        self._fragment_work = [float(w) for w in work]
-        self._pace_work = float(state_dict.get("pace_work", self._local_step))
-        self._uncommitted_steps = int(state_dict.get("uncommitted_steps", self._local_step))
-        self._contributed_steps = int(state_dict.get("contributed_steps", 0))
-        self._dropped_steps = int(state_dict.get("dropped_steps", 0))
+        for name, value in counters(state_dict).items():
+            setattr(self, f"_{name}", value)
+        for f, work in zip(self.fragments, fragment_work(state_dict, self.num_fragments)):
+            f.work = work
         self._reset_residuals()
         if self.error_feedback:
             for f, owed in residuals.items():
-                self._fragment_residuals(f)[0].copy_(owed)
+                self.fragments[f].residuals()[0].copy_(owed)
         self._global_changed()  # θ_global was replaced: drop the cached hash
         if pending is not None:  # the round that was in flight starts again, under the same key
-            fragment = int(pending["fragment"])
-            contribution, result = self._fragment_buffers(fragment)
-            contribution.flat.copy_(pending["contribution"])
-            round_ = _Round(RoundKey(int(pending["outer_step"]), fragment), fragment, steps=int(pending["steps"]),
-                            began=time.perf_counter(), weight=float(pending["weight"]),
-                            own_finite=bool(pending["own_finite"]))
+            fragment = self.fragments[pending.fragment]
+            contribution, result = fragment.buffers()
+            contribution.flat.copy_(pending.contribution)
+            round_ = _Round(RoundKey(pending.outer_step, fragment.index), fragment, steps=pending.steps,
+                            began=time.perf_counter(), weight=pending.weight, own_finite=pending.own_finite)
             try:
                 round_.work = self._start(round_, contribution, result)
             except AveragingError as e:
                 round_.work = CompletedWork(error=e)
             self._pending = round_
+
+    def _reset_residuals(self) -> None:
+        for f in self.fragments:
+            f.reset_residual()
 
     def _wait_pending(self) -> None:
         """Lets a round in flight end (its outcome discarded) before state is replaced under it: its

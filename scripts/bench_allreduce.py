@@ -13,8 +13,8 @@ What is timed
   through the DHT, the streamed reduce-scatter / all-gather, and the members' digest
   confirmation. One round's time is ``max(leave) - max(enter)`` over the peers: from the moment
   the last peer is ready until the last peer holds the verified average.
-* **transfer**: the data plane alone (``SwarmCommunicator._data_plane``: exchange and
-  confirmation, after matchmaking), same rule.
+* **transfer**: the data plane alone (an attempt's exchange and confirmation, after matchmaking,
+  timed through the communicator's ``hooks``), same rule.
 * gloo: ``dist.all_reduce`` after a ``dist.barrier()``, same rule.
 * **extra memory**: per peer, the peak resident memory during a round minus the resident memory
   just before it (``VmHWM`` after resetting it through ``/proc/self/clear_refs``), divided by the
@@ -121,24 +121,28 @@ def run_peer(args) -> int:
 
     from opendiloco.comm.base import RoundKey
     from opendiloco.swarm.communicator import SwarmCommunicator, SwarmSettings
+    from opendiloco.swarm.hooks import RoundHooks
     from opendiloco.swarm.node import start_dht
 
     torch.set_num_threads(args.threads)
 
-    class TimedCommunicator(SwarmCommunicator):
-        """Records when this peer enters and leaves the data plane (after matchmaking)."""
+    class DataPlaneTimer(RoundHooks):
+        """Records when this peer enters and leaves an attempt's exchange (after matchmaking), and the CPU
+        seconds it and its p2p daemons spent in between."""
 
-        marks: list[tuple[float, float, float, float]] = []
+        def __init__(self):
+            self.marks: list[tuple[float, float, float, float]] = []
+            self._entered: tuple[float, float, float] | None = None
 
-        async def _data_plane(self, *a, **kw):
-            my_cpu, p2pd_cpu = cpu_seconds(os.getpid()), sum(map(cpu_seconds, p2pd_pids))
-            t0 = time.time()
-            try:
-                return await super()._data_plane(*a, **kw)
-            finally:
-                t1 = time.time()
-                self.marks.append((t0, t1, cpu_seconds(os.getpid()) - my_cpu,
+        async def before_exchange(self, group):
+            self._entered = (time.time(), cpu_seconds(os.getpid()), sum(map(cpu_seconds, p2pd_pids)))
+
+        def attempt_ended(self, group, error):
+            if self._entered is not None:
+                t0, my_cpu, p2pd_cpu = self._entered
+                self.marks.append((t0, time.time(), cpu_seconds(os.getpid()) - my_cpu,
                                    sum(map(cpu_seconds, p2pd_pids)) - p2pd_cpu))
+                self._entered = None
 
     peers = Path(args.peers_file).read_text().split()
     dht = start_dht(initial_peers=peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
@@ -150,7 +154,9 @@ def run_peer(args) -> int:
     comm = None
     out = open(args.out, "w")
     try:
-        comm = TimedCommunicator(dht, settings, own_dht=False)
+        timer = DataPlaneTimer()
+        comm = SwarmCommunicator(dht, settings, own_dht=False)
+        comm.hooks = timer
         step, factor = 0, float(args.rank + 1)
         for size in args.sizes:
             gen = torch.Generator().manual_seed(size)
@@ -167,7 +173,7 @@ def run_peer(args) -> int:
                 t1 = time.time()
                 peak = status_bytes(field="VmHWM") if peak_ok else 0
                 step += 1
-                enter, leave, py_cpu, p2pd_cpu = comm.marks[-1]
+                enter, leave, py_cpu, p2pd_cpu = timer.marks[-1]
                 got, digest, group = result.flat, result.extra.get("digest"), len(result.peers)
                 if rnd == 0:  # correctness, outside the timed window
                     expected = vec * ((args.world + 1) / 2 / factor)

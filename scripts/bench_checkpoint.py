@@ -50,11 +50,9 @@ def main(argv=None) -> int:
                                         "--optim.local-steps", "1", "--optim.warmup-steps", "1",
                                         "--train.device", args.device, "--train.eval-batches", "0"])
         trainer = Trainer(cfg)
-        trainer._build_model_and_data()
-        trainer.comm = SingleWorker(compression=cfg.swarm.compression)
+        trainer.build(SingleWorker(compression=cfg.swarm.compression))
         trainer.metrics = MetricsWriter(Path(tmp) / "metrics.jsonl")
-        trainer._build_optimizer()
-        trainer._train_step()  # one inner step and the outer step after it
+        trainer.train_step()  # one inner step and the outer step after it
         assert trainer.opt.outer_step == 1
         params = sum(p.numel() for p in trainer.model.parameters())
 

@@ -22,7 +22,7 @@ def test_cuda_contribution_buffer_is_pinned_and_matches_the_cpu_reference():
             p.add_(torch.randn_like(p))
     expected = torch.cat([(g - p.detach().cpu()).reshape(-1) for g, p in zip(opt.outer.global_params,
                                                                               model.parameters())])
-    contribution, _ = opt._fragment_buffers(0)
+    contribution, _ = opt.fragments[0].buffers()
     opt.outer.pseudo_gradient_into(contribution.views[:opt.outer.num_params])
     assert contribution.flat.is_pinned()
     assert torch.equal(contribution.flat, expected)
@@ -72,7 +72,7 @@ def test_streamed_cuda_fragment_is_snapshotted_on_a_side_stream_and_exact():
         if step == 2:  # event 0 (fragment 0) has just started in the background
             assert opt._snapshot is not None and opt._pending.prepared is not None
             expected = torch.cat([(opt.outer.global_params[i] - p.detach().float().cpu()).reshape(-1)
-                                  for i, p in zip(opt.fragments[0], [model[0].weight, model[0].bias])])
+                                  for i, p in zip(opt.fragments[0].params, [model[0].weight, model[0].bias])])
             opt._pending.prepared.result()
             key, sent = comm.sent[-1]
             assert key.fragment == 0 and torch.equal(sent, expected)  # the weights of step 2, not of step 3
@@ -80,5 +80,5 @@ def test_streamed_cuda_fragment_is_snapshotted_on_a_side_stream_and_exact():
             assert opt.outer_step == 1 and opt.last_sync.ok and opt.last_sync.fragment == 0
             for i, p in enumerate(model.parameters()):
                 same = torch.equal(p.detach().float().cpu(), opt.outer.global_params[i].detach())
-                assert same == (i in opt.fragments[0]), i
+                assert same == (i in opt.fragments[0].params), i
     assert opt.outer_step == 3 and opt.last_sync.ok

@@ -223,11 +223,14 @@ def test_a_record_carries_its_workers_name_within_bounds():
 def test_a_misspelt_progress_field_is_refused_not_dropped():
     import threading
 
-    from opendiloco.swarm.presence import PROGRESS_FIELDS, Presence
+    from opendiloco.comm.base import PROGRESS_FIELDS
+    from opendiloco.swarm.presence import Presence
 
     presence = Presence.__new__(Presence)  # report() checks its fields before it touches anything else
     presence._lock = threading.Lock()
     with pytest.raises(TypeError, match=r"unknown field\(s\) \['outer_stpe'\]"):
         presence.report(outer_stpe=3)
-    assert {"outer_step", "name", "ready_in", "round_work"} <= PROGRESS_FIELDS
-    assert not {"peer_id", "time", "left", "config"} & PROGRESS_FIELDS
+    with pytest.raises(TypeError, match=r"outer_step must be int, got float 3.0"):
+        presence.report(outer_step=3.0)
+    assert {"outer_step", "name", "ready_in", "round_work"} <= PROGRESS_FIELDS.keys()
+    assert not {"peer_id", "time", "left", "config"} & PROGRESS_FIELDS.keys()

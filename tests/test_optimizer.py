@@ -491,9 +491,16 @@ def test_bad_state_dicts_are_refused_and_leave_the_optimizer_alone():
     outer_groups = copy.deepcopy(good)  # fails late, in the outer optimizer's own load_state_dict
     outer_groups["outer"]["optimizer"]["param_groups"].append(dict(outer_groups["outer"]["optimizer"]["param_groups"][0]))
     other_schedule = {**good, "local_steps": good["local_steps"] + 1, "pace": "swarm"}  # saved by another config
+    contribution = torch.zeros(sum(p.numel() for p in model.parameters()))
+    in_flight = {"outer_step": 1, "fragment": 0, "steps": 3, "weight": 1.0, "own_finite": True}
+    no_such_fragment = {**good, "pending": {**in_flight, "fragment": 1, "contribution": contribution}}
+    round_without_contribution = {**good, "pending": in_flight}
+    short_contribution = {**good, "pending": {**in_flight, "contribution": contribution[:-1]}}
     cases = ((bad_missing, "missing"), (wrong_shape, "shape"), (nan, "NaN"), (too_few, "expected 4"),
              (outer_groups, "parameter groups"),
-             (other_schedule, r"other settings: local_steps \d+ \(this optimizer: \d+\), pace 'swarm'"))
+             (other_schedule, r"other settings: local_steps \d+ \(this optimizer: \d+\), pace 'swarm'"),
+             (no_such_fragment, r"pending.*fragment 1 of 1"), (round_without_contribution, r"pending.*contribution"),
+             (short_contribution, "pending contribution.*shape"))
     for bad, msg in cases:
         with pytest.raises(ValueError, match=msg):
             other_opt.load_state_dict(bad)

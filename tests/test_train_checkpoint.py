@@ -126,10 +126,10 @@ def test_snapshots_reuse_the_previous_snapshots_memory_and_copy_faithfully():
 
 def test_negative_and_positive_zero_are_not_the_same_weights():
     """θ_global is stored once only where its bytes equal the weights': its fingerprint hashes bytes."""
-    from opendiloco.train.trainer import _same_bits
+    from opendiloco.train.checkpoint_format import same_bits
 
-    assert _same_bits(torch.tensor([0.0, 1.5]), torch.tensor([0.0, 1.5]))
-    assert not _same_bits(torch.tensor([0.0, 1.5]), torch.tensor([-0.0, 1.5]))
+    assert same_bits(torch.tensor([0.0, 1.5]), torch.tensor([0.0, 1.5]))
+    assert not same_bits(torch.tensor([0.0, 1.5]), torch.tensor([-0.0, 1.5]))
     assert torch.equal(torch.tensor([0.0]), torch.tensor([-0.0]))  # why torch.equal is not enough
 
 

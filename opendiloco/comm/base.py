@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import concurrent.futures
 import time
+import types
+import typing
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, fields
 
 import torch
 
@@ -25,7 +27,7 @@ from ..errors import AveragingError, BehindError
 from ..pacing import Pace
 from .buffers import flatten, unflatten
 
-__all__ = ["AverageResult", "AveragingError", "BehindError", "Communicator", "RoundKey", "Work"]
+__all__ = ["AverageResult", "AveragingError", "BehindError", "Communicator", "Progress", "RoundKey", "Work"]
 
 
 @dataclass(frozen=True, order=True)
@@ -108,6 +110,72 @@ class FutureWork(Work):
         return self._future.done()
 
 
+@dataclass(kw_only=True)
+class Progress:
+    """What a worker says of its progress (``Communicator.report_progress``): the part of its record in
+    a swarm (``opendiloco.swarm.records.WorkerRecord``, which extends this class with what the swarm
+    sets itself) that the worker sets. Each field keeps its name and type on the wire."""
+
+    outer_step: int = -1
+    inner_step: int = 0
+    samples_per_s: float = 0.0
+    loss: float | None = None
+    global_hash: str = ""
+    last_sync_time: float = 0.0
+    ready_at: float | None = None
+    """DHT time at which this worker expects to enter its next round (an absolute time, so a
+    heartbeat that republishes the record does not push it back). Reported as ``ready_in``."""
+    ready: bool = False
+    """It has stopped training and waits for its round (its ``round_work`` is final)."""
+    next_round: int = -1
+    """The round (outer step) it heads for: ``outer_step``, or one more while a streamed round is
+    still in flight (it started round ``outer_step`` and has not applied it yet). -1: not said."""
+    round_work: float = 0.0
+    """Samples (or inner steps) this worker has put into the current round so far."""
+    work_rate: float = 0.0
+    """Its work per second while training (0 until measured)."""
+    work_per_step: float = 0.0
+    pace_time: float = 0.0
+    """DHT time at which ``round_work`` was true (set when ``round_work`` is reported)."""
+    steps_per_s: float = 0.0
+    contributed_steps: int = 0
+    """Inner steps of this worker that entered an average, since it started."""
+    dropped_steps: int = 0
+    """Inner steps it threw away (left out of a round under ``pace = fixed``, healed drift, NaN)."""
+    name: str = ""
+    """The name its user gave the worker, for people reading the run; never trusted."""
+
+
+def _kinds(annotation) -> tuple[type, ...]:
+    """The types a field of ``Progress`` takes: ``float`` takes ints too, ``X | None`` takes None."""
+    kinds = typing.get_args(annotation) if isinstance(annotation, types.UnionType) else (annotation,)
+    return tuple(k for kind in kinds for k in ((int, float) if kind is float else (kind,)))
+
+
+_HINTS = typing.get_type_hints(Progress)
+PROGRESS_FIELDS: dict[str, tuple[type, ...]] = {
+    **{f.name: _kinds(_HINTS[f.name]) for f in fields(Progress)},
+    "ready_in": (int, float, type(None)),
+}
+"""What ``report_progress`` takes, and the types of each: the fields of ``Progress``, and ``ready_in``
+(seconds from now; published as ``ready_at``, a DHT time)."""
+
+
+def check_progress(reported: Mapping[str, object]) -> None:
+    """Refuses (``TypeError``) what ``report_progress`` was given that is not a field of ``Progress`` (nor
+    ``ready_in``), or not of the field's type: a misspelt field fails at the call, on every
+    communicator, instead of vanishing from the record."""
+    unknown = reported.keys() - PROGRESS_FIELDS.keys()
+    if unknown:
+        raise TypeError(f"report_progress got unknown field(s) {sorted(unknown)}; a worker's progress has "
+                        f"{sorted(PROGRESS_FIELDS)}")
+    for name, value in reported.items():
+        kinds = PROGRESS_FIELDS[name]
+        if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+            wanted = " or ".join("None" if k is type(None) else k.__name__ for k in kinds)
+            raise TypeError(f"report_progress: {name} must be {wanted}, got {type(value).__name__} {value!r}")
+
+
 StateProvider = Callable[[], dict]
 """Returns the state a late joiner needs (see ``DiLoCoOptimizer.shareable_state``)."""
 
@@ -172,7 +240,10 @@ class Communicator(ABC):
         return None
 
     def report_progress(self, **fields) -> None:
-        """Publishes progress (outer step, inner step, throughput, hash...); no-op by default."""
+        """Publishes progress: fields of ``Progress`` (outer step, inner step, throughput, hash...) and
+        ``ready_in``. Every communicator refuses a field that is not one, or a value of another type
+        (``check_progress``, a ``TypeError``); publishing is a no-op by default."""
+        check_progress(fields)
 
     def peer_paces(self, outer_step: int) -> list[Pace]:
         """The paces other workers published for their round at ``outer_step`` (see ``pacing``).

@@ -13,6 +13,20 @@ from .base import AverageResult, Communicator, CompletedWork, FutureWork, RoundK
 from .compression import Codec, get_codec
 
 
+def average_alone(codec: Codec, flat: torch.Tensor, weight: float, out: torch.Tensor,
+                  error_out: torch.Tensor | None = None, *, chunk: int = 1 << 20) -> torch.Tensor:
+    """The round of a group of one, for every communicator that finds itself alone: the average is the
+    contribution as the wire would carry it (``out``, through ``codec``; ``chunk``: values encoded at a
+    time, a multiple of every codec's block, so it changes no value), and ``error_out`` what the wire
+    lost of it. ``AveragingError`` for a weight of 0 or less, or values the codec refuses (not finite)."""
+    if weight <= 0:
+        raise AveragingError("alone in the group and contributing weight 0")
+    codec.roundtrip_into(flat, out, chunk=chunk)
+    if error_out is not None:
+        torch.sub(flat, out, out=error_out)
+    return out
+
+
 class SingleWorker(Communicator):
     """A group of one: the average is the input (compressed like it would be on the wire)."""
 
@@ -26,15 +40,10 @@ class SingleWorker(Communicator):
 
     def start(self, flat, *, weight, key, out=None, error_out=None):
         began = time.perf_counter()
-        if weight <= 0:
-            return CompletedWork(error=AveragingError("alone in the group and contributing weight 0"))
-        out = out if out is not None else torch.empty_like(flat)
         try:
-            self.codec.roundtrip_into(flat, out)
-        except AveragingError as e:  # a codec refuses non-finite values
+            out = average_alone(self.codec, flat, weight, out if out is not None else torch.empty_like(flat), error_out)
+        except AveragingError as e:  # a weight of 0, or values the codec refuses
             return CompletedWork(error=e)
-        if error_out is not None:
-            torch.sub(flat, out, out=error_out)
         return CompletedWork(AverageResult(out, (self._peer_id,), float(weight), time.perf_counter() - began))
 
 

@@ -220,6 +220,8 @@ class LocalRanks(Communicator):
     def report_progress(self, **fields) -> None:
         if self.leader is not None:
             self.leader.report_progress(**fields)
+        else:  # refused on every rank alike, not on the leader alone
+            super().report_progress(**fields)
 
     def peer_paces(self, outer_step: int):
         return self.leader.peer_paces(outer_step) if self.leader is not None else []

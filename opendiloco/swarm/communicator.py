@@ -32,6 +32,7 @@ import threading
 import time
 from dataclasses import dataclass
 from dataclasses import field as dataclass_field
+from typing import ClassVar
 
 import hivemind
 import torch
@@ -41,17 +42,19 @@ from ..comm.aggregation import Aggregation
 from ..comm.audit import DEFAULT_AUDIT_CHUNKS
 from ..comm.base import AverageResult, Communicator, FutureWork, RoundKey, StateProvider, Work
 from ..comm.compression import get_codec
+from ..comm.local import average_alone
 from ..comm.runner import DEFAULT_PART_NUMEL, Group, RoundOutcome, RoundRunner, Rounds, group_label, resolve
 from ..comm.wire import ByteStream, Code
 from ..comm.wire import field as meta_field
-from ..errors import AveragingError, InDoubt, Interrupted, PeerFailure, RoundCounted, SwarmError
+from ..errors import AveragingError, InDoubt, Interrupted, PeerFailure, RoundCounted
 from ..pacing import Pace
 from . import records
 from .exclusion import EXCLUDE_ROUNDS, Offenders
+from .hooks import RoundHooks
 from .matchmaking import Doorbell, Matchmaker, MatchmakingSettings
-from .membership import Membership, RunSecret
+from .membership import SECRET_FILE_ENV, Membership, RunSecret
 from .node import start_dht, visible_maddrs
-from .presence import Presence
+from .presence import OtherSettings, Presence
 from .quorum import confirmed
 from .signing import Identity
 from .state_transfer import StateServer, download_bound, fetch_state, own_check
@@ -60,25 +63,44 @@ from .streams import P2PStreams
 log = logging.getLogger(__name__)
 
 
-
 @dataclass
 class SwarmSettings:
+    """How a worker takes part in its run's rounds. The trainer sets every field from its ``[swarm]``
+    config section, under the same name (``from_config``), except those in ``NOT_FROM_CONFIG``."""
+
     run_id: str = "opendiloco"
+    """Workers with the same run id (and the same secret and config fingerprint) train together."""
     compression: str = "fp16"
+    """The contributions' codec (``opendiloco.comm.compression``); part of what a group agrees on."""
     result_compression: str | None = None
     """The averaged shards' codec; None: the same as the contributions'."""
     min_group_size: int = 1
+    """The fewest workers a round may have."""
     matchmaking_timeout: float = 30.0
+    """Seconds a round waits for ``min_group_size`` workers (longer while a live peer says it is coming)."""
     allreduce_timeout: float = 60.0
+    """Seconds an attempt's exchange may take once its group is formed."""
     straggler_wait: float = 10.0
+    """Grace, in seconds, beyond the time a slower peer published it would be ready."""
     max_attempts: int = 3
+    """Attempts of one round (each with whoever is still there) before it fails."""
     heartbeat_interval: float = 2.0
+    """Seconds between two publications of this worker's record. Not from the config: it must stay
+    well under ``record_ttl``, and a run's secret records live for ten heartbeats of their writer,
+    bounded by each reader's own (library callers may set both together, the same on every worker)."""
     record_ttl: float = 8.0
+    """Seconds a worker's record lives after its last heartbeat. Not from the config: every reader
+    drops a record set to live longer than its own ``record_ttl`` (plus a clock slack) as a forgery,
+    so a worker with a longer one would vanish from its peers' view; the same on every worker."""
     verify_timeout: float = 5.0
+    """Seconds a member waits for the others' confirmations of the average's digest."""
     poll_interval: float = 0.02
+    """Seconds between two looks at the DHT while a group forms (a doorbell ring wakes it sooner)."""
     max_wait: float = 600.0
     """The longest a round waits for a live peer that says it is coming (its published ready time)."""
     part_numel: int = DEFAULT_PART_NUMEL
+    """Values per streamed part of a contribution (a multiple of 1024, every codec's block); part of what
+    a group agrees on."""
     aggregation: Aggregation = dataclass_field(default_factory=Aggregation)
     """How shard owners combine contributions: weight and norm bounds, optionally CenteredClip
     (``opendiloco.comm.aggregation``); part of what a group agrees on."""
@@ -91,7 +113,37 @@ class SwarmSettings:
     config_fingerprint: str = ""
     """The hash of the settings every worker of the run must share: a worker with another one is
     refused at start when every live worker of the run has them (``refuse_other_settings``), and
-    never grouped with, waited for or downloaded from."""
+    never grouped with, waited for or downloaded from. Not a config key: the trainer computes it
+    from the config."""
+
+    NOT_FROM_CONFIG: ClassVar[frozenset[str]] = frozenset({"heartbeat_interval", "record_ttl",
+                                                           "config_fingerprint"})
+    """The fields the trainer's config does not set (each says why); every other field is a ``[swarm]``
+    key of the same name (``aggregation`` with ``clip_ratio`` and ``max_weight_ratio``)."""
+
+    @classmethod
+    def from_config(cls, cfg, config_fingerprint: str = "") -> SwarmSettings:
+        """The settings of a ``[swarm]`` config section (``opendiloco.train.config.SwarmConfig``; taken
+        as it comes, since this layer never imports the trainer), every field named: a field added here
+        needs a key there, or a place in ``NOT_FROM_CONFIG`` (tests/test_swarm_settings.py checks it)."""
+        return cls(
+            run_id=cfg.run_id,
+            compression=cfg.compression,
+            result_compression=cfg.result_compression,
+            min_group_size=cfg.min_group_size,
+            matchmaking_timeout=cfg.matchmaking_timeout,
+            allreduce_timeout=cfg.allreduce_timeout,
+            straggler_wait=cfg.straggler_wait,
+            max_attempts=cfg.max_attempts,
+            verify_timeout=cfg.verify_timeout,
+            poll_interval=cfg.poll_interval,
+            max_wait=cfg.max_wait,
+            part_numel=cfg.part_numel,
+            aggregation=Aggregation(cfg.aggregation, clip_ratio=cfg.clip_ratio, max_weight_ratio=cfg.max_weight_ratio),
+            audit_chunks=cfg.audit_chunks,
+            exclude_rounds=cfg.exclude_rounds,
+            config_fingerprint=config_fingerprint,
+        )
 
 
 LEAVE_TIMEOUT = 1.0
@@ -123,9 +175,11 @@ class RoundState(enum.Enum):
 
 class SwarmCommunicator(Communicator):
     round_runner: type[RoundRunner] = RoundRunner
-    """What runs an attempt's exchange (``comm/runner.py``). The fault hook of tests and benchmarks:
-    a subclass that sends, stalls or breaks on purpose (an attacker, a peer cut mid-round), set on a
-    communicator subclass or an instance, with the protocol itself left as it is."""
+    """What runs an attempt's exchange (``comm/runner.py``): an attacker's script sets a subclass that
+    sends what the protocol forbids, with the protocol itself left as it is."""
+    hooks: RoundHooks = RoundHooks()
+    """Called at fixed points of every round (``hooks.py``): the fault-injection and observation hook of
+    tests and benchmarks (``opendiloco.testing.faults``)."""
 
     def __init__(self, dht: hivemind.DHT, settings: SwarmSettings | None = None, *, own_dht: bool = True,
                  secret: RunSecret | None = None, identity: Identity | None = None):
@@ -179,18 +233,14 @@ class SwarmCommunicator(Communicator):
 
     @classmethod
     def from_config(cls, cfg, run_dir: str | None = None, config_fingerprint: str = "") -> SwarmCommunicator:
-        """Starts a DHT node from a ``SwarmConfig`` and wraps it; refuses a run whose live workers
-        have other settings (``SwarmError``). The run secret comes from the environment or
-        ``cfg.secret_file`` (``RunSecret.from_environment``)."""
+        """Starts a DHT node from a ``SwarmConfig`` and wraps it, with ``SwarmSettings.from_config``;
+        refuses a run whose live workers have other settings (``OtherSettings``). The run secret comes
+        from the environment or ``cfg.secret_file`` (``RunSecret.from_environment``)."""
         secret = RunSecret.from_environment(cfg.secret_file)
         dht = start_dht(initial_peers=cfg.initial_peers, host_maddrs=cfg.host_maddrs,
                         announce_maddrs=cfg.announce_maddrs, identity_path=cfg.identity_path,
                         client_mode=cfg.client_mode)
-        settings = SwarmSettings(**{k: getattr(cfg, k) for k in SwarmSettings.__dataclass_fields__
-                                    if hasattr(cfg, k) and k != "aggregation"},
-                                 config_fingerprint=config_fingerprint,
-                                 aggregation=Aggregation(cfg.aggregation, clip_ratio=cfg.clip_ratio,
-                                                         max_weight_ratio=cfg.max_weight_ratio))
+        settings = SwarmSettings.from_config(cfg, config_fingerprint)
         comm = cls(dht, settings, secret=secret)
         try:
             comm.refuse_other_settings()
@@ -203,7 +253,7 @@ class SwarmCommunicator(Communicator):
         if secret is None:
             log.warning("run %r is open (no run secret): anyone who can reach a worker can read the run's records, "
                         "download its state and join it; to close it, start every worker with the same secret in "
-                        "$OPENDILOCO_RUN_SECRET_FILE or [swarm] secret_file (docs/trust.md)", settings.run_id)
+                        "$%s or the secret_file setting (docs/trust.md)", settings.run_id, SECRET_FILE_ENV)
         else:
             log.info("run %r is closed: only workers started with its secret (%s) take part", settings.run_id,
                      secret.source)
@@ -214,7 +264,7 @@ class SwarmCommunicator(Communicator):
         return comm
 
     def refuse_other_settings(self) -> None:
-        """Raises ``SwarmError`` (one line) if the run's live workers all train with another config
+        """Raises ``OtherSettings`` (one line) if the run's live workers all train with another config
         fingerprint: this worker is the odd one out. Workers with other settings beside some with
         this worker's are their writers' problem (never grouped with, waited for or downloaded
         from, and named in a warning): one record cannot keep every newcomer out of a run."""
@@ -231,11 +281,8 @@ class SwarmCommunicator(Communicator):
             self.presence.same_settings(workers)  # warns once for each of the others
             return
         rec, mine = foreign[0], self.settings.config_fingerprint or "none"
-        raise SwarmError(
-            f"worker {rec.peer_id[-8:]} of run {self.settings.run_id!r} trains with other settings "
-            f"(config fingerprint {rec.config or 'none'}, this worker's {mine}): the [model] section, "
-            "data.tokenizer, optim.local_steps, fragments, outer_lr, outer_momentum, outer_nesterov and "
-            "swarm.weight_by_samples must be the same on every worker (compare their --print-config)")
+        raise OtherSettings(f"worker {rec.peer_id[-8:]} of run {self.settings.run_id!r} trains with other settings "
+                            f"(config fingerprint {rec.config or 'none'}, this worker's {mine})")
 
     # -- plumbing ----------------------------------------------------------------------------
     @property
@@ -310,6 +357,7 @@ class SwarmCommunicator(Communicator):
 
     # -- progress records --------------------------------------------------------------------
     def report_progress(self, **fields) -> None:
+        """Publishes this worker's ``Progress`` (``Presence.report``; a field it lacks: ``TypeError``)."""
         self.presence.report(**fields)
 
     def live_workers(self):
@@ -353,6 +401,7 @@ class SwarmCommunicator(Communicator):
         """One round, from announcement to a verified average (runs on the round thread)."""
         s = self.settings
         began, entered_at = time.perf_counter(), time.time()
+        self.hooks.round_began(key, flat)
         self.state = RoundState.ANNOUNCE
         self.report_progress(outer_step=key.outer_step)
         try:
@@ -404,12 +453,14 @@ class SwarmCommunicator(Communicator):
             self.presence.last_group = set(group.members)
             self.presence.partners.add(group.members)
             self.report_progress(last_sync_time=self.records.clock.now())
-            return AverageResult(outcome.flat, group.members, outcome.total_weight, time.perf_counter() - began,
-                                 extra={"attempts": len(errors) + 1, "group_id": group.group_id,
-                                        "digest": outcome.digest, "transfer_s": outcome.seconds,
-                                        "matchmaking_s": mm_s, "bytes_sent": outcome.bytes_sent,
-                                        "bytes_received": outcome.bytes_received, "entered_at": entered_at,
-                                        "settled": settled, **outcome.bounded})
+            result = AverageResult(outcome.flat, group.members, outcome.total_weight, time.perf_counter() - began,
+                                     extra={"attempts": len(errors) + 1, "group_id": group.group_id,
+                                          "digest": outcome.digest, "transfer_s": outcome.seconds,
+                                          "matchmaking_s": mm_s, "bytes_sent": outcome.bytes_sent,
+                                          "bytes_received": outcome.bytes_received, "entered_at": entered_at,
+                                          "settled": settled, **outcome.bounded})
+            self.hooks.round_ended(key, result, error_out)
+            return result
         self.state = RoundState.FAILED
         raise AveragingError(f"round {key}: no complete round in {s.max_attempts} attempts: " + "; ".join(errors))
 
@@ -440,15 +491,21 @@ class SwarmCommunicator(Communicator):
 
     def _exchange(self, group: Group, flat: torch.Tensor, weight: float, out: torch.Tensor,
                   error_out: torch.Tensor | None) -> RoundOutcome:
+        try:
+            outcome = self._exchange_once(group, flat, weight, out, error_out)
+        except BaseException as e:
+            self.hooks.attempt_ended(group, e)
+            raise
+        self.hooks.attempt_ended(group, None)
+        return outcome
+
+    def _exchange_once(self, group: Group, flat: torch.Tensor, weight: float, out: torch.Tensor,
+                       error_out: torch.Tensor | None) -> RoundOutcome:
         s = self.settings
         self.state = RoundState.EXCHANGE
         if len(group.members) == 1:
-            if weight <= 0:
-                raise AveragingError("alone in the group and contributing weight 0")
             t0 = time.perf_counter()
-            self.codec.roundtrip_into(flat, out, chunk=s.part_numel)  # NonFiniteError is an AveragingError
-            if error_out is not None:
-                torch.sub(flat, out, out=error_out)
+            average_alone(self.codec, flat, weight, out, error_out, chunk=s.part_numel)  # or an AveragingError
             return RoundOutcome(out, weight, "solo", 0, time.perf_counter() - t0)
         return self._call(self._data_plane(group, flat, weight, out, error_out),
                           timeout=s.allreduce_timeout + s.verify_timeout + 10, interruptible=True)
@@ -457,7 +514,8 @@ class SwarmCommunicator(Communicator):
                           error_out: torch.Tensor | None = None) -> RoundOutcome:
         """The exchange and verification of one attempt, on the event loop."""
         s = self.settings
-        runner = self._runner = self.round_runner(
+        await self.hooks.before_exchange(group)
+        runner = self._runner = self.hooks.runner_for(group, self.round_runner)(
             group, self._peer_id, flat, weight, self.codec, out=out, part_numel=s.part_numel,
             timeout=s.allreduce_timeout, confirm_timeout=s.verify_timeout, result_codec=self.result_codec,
             error_out=error_out, aggregation=s.aggregation, audit_chunks=s.audit_chunks)

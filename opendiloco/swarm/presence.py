@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import threading
 
-from ..errors import BehindError, DriftError
+from ..comm.base import Progress, check_progress
+from ..errors import BehindError, DriftError, SwarmError
 from . import records
 from .partners import Partners
 from .quorum import Claim, confirmed_ahead, drifted
@@ -18,10 +20,23 @@ SECRET_CHECK_EVERY = 5
 
 CLOCK_SLACK = 10.0
 """Seconds a record may claim to live beyond its kind's TTL (peers' clocks differ a little)."""
-PROGRESS_FIELDS = frozenset(records.WorkerRecord.__dataclass_fields__) - {"peer_id", "time", "left", "config"} \
-    | {"ready_in"}
-"""What a worker reports of its progress (``report``): its record's fields that the worker itself
-sets, and ``ready_in`` (stored as ``ready_at``); the rest is this module's to set."""
+
+
+class OtherSettings(SwarmError):
+    """Every live worker of the run has another config fingerprint than this worker: it is the odd one
+    out (``SwarmCommunicator.refuse_other_settings``). The swarm knows the fingerprint, not what it
+    covers: whoever computes it names that (``covering``; the trainer names its config keys)."""
+
+    def __init__(self, detail: str, covers: str = "the settings its config fingerprint covers", advice: str = ""):
+        super().__init__(f"{detail}: {covers} must be the same on every worker{advice}")
+        self.detail, self.covers, self.advice = detail, covers, advice
+
+    def __reduce__(self):
+        return type(self), (self.detail, self.covers, self.advice)
+
+    def covering(self, covers: str, advice: str = "") -> OtherSettings:
+        """The same refusal, naming what the fingerprint covers (and how to compare it)."""
+        return type(self)(self.detail, covers, advice)
 
 
 class Presence:
@@ -51,25 +66,24 @@ class Presence:
         self.partners = Partners(peer_id)
         """Every peer that completed a round with this worker: once there is one, only their
         records vote here (``partners.py``)."""
-        self._progress: dict = {"outer_step": -1, "config": config}
+        self._progress = Progress()
         self._lock = threading.Lock()
         self._publishing: set = set()
         self._left = False
         self._heartbeat = asyncio.run_coroutine_threadsafe(self._beat(), loop)
 
     def get(self, name: str, default=None):
+        """A field of this worker's ``Progress``."""
         with self._lock:
-            return self._progress.get(name, default)
+            return getattr(self._progress, name, default)
 
     def report(self, **fields) -> None:
-        """Updates this worker's record; published at once if its outer step or readiness changed,
-        else with the next heartbeat. ``ready_in`` (seconds from now) is stored as ``ready_at``."""
-        unknown = fields.keys() - PROGRESS_FIELDS
-        if unknown:  # a misspelt field would otherwise vanish from the record without a word
-            raise TypeError(f"report_progress got unknown field(s) {sorted(unknown)}; a worker's record has "
-                            f"{sorted(PROGRESS_FIELDS)}")
+        """Updates this worker's ``Progress``; published at once if its outer step or readiness changed,
+        else with the next heartbeat. ``ready_in`` (seconds from now) is stored as ``ready_at``. A name
+        that is not a field of ``Progress``, or a value of another type, is refused (``TypeError``)."""
+        check_progress(fields)  # a misspelt field would otherwise vanish from the record without a word
         if "name" in fields:
-            fields["name"] = str(fields["name"] or "")[:records.NAME_MAX]
+            fields["name"] = fields["name"][:records.NAME_MAX]
         now = self.records.clock.now()
         if "ready_in" in fields:  # None: not known yet
             ready_in = fields.pop("ready_in")
@@ -77,9 +91,9 @@ class Presence:
         if "round_work" in fields:
             fields["pace_time"] = now
         with self._lock:
-            changed = any(k in fields and fields[k] != self._progress.get(k, default)
-                          for k, default in (("outer_step", -1), ("ready", False), ("next_round", -1)))
-            self._progress.update(fields)
+            before, self._progress = self._progress, dataclasses.replace(self._progress, **fields)
+            changed = any(getattr(before, k) != getattr(self._progress, k)
+                          for k in ("outer_step", "ready", "next_round"))
         if changed:  # keep the future: an unreferenced task may be garbage-collected mid-flight
             future = asyncio.run_coroutine_threadsafe(self.publish(), self.loop)
             self._publishing.add(future)
@@ -89,9 +103,8 @@ class Presence:
         if self._left and not left:  # a record published now would take back the one that says it left
             return
         with self._lock:
-            rec = records.WorkerRecord(peer_id=self.peer_id, time=self.records.clock.now(), left=left,
-                                       **{k: v for k, v in self._progress.items()
-                                          if k in records.WorkerRecord.__dataclass_fields__})
+            rec = records.WorkerRecord.of(self._progress, peer_id=self.peer_id, time=self.records.clock.now(),
+                                          left=left, config=self.config)
         await self.records.store_async(self.records.workers_key(), rec.to_value(),
                                         self.records.clock.now() + self.record_ttl)
 

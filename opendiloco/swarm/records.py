@@ -20,11 +20,12 @@ import logging
 import math
 import threading
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import KW_ONLY, asdict, dataclass, fields
 
 import hivemind
 import msgpack
 
+from opendiloco.comm.base import Progress
 from opendiloco.errors import AveragingError, Interrupted
 from opendiloco.pacing import Pace
 
@@ -41,42 +42,25 @@ NAME_MAX = 64
 
 
 @dataclass
-class WorkerRecord:
+class WorkerRecord(Progress):
+    """A worker's record under the run's workers key: its ``Progress`` (what the worker reports; every
+    field there, under its own name), and what its presence sets (``presence.py``). ``to_value`` is what
+    goes on the wire, every field under its name: a worker of another version reads the keys it knows."""
+
     peer_id: str
-    outer_step: int = -1
-    inner_step: int = 0
-    samples_per_s: float = 0.0
-    loss: float | None = None
-    global_hash: str = ""
-    last_sync_time: float = 0.0
-    ready_at: float | None = None
-    """DHT time at which this worker expects to enter its next round (an absolute time, so a
-    heartbeat that republishes the record does not push it back)."""
-    ready: bool = False
-    """It has stopped training and waits for its round (its ``round_work`` is final)."""
-    next_round: int = -1
-    """The round (outer step) it heads for: ``outer_step``, or one more while a streamed round is
-    still in flight (it started round ``outer_step`` and has not applied it yet). -1: not said."""
-    round_work: float = 0.0
-    """Samples (or inner steps) this worker has put into the current round so far."""
-    work_rate: float = 0.0
-    """Its work per second while training (0 until measured)."""
-    work_per_step: float = 0.0
-    pace_time: float = 0.0
-    """DHT time at which ``round_work`` was true."""
-    steps_per_s: float = 0.0
-    contributed_steps: int = 0
-    """Inner steps of this worker that entered an average, since it started."""
-    dropped_steps: int = 0
-    """Inner steps it threw away (left out of a round under ``pace = fixed``, healed drift, NaN)."""
+    _: KW_ONLY
     time: float = 0.0
     """Its writer's clock when it was published: what readers estimate clock offsets from (``clock.py``)."""
     left: bool = False
     """Set when a worker leaves cleanly, so others stop waiting for it at once."""
     config: str = ""
     """The fingerprint of the settings the run's workers must share (``config_fingerprint``)."""
-    name: str = ""
-    """The name its user gave the worker (``[run] worker``), for people reading the run; never trusted."""
+
+    @classmethod
+    def of(cls, progress: Progress, *, peer_id: str, time: float, left: bool, config: str) -> WorkerRecord:
+        """The record that publishes ``progress``."""
+        return cls(peer_id=peer_id, time=time, left=left, config=config,
+                   **{f.name: getattr(progress, f.name) for f in fields(Progress)})
 
     @property
     def heading(self) -> int:

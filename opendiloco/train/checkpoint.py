@@ -14,6 +14,8 @@ the cause; its temporary file is removed. Temporary files left by a killed proce
 by ``remove_stale_temp_files`` when a worker starts. ``load_intact`` skips a checkpoint that cannot
 be read (truncated, empty, corrupt), sets it aside as ``<name>.corrupt``, and falls back to the
 previous one.
+
+What a checkpoint holds, and how it is made from and loaded into a trainer: ``checkpoint_format.py``.
 """
 
 from __future__ import annotations
@@ -29,13 +31,14 @@ from pathlib import Path
 
 import torch
 
+from .checkpoint_format import REQUIRED_KEYS
+
 log = logging.getLogger(__name__)
 
 LATEST = "latest"
 _NAME = re.compile(r"^step-(\d+)\.pt$")
 _TEMP = re.compile(r"^\..+\.tmp$")
 """``atomic_write``'s temporary files: ``.<target name>.<random>.tmp``."""
-REQUIRED_KEYS = ("model", "optimizer", "scheduler", "data", "rng")
 
 
 class CheckpointError(OSError):

@@ -34,6 +34,10 @@ INT_MAX = 2**63 - 1
 """Every integer must fit in 64 bits (torch and the DHT records take them as such)."""
 SECONDS_MAX = 86400.0
 """A timeout or wait longer than a day is a typo; an infinite one overflows the event loop's timers."""
+PART_NUMEL_BLOCK = 1024
+"""``swarm.part_numel`` is a multiple of this: every codec's block."""
+PART_NUMEL_MAX = 1 << 24
+"""The largest ``swarm.part_numel``: 64 MiB per part even uncompressed (fp32)."""
 _ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
@@ -273,6 +277,15 @@ class SwarmConfig(Section):
     min_group_size: int = Field(1, ge=1)
     matchmaking_timeout: float = Field(30.0, gt=0, le=SECONDS_MAX)
     allreduce_timeout: float = Field(60.0, gt=0, le=SECONDS_MAX)
+    verify_timeout: float = Field(5.0, gt=0, le=SECONDS_MAX)
+    """Seconds a member waits for the others' confirmations of the average's digest."""
+    max_attempts: int = Field(3, ge=1, le=1000)
+    """Attempts of one round (each with whoever is still there) before the outer step fails."""
+    poll_interval: float = Field(0.02, ge=0.001, le=60.0)
+    """Seconds between two looks at the DHT while a group forms (a peer's ring wakes a worker sooner)."""
+    part_numel: int = Field(1 << 18, ge=PART_NUMEL_BLOCK, le=PART_NUMEL_MAX)
+    """Values per streamed part of a contribution, a multiple of 1024; workers group only with the
+    same one, like compression."""
     straggler_wait: float = Field(10.0, ge=0, le=SECONDS_MAX)
     """Grace, in seconds, beyond the time a slower peer published it would be ready (or from the
     start of matchmaking for a peer that published none)."""
@@ -310,6 +323,13 @@ class SwarmConfig(Section):
             return check_run_id(v)
         except ConfigError as e:
             raise ValueError(str(e)) from None
+
+    @field_validator("part_numel")
+    @classmethod
+    def _part_numel(cls, v):
+        if v % PART_NUMEL_BLOCK:
+            raise ValueError(f"must be a multiple of {PART_NUMEL_BLOCK} (every codec's block), got {v}")
+        return v
 
     @field_validator("compression", "result_compression")
     @classmethod
@@ -383,6 +403,14 @@ FINGERPRINT_KEYS = {
 }
 """The settings every worker of a run must share: they decide θ_global's shapes and meaning, the
 round keys, and how contributions are weighted. Everything else may differ between workers."""
+
+
+def fingerprint_covers() -> str:
+    """The ``FINGERPRINT_KEYS`` in words, for messages: "the [model] section, data.tokenizer, ... and
+    swarm.weight_by_samples"."""
+    named = [f"the [{section}] section" if keys is None else f"{section}.{key}"
+             for section, keys in FINGERPRINT_KEYS.items() for key in (keys or (None,))]
+    return ", ".join(named[:-1]) + " and " + named[-1] if len(named) > 1 else named[0]
 
 
 def config_fingerprint(cfg: Config) -> str:

@@ -1,5 +1,6 @@
-"""The trainer's side of a worker that is a torchrun job: which rank this process is, its device,
-its rows of the worker's batch, and the DDP wrapper of the model.
+"""The trainer's side of a worker that is a torchrun job: which rank this process is, its rows of the
+worker's batch, and the DDP wrapper of the model. Which GPU a rank takes is decided with the rest
+of the device choice, in ``device.py``.
 
 ``train.batch_size`` is the worker's batch, whatever its number of processes: each of N ranks
 takes rows ``[r*B/N, (r+1)*B/N)`` of the same batch, and DDP averages their gradients, so a
@@ -59,16 +60,6 @@ class WorkerRanks:
             raise RanksError(f"train.batch_size {batch_size} is the worker's batch; it must divide evenly "
                              f"over its {self.size} processes")
         return batch_size // self.size
-
-    def device(self, device: torch.device) -> torch.device:
-        """Each local rank on its own GPU (``cuda`` becomes ``cuda:LOCAL_RANK``)."""
-        if device.type == "cuda" and self.multi:
-            if device.index is not None:
-                raise RanksError(f"train.device {device} would put every process of the worker on one GPU; "
-                                 "use 'cuda' (each process takes cuda:LOCAL_RANK) and CUDA_VISIBLE_DEVICES")
-            device = torch.device("cuda", self.local_rank)
-            torch.cuda.set_device(device)
-        return device
 
     def init(self, device: torch.device, timeout: float = 1800.0) -> None:
         """Joins the worker's process group: NCCL between GPUs, gloo on CPU."""

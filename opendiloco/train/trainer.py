@@ -11,6 +11,7 @@ import os
 import random
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,8 +25,10 @@ from opendiloco.errors import Interrupted, LocalRankFailure, SwarmError
 
 from .allocator import release_freed_tensors
 from .checkpoint import CheckpointError, CheckpointManager, atomic_write
+from .checkpoint_format import CheckpointMismatch, check_model_fits, load_checkpoint, make_checkpoint
 from .config import Config, config_fingerprint, to_toml
 from .data import PackedStream, eval_batches, make_corpus
+from .device import place
 from .metrics import MetricsWriter
 from .model import PersistentBuffers, build_model, count_parameters
 from .prometheus import PrometheusSink, start_exporter
@@ -75,8 +78,14 @@ def make_communicator(cfg: Config, run_dir: Path) -> Communicator:
     if not cfg.swarm.enabled:
         return SingleWorker(compression=cfg.swarm.compression)  # a lone worker's average is its own
     from opendiloco.swarm.communicator import SwarmCommunicator
+    from opendiloco.swarm.presence import OtherSettings
 
-    return SwarmCommunicator.from_config(cfg.swarm, run_dir=run_dir, config_fingerprint=config_fingerprint(cfg))
+    from .config import fingerprint_covers
+
+    try:  # the swarm's settings: every one named in SwarmSettings.from_config
+        return SwarmCommunicator.from_config(cfg.swarm, run_dir=run_dir, config_fingerprint=config_fingerprint(cfg))
+    except OtherSettings as e:  # the swarm names the fingerprint; its keys are the trainer's to name
+        raise e.covering(fingerprint_covers(), " (compare their --print-config)") from None
 
 
 def lr_lambda(step: int, *, warmup: int, total: int, min_ratio: float) -> float:
@@ -164,47 +173,6 @@ def run_dir_lock(run_dir: Path):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
-def resolve_precision(precision: str, device: torch.device) -> str:
-    if device.type != "cuda":
-        if precision not in ("auto", "fp32"):
-            log.warning("train.precision=%s needs CUDA; training in fp32 on %s", precision, device)
-        return "fp32"
-    if precision == "auto":
-        return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
-    return precision
-
-
-def rng_state() -> dict:
-    state = {"torch": torch.random.get_rng_state(), "python": random.getstate()}
-    if torch.cuda.is_available():
-        # This process's device only: a checkpoint may resume on another number of GPUs.
-        state["cuda_device"] = torch.cuda.get_rng_state()
-    return state
-
-
-def set_rng_state(state: dict) -> None:
-    torch.random.set_rng_state(state["torch"])
-    random.setstate(_tuples(state["python"]))
-    if not torch.cuda.is_available():
-        return
-    if "cuda_device" in state:
-        torch.cuda.set_rng_state(state["cuda_device"])
-    elif state.get("cuda"):  # older checkpoints: one state per visible device
-        states = state["cuda"]
-        torch.cuda.set_rng_state(states[min(torch.cuda.current_device(), len(states) - 1)])
-
-
-def _tuples(x):
-    """Python's random state is nested tuples; a checkpoint round trip may turn them into lists."""
-    return tuple(_tuples(v) for v in x) if isinstance(x, (list, tuple)) else x
-
-
 def _lost_a_process(e: RuntimeError) -> bool:
     """Whether a collective failed because a peer process of this worker is gone (gloo, NCCL)."""
     import torch.distributed as dist
@@ -214,13 +182,22 @@ def _lost_a_process(e: RuntimeError) -> bool:
                                                                     "Connection closed"))
 
 
-def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Equal bytes (``torch.equal`` calls -0.0 and +0.0 equal; θ_global's fingerprint does not)."""
-    return a.shape == b.shape and torch.equal(a.contiguous().view(torch.int32), b.contiguous().view(torch.int32))
-
-
 class Trainer:
-    """Builds everything from a config, then runs the loop. One instance per run."""
+    """Builds everything from a config, then runs the loop. One instance per run.
+
+    ``run`` is the whole loop. Scripts, benchmarks and loops of one's own use its parts, the same code::
+
+        trainer = Trainer(cfg)
+        trainer.build(SingleWorker())  # or build_model_and_data(), then build_optimizer(comm)
+        loss, grad_norm = trainer.train_step()
+        eval_loss = trainer.evaluate()
+        with trainer.autocast():  # the forward pass in the trainer's precision
+            ...
+
+    ``device`` and ``precision`` are known from the start; ``build_model_and_data`` sets ``tokenizer``,
+    ``stream``, ``eval_set``, ``model`` and ``forward`` (the model as it trains: DDP, compiled);
+    ``build_optimizer`` sets ``comm``, ``opt``, ``scheduler``, ``scaler`` and ``checkpoints``.
+    """
 
     def __init__(self, cfg: Config, *, resume: bool = False):
         self.cfg = cfg
@@ -238,12 +215,21 @@ class Trainer:
         threads = cfg.train.threads or max(1, len(os.sched_getaffinity(0)) // self.ranks.local_size)
         torch.set_num_threads(threads)
         release_freed_tensors()
-        self.device = self.ranks.device(resolve_device(cfg.train.device))
-        self.precision = resolve_precision(cfg.train.precision, self.device)
-        self.autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.precision)
+        self.placement = place(cfg.train.device, cfg.train.precision, self.ranks)
+        self.device, self.precision = self.placement.device, self.placement.precision
+        self.on_step: Callable[[float], None] | None = None
+        """Called by ``run`` after every inner step with the seconds ``train_step`` took (benchmarks, probes)."""
 
     # -- setup --------------------------------------------------------------------------------
-    def _build_model_and_data(self) -> None:
+    def build(self, comm: Communicator) -> None:
+        """Model, data and optimizer, averaging through ``comm``: what a loop of one's own needs."""
+        self.build_model_and_data()
+        self.build_optimizer(comm)
+
+    def build_model_and_data(self) -> None:
+        """Seeds the generators, then builds the tokenizer, the training stream, the held-out batches and
+        the model (on ``device``, wrapped in DDP in a worker of several processes); raises ``TrainError``
+        for a data problem."""
         cfg = self.cfg
         torch.manual_seed(cfg.train.seed)
         random.seed(cfg.train.seed)
@@ -262,7 +248,10 @@ class Trainer:
         # Evaluation runs on rank 0 alone: never through DDP, whose backward the other ranks would await.
         self.eval_forward = self.forward if not self.ranks.multi else self.model
 
-    def _build_optimizer(self) -> None:
+    def build_optimizer(self, comm: Communicator) -> None:
+        """The DiLoCo optimizer over ``model`` averaging through ``comm``, the lr schedule, the fp16 loss
+        scaler and the checkpoint manager. After ``build_model_and_data``."""
+        self.comm = comm
         cfg, o = self.cfg, self.cfg.optim
         self.opt = DiLoCoOptimizer(
             self.model.parameters(),
@@ -283,7 +272,7 @@ class Trainer:
         schedule = functools.partial(lr_lambda, warmup=o.warmup_steps, total=cfg.train.total_steps,
                                      min_ratio=o.min_lr_ratio)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.opt, schedule)
-        self.scaler = torch.amp.GradScaler("cuda") if self.precision == "fp16" else None
+        self.scaler = self.placement.grad_scaler()
         self.checkpoints = CheckpointManager(self.run_dir, keep=cfg.checkpoint.keep)
 
     def _read_checkpoint(self) -> tuple[Path, dict] | None:
@@ -306,7 +295,10 @@ class Trainer:
                 path = Path(choice["path"])
                 found = (path, torch.load(path, map_location="cpu", weights_only=True))
         if found is not None:
-            check_model_fits(found[1], self.model, self.cfg, found[0])
+            try:
+                check_model_fits(found[1], self.model, self.cfg, found[0])
+            except CheckpointMismatch as e:
+                raise TrainError(str(e)) from None
         return found
 
     def _restore(self) -> int | None:
@@ -317,29 +309,13 @@ class Trainer:
         path, ckpt = self._checkpoint
         self._checkpoint = None
         try:
-            self._load_checkpoint(ckpt)
-        except (KeyError, ValueError, TypeError, RuntimeError, IndexError) as e:
-            first = (str(e).strip().splitlines() or [""])[0][:200]
-            raise TrainError(f"checkpoint {path} does not fit this config ({type(e).__name__}: {first})") from None
+            load_checkpoint(ckpt, model=self.model, opt=self.opt, scheduler=self.scheduler, stream=self.stream,
+                            scaler=self.scaler, path=path)
+        except CheckpointMismatch as e:
+            raise TrainError(str(e)) from None
         log.info("resumed from %s (inner step %d, outer step %d)", path, self.opt.inner_steps_total,
                  self.opt.outer_step)
         return self.opt.inner_steps_total
-
-    def _load_checkpoint(self, ckpt: dict) -> None:
-        self.model.load_state_dict(ckpt["model"])
-        optimizer = ckpt["optimizer"]
-        from_model = ckpt.get("global_params_from_model") or []
-        if from_model:  # θ_global was θ_local there: rebuilt from the weights just loaded
-            glob = list(optimizer["outer"]["global_params"])
-            for i in from_model:
-                glob[i] = self.opt.outer.params[i].detach().to("cpu", torch.float32, copy=True)
-            optimizer = {**optimizer, "outer": {**optimizer["outer"], "global_params": glob}}
-        self.opt.load_state_dict(optimizer)
-        self.scheduler.load_state_dict(ckpt["scheduler"])
-        self.stream.load_state_dict(ckpt["data"])
-        if self.scaler is not None and ckpt.get("scaler"):
-            self.scaler.load_state_dict(ckpt["scaler"])
-        set_rng_state(ckpt["rng"])
 
     def _join(self, resumed: bool) -> None:
         """Adopts θ_global and the step counters of a live peer, if there is one (docs/invariants.md, 9)."""
@@ -377,13 +353,13 @@ class Trainer:
                  self.opt.inner_steps_total)
 
     # -- pieces of the loop --------------------------------------------------------------------
-    def _autocast(self):
-        if self.autocast_dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+    def autocast(self):
+        """The context the forward pass runs in: autocast to the trainer's precision (nothing in fp32)."""
+        return self.placement.autocast()
 
     @torch.no_grad()
     def evaluate(self) -> float | None:
+        """The mean loss on the held-out batches (None without any), computed by this process alone."""
         if not self.eval_set:
             return None
         self.model.eval()
@@ -393,37 +369,15 @@ class Trainer:
             chunks = batch.split(self.rows) if self.ranks.multi else [batch]
             for chunk in chunks:
                 chunk = chunk.to(self.device)
-                with self._autocast():
+                with self.autocast():
                     total += float(self.eval_forward(input_ids=chunk, labels=chunk).loss) / len(chunks)
         self.model.train()
         return total / len(self.eval_set)
 
     def checkpoint_state(self) -> dict:
-        """What resume needs, once: θ_local (the model), the inner and outer optimizer state, θ_global
-        only for tensors where it differs from θ_local, counters, data position, RNG.
-
-        After a whole-model outer step θ_local equals θ_global (fp32 models), so a checkpoint
-        holds 16 bytes per parameter (weights, two AdamW moments, outer momentum), not 20.
-        """
-        optimizer = self.opt.state_dict()
-        outer = optimizer["outer"]
-        same = [i for i, (p, g) in enumerate(zip(self.opt.outer.params, outer["global_params"]))
-                if _same_bits(p.detach().to("cpu", torch.float32), g)]
-        if same:
-            kept = set(same)
-            outer = {**outer, "global_params": [None if i in kept else g for i, g in enumerate(outer["global_params"])]}
-            optimizer = {**optimizer, "outer": outer}
-        return {
-            "version": 2,
-            "model": self.model.state_dict(),
-            "optimizer": optimizer,
-            "global_params_from_model": same,
-            "scheduler": self.scheduler.state_dict(),
-            "data": self.stream.state_dict(),
-            "scaler": self.scaler.state_dict() if self.scaler is not None else None,
-            "rng": rng_state(),
-            "config": self.cfg.model_dump(),
-        }
+        """What resume needs, once (the format: ``checkpoint_format.py``)."""
+        return make_checkpoint(model=self.model, opt=self.opt, scheduler=self.scheduler, stream=self.stream,
+                               scaler=self.scaler, cfg=self.cfg)
 
     def save_checkpoint(self, background: bool = False) -> Path | None:
         """Writes a checkpoint; in the background, the loop waits only for a snapshot in host memory.
@@ -446,8 +400,9 @@ class Trainer:
                            blocked_s=time.perf_counter() - began, background=False, bytes=path.stat().st_size)
         return path
 
-    def _train_step(self) -> tuple[float, float | None]:
-        """One inner step (with gradient accumulation); returns (loss, gradient norm)."""
+    def train_step(self) -> tuple[float, float | None]:
+        """One inner step (with gradient accumulation; an outer step too when one is due); returns this
+        process's loss and the gradient norm (None without clipping)."""
         cfg = self.cfg.train
         loss_sum = 0.0
         for i in range(cfg.grad_accum):
@@ -455,7 +410,7 @@ class Trainer:
             # DDP averages the ranks' gradients once per inner step, at its last micro-batch.
             sync = self.ddp.no_sync() if self.ranks.multi and i < cfg.grad_accum - 1 else contextlib.nullcontext()
             with sync:
-                with self._autocast():
+                with self.autocast():
                     loss = self.forward(input_ids=batch, labels=batch).loss / cfg.grad_accum
                 (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
             loss_sum += float(loss.detach())
@@ -523,7 +478,7 @@ class Trainer:
                              "or choose another --run.name or --run.dir")
         if self.ranks.leader:
             CheckpointManager(self.run_dir).remove_stale_temp_files()
-        self._build_model_and_data()  # before joining a swarm: a data problem fails fast
+        self.build_model_and_data()  # before joining a swarm: a data problem fails fast
         self._checkpoint = self._read_checkpoint() if self.resume else None  # a bad one too
         exporter = self._start_exporter()  # before joining a swarm: a port in use is told at once
         try:
@@ -549,7 +504,7 @@ class Trainer:
                 exporter.close()
             raise
         try:
-            self._build_optimizer()
+            self.build_optimizer(self.comm)
             with StopRequest(on_stop=self.comm.interrupt) as stop, logging_redirect_tqdm():
                 return self._loop(stop, stop_after)
         finally:
@@ -608,7 +563,9 @@ class Trainer:
                 break
             t0 = time.perf_counter()
             prev_sync = self.opt.last_sync
-            loss, grad_norm = self._train_step()
+            loss, grad_norm = self.train_step()
+            if self.on_step is not None:
+                self.on_step(time.perf_counter() - t0)
             stopping = stop.requested
             if isinstance(self.comm, LocalRanks):  # the worker's loss; its ranks stop at the same step
                 loss, stopping = self.comm.agree_step(loss, stopping)
@@ -629,8 +586,11 @@ class Trainer:
         result.stopped = result.stopped or stopping
         if not result.stopped and self.opt.finish() is not None:  # a streamed round still in flight lands now
             self._outer_step_done(tally, evaluated=False)
-        loop_s = time.perf_counter() - tally.start
+        return self._end(result, tally)
 
+    def _end(self, result: TrainResult, tally: _Tally) -> TrainResult:
+        """After the last step: the last evaluation and checkpoint, the ``end`` record, the result."""
+        loop_s = time.perf_counter() - tally.start
         if tally.steps:
             result.tokens_per_s = tally.tokens_per_s()
             if not result.stopped and tally.eval_step != self.opt.inner_steps_total:
@@ -746,25 +706,6 @@ class _Tally:
 
     def tokens_per_s(self) -> float:
         return self.tokens_per_step * self.steps / max(1e-9, time.perf_counter() - self.start)
-
-
-def check_model_fits(ckpt: dict, model: torch.nn.Module, cfg: Config, path: Path) -> None:
-    """Raises ``TrainError`` (one line) if the checkpoint's weights are not shaped like ``model``'s."""
-    mine = model.state_dict()
-    theirs = ckpt["model"] if isinstance(ckpt.get("model"), dict) else {}
-    problem = next((f"{k} is {tuple(theirs[k].shape)} there, {tuple(t.shape)} here" for k, t in mine.items()
-                    if k in theirs and hasattr(theirs[k], "shape") and theirs[k].shape != t.shape), None)
-    if problem is None and theirs.keys() != mine.keys():
-        missing, extra = sorted(mine.keys() - theirs.keys()), sorted(theirs.keys() - mine.keys())
-        problem = (f"{len(missing)} tensor(s) missing there (e.g. {missing[0]})" if missing
-                   else f"{len(extra)} tensor(s) unknown here (e.g. {extra[0]})")
-    if problem is None:
-        return
-    saved = (ckpt.get("config") or {}).get("model") or {}
-    ours = cfg.model.model_dump()
-    differ = [f"model.{k} = {saved[k]!r} there, {ours[k]!r} here" for k in ours if k in saved and saved[k] != ours[k]]
-    raise TrainError(f"checkpoint {path} holds a model of another shape ({'; '.join(differ) or problem}): "
-                     "resume with the model settings it was written with, or start a new run dir")
 
 
 def train(cfg: Config, *, resume: bool = False, stop_after: int | None = None) -> TrainResult:

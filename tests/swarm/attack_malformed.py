@@ -39,7 +39,7 @@ class MalformedRunner(RoundRunner):
         return torch.full((b - a,), float("nan"), dtype=torch.float16).view(torch.uint8).numpy().tobytes()
 
 
-class Breaker(worker.RecordingCommunicator):
+class Breaker(worker.SwarmCommunicator):
     round_runner = MalformedRunner
 
 
@@ -48,5 +48,5 @@ if __name__ == "__main__":
         i = sys.argv.index("--malformed")
         MODE = sys.argv[i + 1]
         del sys.argv[i : i + 2]
-    worker.RecordingCommunicator = Breaker
+    worker.Communicator = Breaker
     sys.exit(worker.main())

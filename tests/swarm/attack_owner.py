@@ -32,7 +32,7 @@ class DecidingOwner(RoundRunner):
         self.reducer.aggregation = Decides(a.method, a.clip_ratio, a.max_weight_ratio, a.iterations)
 
 
-class Owner(worker.RecordingCommunicator):
+class Owner(worker.SwarmCommunicator):
     round_runner = DecidingOwner
 
 
@@ -41,5 +41,5 @@ if __name__ == "__main__":
         i = sys.argv.index("--owner-result")
         MODE = sys.argv[i + 1]
         del sys.argv[i : i + 2]
-    worker.RecordingCommunicator = Owner
+    worker.Communicator = Owner
     sys.exit(worker.main())

@@ -12,11 +12,11 @@ import worker  # tests/swarm/worker.py: this script's own folder is on the path
 VALUE, WEIGHT = 60000.0, 1e9
 
 
-class Poisoner(worker.RecordingCommunicator):
+class Poisoner(worker.SwarmCommunicator):
     def start(self, flat, *, weight, key, out=None, error_out=None):
         return super().start(torch.full_like(flat, VALUE), weight=WEIGHT, key=key, out=out, error_out=error_out)
 
 
 if __name__ == "__main__":
-    worker.RecordingCommunicator = Poisoner
+    worker.Communicator = Poisoner
     sys.exit(worker.main())

@@ -5,7 +5,6 @@ the pseudo-gradient it contributed and the average it received (to check the mat
 """
 
 import argparse
-import asyncio
 import functools
 import json
 import logging
@@ -18,115 +17,13 @@ import torch
 
 from opendiloco import DiLoCoOptimizer
 from opendiloco.comm.aggregation import Aggregation
-from opendiloco.comm.runner import RoundRunner
-from opendiloco.comm.wire import Code
 from opendiloco.swarm.communicator import SwarmCommunicator, SwarmSettings
 from opendiloco.swarm.membership import RunSecret
 from opendiloco.swarm.node import start_dht
+from opendiloco.testing.faults import RoundRecorder
 
-
-class FaultyStream:
-    """A stream of a ``FaultyRunner``: ``lose-confirms`` swallows the CONFIRMs that reach it (and what follows
-    them until its own CONFIRMs are out); ``freeze`` makes the runner's streams go silent (nothing in or
-    out) once its parts and its shard's result are out."""
-
-    def __init__(self, stream, runner):
-        self.stream, self.runner, self.remote, self.parts = stream, runner, stream.remote, None
-
-    async def send(self, code, meta=None, payload=b""):
-        r = self.runner
-        if r.frozen:
-            return
-        await self.stream.send(code, meta, payload)
-        if code == Code.CONTRIBUTE:
-            self.parts = meta["parts"]
-        r.sent[code] = r.sent.get(code, 0) + (code != Code.PART or meta["i"] == self.parts - 1)
-        others = len(r.members) - 1
-        r.frozen = r.fault == "freeze" and r.sent.get(Code.PART) == others and r.sent.get(Code.RESULT_END) == others
-        if r.sent.get(Code.CONFIRM) == others:
-            r.confirmed.set()
-
-    async def recv(self, **kw):
-        while True:
-            if self.runner.frozen:
-                await asyncio.Event().wait()  # until the round gives up on us
-            frame = await self.stream.recv(**kw)
-            if not (self.runner.fault == "lose-confirms" and frame.code == Code.CONFIRM):
-                return frame
-            await self.runner.confirmed.wait()  # its own CONFIRMs go out before it sees the stream end
-
-    async def refuse(self, reason):
-        await self.stream.refuse(reason)
-
-    def close(self):
-        self.stream.close()
-
-
-class FaultyRunner(RoundRunner):
-    fault = None
-
-    def __init__(self, *args, **kw):
-        super().__init__(*args, **kw)
-        self.frozen, self.sent, self.confirmed = False, {}, asyncio.Event()
-
-    async def run(self, connect):
-        async def faulty(peer):
-            return FaultyStream(await connect(peer), self)
-
-        return await super().run(faulty)
-
-    async def serve(self, stream, opening):
-        return await super().serve(FaultyStream(stream, self), opening)
-
-
-class RecordingCommunicator(SwarmCommunicator):
-    """Adds test instrumentation: dumps of each round, and a fault injected inside one all-reduce."""
-
-    dump_dir = None
-    stall_at: tuple[int, float] | None = None
-    marker = None
-    fault: tuple[int, str] | None = None
-    attempts_path = None
-    """Where each attempt's group and outcome go, one JSON line each (``--out`` + ``.attempts``)."""
-
-    def _exchange(self, group, flat, weight, out, error_out):
-        try:
-            outcome = super()._exchange(group, flat, weight, out, error_out)
-        except BaseException as e:
-            self._log_attempt(group, e)
-            raise
-        self._log_attempt(group, None)
-        return outcome
-
-    def _log_attempt(self, group, error) -> None:
-        if self.attempts_path:
-            with open(self.attempts_path, "a") as f:
-                f.write(json.dumps({"outer_step": group.key.outer_step, "members": list(group.members),
-                                    "ok": error is None, "error": type(error).__name__ if error else None,
-                                    "time": time.time()}) + "\n")
-
-    def _round(self, flat, weight, key, out, error_out=None):
-        sent = flat.clone()
-        result = super()._round(flat, weight, key, out, error_out)
-        if self.dump_dir:
-            error = [error_out.clone()] if error_out is not None else []
-            torch.save({"sent": [sent], "got": [result.flat.clone()], "peers": result.peers, "error": error},
-                       os.path.join(self.dump_dir, f"{self.peer_id}-{key.outer_step}.pt"))
-        return result
-
-    async def _data_plane(self, group, flat, weight, out, error_out=None):
-        if self.stall_at and self.stall_at[0] == group.key.outer_step:
-            with open(self.marker, "a") as f:  # tells the test we are inside the all-reduce
-                f.write(f"{group.key.outer_step} {time.time()}\n")
-            await asyncio.sleep(self.stall_at[1])
-        if self.fault and self.fault[0] == group.key.outer_step:  # its first attempt only
-            fault, self.fault = self.fault[1], None
-            self.round_runner = type("Faulty", (FaultyRunner,), {"fault": fault})  # the fault hook, this attempt
-            try:
-                return await super()._data_plane(group, flat, weight, out, error_out)
-            finally:
-                del self.round_runner  # the class's again
-        return await super()._data_plane(group, flat, weight, out, error_out)
+Communicator = SwarmCommunicator
+"""The communicator class the worker runs: an attacker's script replaces it with a subclass."""
 
 
 def theta_max(opt) -> float:
@@ -186,14 +83,11 @@ def main():
                              heartbeat_interval=1.0, record_ttl=4.0, verify_timeout=3.0,
                              aggregation=Aggregation(args.aggregation), audit_chunks=args.audit_chunks,
                              config_fingerprint=args.config_fingerprint)
-    comm = RecordingCommunicator(dht, settings, secret=RunSecret.from_environment())  # closed if the env says so
-    comm.dump_dir = args.dump
-    comm.attempts_path = args.out + ".attempts"
-    if args.stall_in_allreduce:
-        comm.stall_at = (int(args.stall_in_allreduce[0]), args.stall_in_allreduce[1])
-        comm.marker = args.out + ".inround"
-    if args.fault_in_round:
-        comm.fault = (int(args.fault_in_round[0]), args.fault_in_round[1])
+    comm = Communicator(dht, settings, secret=RunSecret.from_environment())  # closed if the env says so
+    stall = (int(args.stall_in_allreduce[0]), args.stall_in_allreduce[1]) if args.stall_in_allreduce else None
+    fault = (int(args.fault_in_round[0]), args.fault_in_round[1]) if args.fault_in_round else None
+    comm.hooks = RoundRecorder(comm.peer_id, attempts=args.out + ".attempts", dump_dir=args.dump, stall=stall,
+                               marker=args.out + ".inround", fault=fault)
     stop = []
     signal.signal(signal.SIGTERM, lambda *_: (stop.append(1), comm.interrupt()))  # a round waiting gives up
 

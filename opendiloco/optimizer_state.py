@@ -1,0 +1,129 @@
+"""What a ``DiLoCoOptimizer`` saves in a checkpoint, and the checks a saved one passes before it is loaded.
+
+A checkpoint holds the inner and outer optimizers' state, the counters, the schedule it was saved
+under, the round that was in flight (as this worker's contribution to it, started again on load)
+and error feedback's residuals. Loading checks everything first, so a refused checkpoint leaves the
+optimizer as it was, and says in one line what does not fit. What a joiner gets from a peer is a
+different, smaller state, checked by ``opendiloco.state_check``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .fragment import Fragment
+from .outer import validate_tensors
+
+SETTINGS = ("local_steps", "pace", "overlap", "mix")
+"""Settings a checkpoint must share with the optimizer that loads it: its counters and its round in
+flight only mean something under the same schedule."""
+
+REQUIRED = frozenset({"inner", "outer", "local_step", "outer_step", "inner_steps_total"})
+
+
+@dataclass(frozen=True)
+class SavedRound:
+    """The round that was in flight when a checkpoint was saved: this worker's contribution to it."""
+
+    outer_step: int
+    fragment: int
+    steps: int
+    weight: float
+    own_finite: bool
+    contribution: torch.Tensor
+
+    def to_dict(self) -> dict:
+        return {"outer_step": self.outer_step, "fragment": self.fragment, "steps": self.steps,
+                "weight": self.weight, "own_finite": self.own_finite, "contribution": self.contribution}
+
+
+def settings_of(optimizer) -> dict:
+    return {name: getattr(optimizer, name) for name in SETTINGS}
+
+
+def check_checkpoint(state_dict: dict, *, settings: dict, global_params: Sequence[torch.Tensor],
+                     fragments: Sequence[Fragment]) -> tuple[SavedRound | None, dict[int, torch.Tensor]]:
+    """Raises ``ValueError`` (one line) for a state dict that does not fit an optimizer with these
+    ``settings``, parameters and fragments; returns its round in flight and its residuals, checked."""
+    if not isinstance(state_dict, dict):
+        raise ValueError(f"DiLoCoOptimizer state_dict must be a dict, got {type(state_dict).__name__}")
+    missing = REQUIRED - state_dict.keys()
+    if missing:
+        raise ValueError(f"DiLoCoOptimizer state_dict is missing {sorted(missing)}")
+    outer = state_dict["outer"]
+    if not isinstance(outer, dict) or not {"global_params", "optimizer"} <= outer.keys():
+        raise ValueError("DiLoCoOptimizer state_dict['outer'] needs 'global_params' and 'optimizer'")
+    validate_tensors(outer["global_params"], global_params, "outer.global_params")
+    differ = [f"{name} {state_dict[name]!r} (this optimizer: {settings[name]!r})"
+              for name in SETTINGS if name in state_dict and state_dict[name] != settings[name]]
+    if differ:
+        raise ValueError("the state dict was saved with other settings: " + ", ".join(differ)
+                         + "; resume with the same ones")
+    saved = state_dict.get("fragments", [list(range(len(global_params)))])
+    if saved != [f.params for f in fragments]:
+        raise ValueError(f"the state dict was saved with {len(saved)} fragment(s) cut differently; this optimizer "
+                         f"has {len(fragments)}: resume with the same fragments")
+    pending = _saved_round(state_dict.get("pending"), fragments)
+    residuals = state_dict.get("error_feedback") or {}
+    if not isinstance(residuals, dict) or not all(
+            isinstance(f, int) and 0 <= f < len(fragments) for f in residuals):
+        raise ValueError("DiLoCoOptimizer state_dict['error_feedback'] must map fragments to residuals")
+    for f, owed in residuals.items():
+        validate_tensors([owed], [fragments[f].buffers()[0].flat], f"error_feedback[{f}]")
+    return pending, residuals
+
+
+def _saved_round(pending, fragments: Sequence[Fragment]) -> SavedRound | None:
+    if pending is None:
+        return None
+    try:
+        fragment = int(pending["fragment"])
+        if not 0 <= fragment < len(fragments):
+            raise ValueError(f"fragment {fragment} of {len(fragments)}")
+        saved = SavedRound(int(pending["outer_step"]), fragment, int(pending["steps"]), float(pending["weight"]),
+                           bool(pending["own_finite"]), pending["contribution"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"DiLoCoOptimizer state_dict['pending'] is malformed: {e}") from None
+    validate_tensors([saved.contribution], [fragments[fragment].buffers()[0].flat], "pending contribution")
+    return saved
+
+
+def counters(state_dict: dict) -> dict:
+    """The counters a state dict restores; older checkpoints lack the later ones, which start from its
+    ``local_step`` (all work since the last outer step is uncommitted) or from zero."""
+    local = int(state_dict["local_step"])
+    return {
+        "local_step": local,
+        "outer_step": int(state_dict["outer_step"]),
+        "inner_steps_total": int(state_dict["inner_steps_total"]),
+        "pace_work": float(state_dict.get("pace_work", local)),
+        "uncommitted_steps": int(state_dict.get("uncommitted_steps", local)),
+        "contributed_steps": int(state_dict.get("contributed_steps", 0)),
+        "dropped_steps": int(state_dict.get("dropped_steps", 0)),
+    }
+
+
+def fragment_work(state_dict: dict, num_fragments: int) -> list[float]:
+    work = state_dict.get("fragment_work", [float(state_dict["local_step"])] * num_fragments)
+    return [float(w) for w in work]
+
+
+def joiner_position(inner_steps_total: int, local_step: int, gap: int, *, in_flight: bool,
+                    fixed: bool) -> tuple[int, int]:
+    """(inner steps at the last outer step, position in the round) that a joiner is served.
+
+    θ_global stands for the last outer step, so a joiner then takes exactly ``local_steps`` inner steps
+    before its first outer step. While a round has started here and not landed, the joiner holds
+    θ_global without it: it is placed one step before that round's start, to take part in it if the
+    group is still forming. Under ``pace="fixed"`` a state read between the inner step that makes a
+    round due and the round's start is placed just before it too.
+    """
+    base, local = inner_steps_total - local_step, local_step
+    if in_flight:
+        base, local = base - gap, gap - 1
+    elif fixed:
+        local = min(local, gap - 1)
+    return max(0, base), local

@@ -1,0 +1,129 @@
+"""Faults and observations injected into a real worker's rounds through ``SwarmCommunicator.hooks``.
+
+``RoundRecorder`` is what the swarm tests' worker sets: it writes every attempt (its group and how it
+ended) and, on request, each round's contribution and result to files the test reads, stalls inside
+one round's all-reduce (the test kills or stops the worker there), and injects one protocol fault
+into the first attempt of one round (``FaultyRunner``). Each is off until asked for.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+
+import torch
+
+from ..comm.runner import RoundRunner
+from ..comm.wire import Code
+from ..swarm.hooks import RoundHooks
+
+FAULTS = ("lose-confirms", "freeze")
+"""``lose-confirms``: the others' CONFIRMs never reach this worker (nor what follows them, until its own
+CONFIRMs are out); ``freeze``: its streams go silent (nothing in or out) once its parts and its shard's
+result are out."""
+
+
+class FaultyStream:
+    """A stream of a ``FaultyRunner``, which decides what it lets through."""
+
+    def __init__(self, stream, runner: FaultyRunner):
+        self.stream, self.runner, self.remote, self.parts = stream, runner, stream.remote, None
+
+    async def send(self, code, meta=None, payload=b""):
+        r = self.runner
+        if r.frozen:
+            return
+        await self.stream.send(code, meta, payload)
+        if code == Code.CONTRIBUTE:
+            self.parts = meta["parts"]
+        r.sent[code] = r.sent.get(code, 0) + (code != Code.PART or meta["i"] == self.parts - 1)
+        others = len(r.members) - 1
+        r.frozen = r.fault == "freeze" and r.sent.get(Code.PART) == others and r.sent.get(Code.RESULT_END) == others
+        if r.sent.get(Code.CONFIRM) == others:
+            r.confirmed.set()
+
+    async def recv(self, **kw):
+        while True:
+            if self.runner.frozen:
+                await asyncio.Event().wait()  # until the round gives up on us
+            frame = await self.stream.recv(**kw)
+            if not (self.runner.fault == "lose-confirms" and frame.code == Code.CONFIRM):
+                return frame
+            await self.runner.confirmed.wait()  # its own CONFIRMs go out before it sees the stream end
+
+    async def refuse(self, reason):
+        await self.stream.refuse(reason)
+
+    def close(self):
+        self.stream.close()
+
+
+class FaultyRunner(RoundRunner):
+    """The protocol as it is, over streams that carry one of ``FAULTS`` (the class's ``fault``)."""
+
+    fault: str | None = None
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self.frozen, self.sent, self.confirmed = False, {}, asyncio.Event()
+
+    async def run(self, connect):
+        async def faulty(peer):
+            return FaultyStream(await connect(peer), self)
+
+        return await super().run(faulty)
+
+    async def serve(self, stream, opening):
+        return await super().serve(FaultyStream(stream, self), opening)
+
+
+def faulty_runner(fault: str) -> type[FaultyRunner]:
+    if fault not in FAULTS:
+        raise ValueError(f"unknown fault {fault!r}; one of {FAULTS}")
+    return type(f"Faulty[{fault}]", (FaultyRunner,), {"fault": fault})
+
+
+class RoundRecorder(RoundHooks):
+    """``attempts``: a file that gets one JSON line per attempt (outer step, members, ok, error type,
+    time). ``dump_dir``: one ``{peer}-{outer_step}.pt`` per round with what was sent and received.
+    ``stall``: (outer step, seconds) to sleep inside that round's all-reduce, first writing a line to
+    ``marker``. ``fault``: (outer step, one of ``FAULTS``) for that round's first attempt."""
+
+    def __init__(self, peer_id: str, *, attempts: str | None = None, dump_dir: str | None = None,
+                 stall: tuple[int, float] | None = None, marker: str | None = None,
+                 fault: tuple[int, str] | None = None):
+        self.peer_id, self.attempts, self.dump_dir, self.stall, self.marker = peer_id, attempts, dump_dir, stall, marker
+        self.fault = (fault[0], faulty_runner(fault[1])) if fault else None
+        self._sent: dict = {}
+
+    def round_began(self, key, contribution):
+        if self.dump_dir:
+            self._sent[key] = contribution.clone()
+
+    def runner_for(self, group, default):
+        if self.fault and self.fault[0] == group.key.outer_step:  # its first attempt only
+            runner, self.fault = self.fault[1], None
+            return runner
+        return default
+
+    async def before_exchange(self, group):
+        if self.stall and self.stall[0] == group.key.outer_step:
+            with open(self.marker, "a") as f:  # tells the test we are inside the all-reduce
+                f.write(f"{group.key.outer_step} {time.time()}\n")
+            await asyncio.sleep(self.stall[1])
+
+    def attempt_ended(self, group, error):
+        if self.attempts:
+            with open(self.attempts, "a") as f:
+                f.write(json.dumps({"outer_step": group.key.outer_step, "members": list(group.members),
+                                    "ok": error is None, "error": type(error).__name__ if error else None,
+                                    "time": time.time()}) + "\n")
+
+    def round_ended(self, key, result, error):
+        sent = self._sent.pop(key, None)
+        if self.dump_dir and sent is not None:
+            torch.save({"sent": [sent], "got": [result.flat.clone()], "peers": result.peers,
+                        "error": [error.clone()] if error is not None else []},
+                       os.path.join(self.dump_dir, f"{self.peer_id}-{key.outer_step}.pt"))
