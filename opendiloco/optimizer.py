@@ -104,6 +104,11 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
     (quantisation error, with 8- and 4-bit codecs) is kept and added to its next contribution of
     the same fragment. The residual is this worker's own: saved in ``state_dict``, never shared
     with joiners, reset when state is downloaded. It costs two fp32 copies of the model on the host.
+
+    ``warm_start``: with an Adam inner optimizer, the state this worker serves joiners carries its Adam
+    moments too, and a joiner whose inner optimizer has no state yet starts from the donor's (checked:
+    ``opendiloco.state_check``) instead of empty moments, so that its first round counts as much as its
+    peers'. It triples what a joiner downloads.
     """
 
     def __init__(
@@ -122,6 +127,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         overlap: int = 0,
         mix: float = 0.0,
         error_feedback: bool = False,
+        warm_start: bool = False,
     ):
         if not isinstance(local_steps, int) or isinstance(local_steps, bool) or local_steps < 1:
             raise ValueError(f"local_steps must be a positive integer, got {local_steps!r}")
@@ -148,6 +154,9 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         self.fragments: list[Fragment] = make_fragments(groups, self.outer)
         self.overlap, self.mix = overlap, float(mix)
         self.error_feedback = bool(error_feedback)
+        self.warm_start = bool(warm_start)
+        self.warm_started = False
+        """Whether this worker's inner optimizer started from a donor's state (``warm_start``)."""
         self.local_steps = local_steps
         self.communicator = communicator if communicator is not None else SingleWorker()
         self.weight_by_samples = weight_by_samples or pace == "swarm"
@@ -566,7 +575,8 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
 
     # -- state for joiners -------------------------------------------------------------------
     def shareable_state(self) -> dict:
-        """What a late joiner needs: θ_global, outer optimizer state, counters. Never inner state.
+        """What a late joiner needs: θ_global, outer optimizer state, counters; with ``warm_start``, this
+        worker's Adam moments (copied while it may be stepping: at most a step apart).
 
         ``inner_steps_total`` is the count at the last outer step, the point θ_global stands for:
         a joiner then takes exactly ``local_steps`` inner steps before its first outer step.
@@ -580,21 +590,54 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
                 "inner_steps_total": base,
                 "local_step": local,
                 "buffers": self.outer.buffer_values(),
+                "inner": self._inner_state_to_share(),
             }
+
+    def _adam_betas(self) -> tuple[float, float] | None:
+        """The inner optimizer's betas if it is Adam (or AdamW) with one setting for all groups, else None."""
+        if not isinstance(self.inner, torch.optim.Adam | torch.optim.AdamW):
+            return None
+        betas = {tuple(g["betas"]) for g in self.inner.param_groups}
+        return betas.pop() if len(betas) == 1 else None
+
+    def _inner_params(self) -> list[torch.Tensor]:
+        return [p for g in self.inner.param_groups for p in g["params"]]
+
+    def _inner_state_to_share(self) -> dict | None:
+        if not self.warm_start or self._adam_betas() is None:
+            return None
+        index = {id(p): i for i, p in enumerate(self._inner_params())}
+        try:
+            entries = list(self.inner.state.items())  # the training thread may add entries (its first step)
+        except RuntimeError:
+            return None
+        shared = {}
+        for param, entry in entries:
+            if id(param) not in index:
+                continue
+            shared[index[id(param)]] = {
+                name: (torch.tensor(float(value), dtype=torch.float32) if name == "step"
+                       else value.detach().to("cpu", torch.float32, copy=True))
+                for name, value in list(entry.items()) if name == "step" or isinstance(value, torch.Tensor)}
+        return shared or None
 
     def shareable_state_bound(self) -> int:
         """The most bytes a peer's ``shareable_state`` may take: θ_global, up to three outer-optimizer
-        tensors per parameter, the buffers, and 16 MiB of framing. A larger download is refused."""
+        tensors per parameter, up to three Adam tensors per parameter (a donor's warm start), the buffers,
+        and 16 MiB of framing. A larger download is refused."""
         values = sum(g.numel() for g in self.outer.global_params)
         buffers = sum(b.numel() for b in self.outer.buffers)
-        return 4 * (4 * values + buffers) + (16 << 20)
+        inner = sum(p.numel() for p in self._inner_params()) if self._adam_betas() is not None else 0
+        return 4 * (4 * values + 3 * inner + buffers) + (16 << 20)
 
     def _reference(self) -> Reference:
         """What a peer's state must fit: this worker's model, outer optimizer settings and schedule."""
         return Reference(global_params=self.outer.global_params,
                          buffers=[torch.empty(b.shape, dtype=torch.float32, device="meta") for b in self.outer.buffers],
                          param_groups=reference_groups(self.outer.optimizer, self.outer.global_params),
-                         fragments=[f.params for f in self.fragments], local_steps=self.local_steps, pace=self.pace)
+                         fragments=[f.params for f in self.fragments], local_steps=self.local_steps, pace=self.pace,
+                         inner_params=self._inner_params(),
+                         inner_betas=self._adam_betas() if self.warm_start else None)
 
     def check_shareable_state(self, state: dict, min_outer_step: int | None = None,
                               expected_hash: str | None = None) -> None:
@@ -645,7 +688,17 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
                 self._inner_steps_total = state["inner_steps_total"] + self._local_step
             self._pace_work = 0.0
             self._reset_residuals()  # owed against the θ_global this worker no longer holds
+            if keep_local is None and reference.inner_betas is not None and state.get("inner") and not self.inner.state:
+                self._warm_start_from(state["inner"])
         self._global_changed()
+
+    def _warm_start_from(self, inner: dict) -> None:
+        """Takes a donor's (checked) Adam moments; this worker's own groups (lr, betas, ...) stay."""
+        self.inner.load_state_dict({"state": inner, "param_groups": self.inner.state_dict()["param_groups"]})
+        self.param_groups = self.inner.param_groups  # torch's load_state_dict rebuilds them: keep sharing
+        self.state = self.inner.state
+        self.warm_started = True
+        log.info("warm start: the inner optimizer starts from the donor's moments (%d parameters)", len(inner))
 
     # -- checkpoints (the format and its checks: ``opendiloco.optimizer_state``) ------------------
     def state_dict(self) -> dict:

@@ -21,6 +21,14 @@ the run or checked against the joiner's own configuration, and the state is refu
   ``pace="fixed"`` at least those, less one round); ``local_step`` (the donor's position in its
   round, which a ``pace="fixed"`` joiner takes) below the round's gap.
 
+- **The inner optimizer's state** (a warm start, optional): served only by donors that share it and
+  taken only by a joiner whose inner optimizer has no state yet. Adam's per-parameter state alone
+  (``step``, ``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq``), for this worker's parameters, of
+  their shapes, finite; ``step`` a whole number within the bound on ``inner_steps_total``; second
+  moments not negative; and first moments within ``ADAM_REACH`` of what Adam's own averages allow
+  against the second (``adam_moment_ratio``), so that a served moment moves no weight in one step
+  farther than an honest one could.
+
 What this does not decide: which state the run confirms (``swarm/quorum.py``), and whether a
 momentum within the bound is the run's (see docs/trust.md).
 """
@@ -52,6 +60,23 @@ to reach its outer step (plus one round). Honest surplus comes from failed round
 each adds one round of steps) and from workers faster than the group (``pace="swarm"``)."""
 
 
+ADAM_STATE = frozenset({"step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"})
+"""The per-parameter entries of ``torch.optim.Adam``/``AdamW``: the only inner state a joiner takes."""
+
+ADAM_REACH = 2.0
+"""Margin over ``adam_moment_ratio`` for a served first moment (a donor copies its moments while it
+steps, so the two may be a step apart)."""
+
+
+def adam_moment_ratio(beta1: float, beta2: float) -> float:
+    """The largest |m| / sqrt(v) Adam's averages allow for any gradients (None-free: inf when the
+    bound does not hold). With m = (1-β1) Σ β1^k g_k and v = (1-β2) Σ β2^k g_k², Cauchy-Schwarz gives
+    |m| <= (1-β1) / sqrt((1-β2)(1 - β1²/β2)) · sqrt(v) when β1² < β2 (1.17 for (0.9, 0.95))."""
+    if not (0 <= beta1 < 1 and 0 < beta2 < 1) or beta1 * beta1 >= beta2:
+        return math.inf
+    return (1 - beta1) / math.sqrt((1 - beta2) * (1 - beta1 * beta1 / beta2))
+
+
 class StateRefused(ValueError):
     """A peer's state that this worker will not adopt; the message names the donor when known."""
 
@@ -69,6 +94,10 @@ class Reference:
     fragments: Sequence[Sequence[int]]
     local_steps: int
     pace: str
+    inner_params: Sequence[torch.Tensor] = ()
+    """The inner optimizer's parameters, in its ``state_dict`` order (empty: no inner state is taken)."""
+    inner_betas: tuple[float, float] | None = None
+    """The inner optimizer's Adam betas (None: it is no Adam, and no inner state is taken)."""
 
 
 def reference_groups(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor]) -> list[dict]:
@@ -127,6 +156,50 @@ def _check(state, ref: Reference, min_outer_step, expected_hash) -> None:
     _counters(state, ref, outer_step, total)
     _settings(state, outer["optimizer"], ref)
     _per_parameter(state, outer["optimizer"], ref, outer["global_params"], outer_step)
+    if state.get("inner") is not None and ref.inner_betas is not None:
+        _inner(state, state["inner"], ref, _most_steps(ref, outer_step))
+
+
+def _most_steps(ref: Reference, outer_step: int) -> int:
+    """The most inner steps a worker may credibly have taken by ``outer_step`` (and in the round after it)."""
+    scheduled = event_start(outer_step - 1, ref.local_steps, len(ref.fragments))  # steps the run takes to get there
+    return MAX_STEPS_RATIO * (scheduled + ref.local_steps)
+
+
+def _inner(state, inner, ref: Reference, most: int) -> None:
+    """A served inner optimizer state: Adam's entries for this worker's parameters, bounded."""
+    if not isinstance(inner, dict):
+        raise _refuse(state, "the inner optimizer state is not a mapping")
+    ratio = ADAM_REACH * adam_moment_ratio(*ref.inner_betas)
+    for index, entry in inner.items():
+        if not (isinstance(index, int) and 0 <= index < len(ref.inner_params)) or not isinstance(entry, dict):
+            raise _refuse(state, f"the inner optimizer state has an unexpected entry {index!r}")
+        unknown = entry.keys() - ADAM_STATE
+        if unknown:
+            raise _refuse(state, f"inner optimizer state[{index}] has entries {sorted(map(str, unknown))}, not Adam's")
+        param = ref.inner_params[index]
+        like = torch.empty(param.shape, dtype=torch.float32, device="meta")
+        for name, value in entry.items():
+            where = f"inner optimizer state[{index}].{name}"
+            if name == "step":
+                step = float(value) if isinstance(value, (int, float, torch.Tensor)) and (
+                    not isinstance(value, torch.Tensor) or value.numel() == 1) else math.nan
+                if not (math.isfinite(step) and step == int(step) and 0 <= step <= most):
+                    raise _refuse(state, f"{where} is {step}: the run's schedule allows at most {most} inner steps")
+                continue
+            _tensors(state, [value], [like], where)
+        second = entry.get("exp_avg_sq")
+        if second is not None and float(second.min()) < 0:
+            raise _refuse(state, f"inner optimizer state[{index}].exp_avg_sq is negative")
+        first = entry.get("exp_avg")
+        if first is not None and math.isfinite(ratio):
+            if second is None:
+                raise _refuse(state, f"inner optimizer state[{index}] has exp_avg without exp_avg_sq")
+            # |m| <= ratio * sqrt(v), with a floor for values at fp32's resolution
+            excess = (first.abs() - ratio * second.sqrt() - 1e-30).max()
+            if float(excess) > 0:
+                raise _refuse(state, f"inner optimizer state[{index}].exp_avg is larger than Adam's averages allow "
+                                     f"against exp_avg_sq (|m| <= {ratio:.3g} sqrt(v))")
 
 
 def _tensors(state, incoming, expected, what: str) -> None:
@@ -139,7 +212,7 @@ def _tensors(state, incoming, expected, what: str) -> None:
 def _counters(state, ref: Reference, outer_step: int, total: int) -> None:
     fragments = len(ref.fragments)
     scheduled = event_start(outer_step - 1, ref.local_steps, fragments)  # steps the run takes to get there
-    most = MAX_STEPS_RATIO * (scheduled + ref.local_steps)
+    most = _most_steps(ref, outer_step)
     if total > most:
         raise _refuse(state, f"inner_steps_total {total} at outer step {outer_step}: the run's schedule takes "
                              f"{scheduled}, at most {most} accepted")

@@ -100,7 +100,8 @@ def pytest_collection_modifyitems(config, items):
     def cost(item) -> int:  # a stable sort: files keep their order within a kind
         return next((i for i, m in enumerate(_HEAVY) if item.get_closest_marker(m)), len(_HEAVY))
 
-    # Longest kinds first, dealt into two halves alike: xdist's work stealing hands each of two
-    # processes one contiguous half, and each should start with its share of the long tests.
+    # Longest kinds first, dealt into one share per process alike: xdist's work stealing hands each
+    # process one contiguous share, and each should start with its part of the long tests.
     ordered = sorted(items, key=cost)
-    items[:] = ordered[0::2] + ordered[1::2]
+    shares = int(getattr(config, "workerinput", {}).get("workercount", 1))
+    items[:] = [item for share in range(shares) for item in ordered[share::shares]]

@@ -225,3 +225,100 @@ def test_a_state_without_a_donor_name_is_refused_all_the_same(donor):
     del state["donor"]
     with pytest.raises(StateRefused, match="^refused the state of the peer: "):
         joiner.load_shareable_state(state)
+
+
+# -- a warm start: the donor's Adam moments ------------------------------------------------------
+
+def make_warm(seed: int = 0, warm_start: bool = True):
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 1))
+    opt = DiLoCoOptimizer(model.parameters(), local_steps=H, inner_optimizer=ADAMW, module=model,
+                          communicator=Keeps(), warm_start=warm_start)
+    return model, opt
+
+
+@pytest.fixture(scope="module")
+def warm_donor():
+    model, opt = make_warm()
+    train(model, opt, 2 * H + 2)
+    assert opt.shareable_state()["inner"]  # it serves its moments
+    return opt
+
+
+def _entries(state):
+    return list(state["inner"].values())
+
+
+INNER_POISONS = {
+    "exp_avg": (lambda s: [e["exp_avg"].fill_(1e3) for e in _entries(s)], "larger than Adam's averages allow"),
+    "exp_avg_sq": (lambda s: [e["exp_avg_sq"].fill_(-1.0) for e in _entries(s)], "exp_avg_sq is negative"),
+    "nan": (lambda s: [e["exp_avg_sq"].fill_(float("nan")) for e in _entries(s)], "NaN or Inf"),
+    "step": (lambda s: [e.update(step=torch.tensor(1e9)) for e in _entries(s)], "the run's schedule allows at most"),
+    "shape": (lambda s: [e.update(exp_avg=torch.zeros(3)) for e in _entries(s)], "shape (3,)"),
+    "entry": (lambda s: [e.update(momentum_buffer=torch.zeros(1)) for e in _entries(s)], "not Adam's"),
+    "index": (lambda s: s["inner"].update({10**6: {}}), "unexpected entry 1000000"),
+}
+
+
+@pytest.mark.parametrize("field", sorted(INNER_POISONS))
+def test_a_poisoned_inner_state_is_refused_naming_the_donor_and_nothing_changes(warm_donor, field):
+    model, joiner = make_warm(seed=7)
+    before = unchanged(model, joiner)
+    bad = served(warm_donor)
+    corrupt, message = INNER_POISONS[field]
+    corrupt(bad)
+    with pytest.raises(StateRefused, match=f"^refused the state of donor ABCDEFGH: .*{re.escape(message)}"):
+        joiner.load_shareable_state(bad, expected_hash=warm_donor.global_hash())
+    assert same(unchanged(model, joiner), before) and not joiner.inner.state and not joiner.warm_started
+
+
+def test_a_warm_start_takes_the_donors_moments_and_trains_on(warm_donor):
+    model, joiner = make_warm(seed=7)
+    joiner.load_shareable_state(served(warm_donor), expected_hash=warm_donor.global_hash())
+    assert joiner.warm_started
+    theirs = warm_donor.inner.state_dict()["state"]
+    mine = joiner.inner.state_dict()["state"]
+    assert mine.keys() == theirs.keys() and all(
+        torch.equal(mine[i][k], theirs[i][k].float()) for i in theirs for k in ("exp_avg", "exp_avg_sq"))
+    assert joiner.param_groups is joiner.inner.param_groups and joiner.param_groups[0]["lr"] == 1e-2
+    train(model, joiner, H)
+    assert joiner.outer_step == 3 and all(torch.isfinite(g).all() for g in joiner.outer.global_params)
+    # Without warm_start the donor's moments are not taken, and a worker with moments of its own keeps them.
+    _, cold = make_warm(seed=7, warm_start=False)
+    cold.load_shareable_state(served(warm_donor), expected_hash=warm_donor.global_hash())
+    assert not cold.inner.state and not cold.warm_started
+    model, trained = make_warm(seed=7)
+    train(model, trained, 2)
+    own = copy.deepcopy(trained.inner.state_dict()["state"])
+    trained.load_shareable_state(served(warm_donor), expected_hash=warm_donor.global_hash())
+    assert not trained.warm_started and same(trained.inner.state_dict()["state"], own)
+
+
+def test_a_donor_without_warm_start_serves_no_moments_and_the_bound_covers_them(warm_donor):
+    _, cold = make_warm(warm_start=False)
+    assert cold.shareable_state()["inner"] is None
+    import io
+
+    buf = io.BytesIO()
+    torch.save(warm_donor.shareable_state(), buf)
+    assert len(buf.getvalue()) <= cold.shareable_state_bound()  # a joiner without it still downloads it
+
+
+def test_adams_first_moment_stays_within_the_bound_the_check_uses():
+    """The bound is Adam's own: over many steps of gradients of any scale and sign pattern, |m| / sqrt(v)
+    never exceeds ``adam_moment_ratio``, and a constant gradient comes close to it."""
+    from opendiloco.state_check import adam_moment_ratio
+
+    for betas in ((0.9, 0.95), (0.9, 0.999), (0.8, 0.99)):
+        p = nn.Parameter(torch.zeros(4096))
+        opt = torch.optim.Adam([p], lr=1e-3, betas=betas)
+        g = torch.Generator().manual_seed(0)
+        worst = 0.0
+        for step in range(300):
+            scale = 10 ** torch.randint(-3, 3, (4096,), generator=g).float()
+            p.grad = torch.randn(4096, generator=g) * scale if step % 50 else torch.full((4096,), 5.0)
+            opt.step()
+            state = opt.state[p]
+            worst = max(worst, float((state["exp_avg"].abs() / state["exp_avg_sq"].sqrt()).max()))
+        assert worst <= adam_moment_ratio(*betas) * (1 + 1e-5), (betas, worst)
+        assert worst > 0.5 * adam_moment_ratio(*betas) or betas[1] == 0.999, (betas, worst)

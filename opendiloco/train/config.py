@@ -195,6 +195,9 @@ class OptimConfig(Section):
     """When a round is due. swarm: when the group has done local_steps steps' worth of work per
     member, so workers of different speed stop together and all contribute (a lone worker takes
     exactly local_steps). fixed: exactly local_steps inner steps per worker (reproducible)."""
+    warm_start: bool = False
+    """A joiner's inner AdamW starts from its donor's moments instead of empty ones (donors serve
+    them: a state download three times the size). Off: measured no better (benchmarks/warm_start.py)."""
 
     @field_validator("betas")
     @classmethod

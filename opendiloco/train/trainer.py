@@ -268,6 +268,7 @@ class Trainer:
             overlap=o.overlap,
             mix=o.mix,
             error_feedback=cfg.swarm.uses_error_feedback,
+            warm_start=o.warm_start,
         )
         schedule = functools.partial(lr_lambda, warmup=o.warmup_steps, total=cfg.train.total_steps,
                                      min_ratio=o.min_lr_ratio)
@@ -337,20 +338,26 @@ class Trainer:
         if resumed and int(state.get("outer_step", -1)) <= self.opt.outer_step:
             log.info("peers are at outer step %s, not ahead of our checkpoint; keeping it", state.get("outer_step"))
             return
-        before = self.opt.inner_steps_total
         try:
-            self.opt.load_shareable_state(state)
+            self.adopt_state(state)
         except ValueError as e:  # not the state the run confirmed, or not this model's: nothing was changed
             if swarm.on_join_failure == "exit":
                 raise TrainError(f"refused the state downloaded from the swarm: {e}") from None
             log.warning("refused the state downloaded from the swarm (%s); starting from our own state", e)
             return
+        log.info("joined the swarm at outer step %d (inner step %d)%s", self.opt.outer_step,
+                 self.opt.inner_steps_total, ", inner optimizer warm-started" if self.opt.warm_started else "")
+
+    def adopt_state(self, state: dict) -> None:
+        """Joins at a peer's state (``DiLoCoOptimizer.shareable_state``): θ_global, the counters, the lr
+        schedule's position and the data stream's; raises ``ValueError`` (nothing changed) for a state
+        this worker refuses."""
+        before = self.opt.inner_steps_total
+        self.opt.load_shareable_state(state)
         set_schedule_position(self.scheduler, self.opt.schedule_step)
         ahead = self.opt.inner_steps_total - before
         if ahead > 0:
             self.stream.skip(ahead * self.cfg.train.batch_size * self.cfg.train.grad_accum)
-        log.info("joined the swarm at outer step %d (inner step %d)", self.opt.outer_step,
-                 self.opt.inner_steps_total)
 
     # -- pieces of the loop --------------------------------------------------------------------
     def autocast(self):
