@@ -584,14 +584,17 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         with self._state_lock:  # copies, so that serving it later never races an outer step
             base, local = joiner_position(self._inner_steps_total, self._local_step, self._gap(self._outer_step),
                                           in_flight=self._pending is not None, fixed=self.pace == "fixed")
-            return {
+            state = {
                 "outer": copy.deepcopy(self.outer.state_dict()),
                 "outer_step": self._outer_step,
                 "inner_steps_total": base,
                 "local_step": local,
                 "buffers": self.outer.buffer_values(),
-                "inner": self._inner_state_to_share(),
             }
+        inner = self._inner_state_to_share()
+        if inner is not None:
+            state["inner"] = inner
+        return state
 
     def _adam_betas(self) -> tuple[float, float] | None:
         """The inner optimizer's betas if it is Adam (or AdamW) with one setting for all groups, else None."""
