@@ -185,6 +185,46 @@ def cmd_secret(args) -> int:
     return 0
 
 
+def _add_doctor(sub) -> None:
+    p = sub.add_parser(
+        "doctor", allow_abbrev=False, help="check that this machine can join a swarm, and say what to do if not",
+        description="Starts a p2p daemon as a worker would (the [swarm] section of --config and its overrides: "
+                    "initial_peers, host_maddrs, announce_maddrs, client_mode) and asks each initial peer: does it "
+                    "answer, how far is it, how far off is this clock, can it dial this node back. One line per "
+                    "finding; exit status 1 if any failed.")
+    p.add_argument("--config", "-c", type=Path, help="TOML config (the worker's)")
+    p.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for each peer (default 10)")
+    p.add_argument("--startup-timeout", type=float, default=30.0,
+                   help="seconds the p2p daemon may take to start (default 30, as a worker)")
+    p.set_defaults(func=cmd_doctor, takes_overrides=True)
+
+
+def cmd_doctor(args, overrides: list[str]) -> int:
+    from .train.config import ConfigError, load_config
+
+    try:
+        cfg = load_config(args.config, overrides)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return EXIT_CONFIG
+    if not (args.timeout > 0 and args.startup_timeout > 0):
+        print("opendiloco doctor: --timeout and --startup-timeout must be positive", file=sys.stderr)
+        return EXIT_CONFIG
+    from .errors import SwarmError
+    from .swarm.doctor import examine
+
+    s = cfg.swarm
+    try:
+        findings = examine(initial_peers=s.initial_peers, host_maddrs=s.host_maddrs, announce_maddrs=s.announce_maddrs,
+                           client_mode=s.client_mode, startup_timeout=args.startup_timeout, timeout=args.timeout)
+    except SwarmError as e:
+        print(f"opendiloco doctor: {e}", file=sys.stderr)
+        return EXIT_CONFIG
+    for finding in findings:
+        print(finding, flush=True)
+    return 1 if any(f.level == "fail" for f in findings) else 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="opendiloco", description="Decentralized DiLoCo training for PyTorch.")
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
@@ -194,6 +234,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_dht(sub)
     _add_status(sub)
     _add_secret(sub)
+    _add_doctor(sub)
     return parser
 
 

@@ -58,6 +58,11 @@ class Code(enum.IntEnum):
     STATE_REQUEST = 16
     STATE = 17
     STATE_PART = 18
+    # reachability (swarm/reachability.py)
+    REACH = 19
+    """A node asks a peer to dial it back on its listening ports (meta: ``ports``)."""
+    REACH_ANSWER = 20
+    """The address the peer sees the asker at, and which of its ports it could dial there."""
 
 
 class StreamClosed(ProtocolError):

@@ -49,6 +49,7 @@ from ..comm.wire import field as meta_field
 from ..errors import AveragingError, InDoubt, Interrupted, PeerFailure, RoundCounted
 from ..pacing import Pace
 from . import records
+from .doctor import startup_warnings
 from .exclusion import EXCLUDE_ROUNDS, Offenders
 from .hooks import RoundHooks
 from .matchmaking import Doorbell, Matchmaker, MatchmakingSettings
@@ -173,6 +174,15 @@ class RoundState(enum.Enum):
     FAILED = "failed"
 
 
+def _warn_if_unreachable(dht, initial_peers: list[str], client_mode: bool) -> None:
+    """A worker's short reachability check at start (``doctor.startup_warnings``), off its start's path."""
+    try:
+        for finding in startup_warnings(dht, initial_peers, client_mode):
+            log.warning("%s (check this machine with `opendiloco doctor`)", finding.text)
+    except Exception as e:  # a check that could not run changes nothing
+        log.debug("reachability check at start: %s: %s", type(e).__name__, e)
+
+
 class SwarmCommunicator(Communicator):
     round_runner: type[RoundRunner] = RoundRunner
     """What runs an attempt's exchange (``comm/runner.py``): an attacker's script sets a subclass that
@@ -261,6 +271,8 @@ class SwarmCommunicator(Communicator):
             os.makedirs(run_dir, exist_ok=True)
             with open(os.path.join(run_dir, "peer_addrs.txt"), "w") as f:
                 f.write("\n".join(addrs) + "\n")
+        threading.Thread(target=_warn_if_unreachable, args=(dht, list(cfg.initial_peers), cfg.client_mode),
+                         name="opendiloco-reach-check", daemon=True).start()
         return comm
 
     def refuse_other_settings(self) -> None:

@@ -20,6 +20,7 @@ from hivemind.utils.multiaddr import Multiaddr
 
 from opendiloco.errors import SwarmError
 
+from . import reachability
 from .signing import Identity, SignedRecordValidator
 
 log = logging.getLogger(__name__)
@@ -185,6 +186,10 @@ def start_dht(
     finally:
         if temporary is not None:  # p2pd has read it (or failed to): the key lives on in memory only
             _remove_temporary_identity(temporary[1])
+    try:  # every node answers peers that ask whether it can dial them back (``opendiloco doctor``)
+        dht.run_coroutine(reachability.serve)
+    except Exception as e:  # a node without the service still trains; peers' checks then say so
+        log.warning("could not serve reachability checks: %s: %s", type(e).__name__, e)
     return dht
 
 
