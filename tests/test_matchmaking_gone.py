@@ -106,3 +106,30 @@ def test_a_record_older_than_the_announcement_says_nothing_yet():
     announcements = {"a": {"since": now}, "d": {"since": now}}
     workers = {"a": WorkerRecord("a", outer_step=0, time=now - 1.0)}  # d: no record at all (dead)
     assert mm._gone(workers, announcements, key) == {"d"}
+
+
+def test_a_peer_whose_streamed_round_is_in_flight_is_waited_for_before_its_announcement_arrives():
+    """Streaming: "a" has started round 1 (its record says outer step 1, heading for 2: the round runs in the
+    background) but its announcement of round 1 is not in the DHT yet. It is in the round: "b" and "c" wait
+    for it instead of closing round 1 without it (seen with the owners' audit making rounds longer: the
+    slowest streaming worker was left out, then caught up, round after round)."""
+    table, key = Table(), RoundKey(1)
+    now = table.clock.now()
+    workers = {"a": WorkerRecord("a", outer_step=1, next_round=2, time=now),
+               "b": WorkerRecord("b", outer_step=1, time=now), "c": WorkerRecord("c", outer_step=1, time=now)}
+    results: dict[str, object] = {}
+
+    def member(me: str, delay: float = 0.0) -> None:
+        time.sleep(delay)
+        mm = Matchmaker(Writer(table, me), Presence(me, lambda: workers), SETTINGS, "fp16", threading.Event())
+        try:
+            results[me] = mm.form_group(key, 0, 10)[0].members
+        except AveragingError as e:
+            results[me] = e
+
+    threads = [threading.Thread(target=member, args=(m, d)) for m, d in (("b", 0.0), ("c", 0.0), ("a", 0.5))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert results == {m: ("a", "b", "c") for m in "abc"}, results

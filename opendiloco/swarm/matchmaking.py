@@ -77,6 +77,13 @@ class Doorbell:
             return rung
 
 
+def in_round(record, outer_step: int) -> bool:
+    """Whether a peer's record says its round ``outer_step`` is in flight: it has started that round (a
+    streamed round runs in the background) and heads for the next. Its announcement of the round may
+    not have reached the DHT yet, but it is in the round: it is waited for like a peer heading for it."""
+    return record.outer_step == outer_step and record.heading == outer_step + 1
+
+
 class Matchmaker:
     def __init__(self, run_records: records.RunRecords, presence: Presence, settings: MatchmakingSettings,
                  codec_name: str, interrupted: threading.Event, *, doorbell: Doorbell | None = None,
@@ -147,7 +154,7 @@ class Matchmaker:
             # leaves us out are not waited for. Peers that just downloaded our state of this step
             # come too, whatever their record says yet.
             joiners = self.joiners(key.outer_step)
-            heading = {p for p, r in workers.items() if r.heading == key.outer_step}
+            heading = {p for p, r in workers.items() if r.heading == key.outer_step or in_round(r, key.outer_step)}
             heading |= {p for p in joiners if p not in workers or workers[p].heading < key.outer_step}
             expected = (heading - set(suspects) - self.taken) | {me}
             # A peer that would be left out of our group even if it came now is not waited for.
@@ -185,6 +192,12 @@ class Matchmaker:
                 isolated = self.records.clock.isolated() if mine == {me} else None
                 if isolated:
                     raise AveragingError(f"round {key}: not applied alone: {isolated}")
+                left = set(workers) - mine
+                if left:  # why a live worker is not in this group: what its record said
+                    log.info("round %s: a group of %d without %s", key, len(mine), ", ".join(
+                        f"{p[-8:]} (heading {workers[p].heading}, at {workers[p].outer_step}, "
+                        f"{'waited for until %+.2fs' % (give_up_at - now) if p in missing else 'not waited for'}"
+                        f"{', no-show' if p in self.no_shows else ''})" for p in sorted(left)))
                 break
             self._raise_if_interrupted()
             if not enough and now >= max(shared + s.matchmaking_timeout, give_up_at):

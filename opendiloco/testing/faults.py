@@ -41,6 +41,8 @@ class FaultyStream:
         r.sent[code] = r.sent.get(code, 0) + (code != Code.PART or meta["i"] == self.parts - 1)
         others = len(r.members) - 1
         r.frozen = r.fault == "freeze" and r.sent.get(Code.PART) == others and r.sent.get(Code.RESULT_END) == others
+        if r.frozen:
+            r.fired()
         if r.sent.get(Code.CONFIRM) == others:
             r.confirmed.set()
 
@@ -51,6 +53,7 @@ class FaultyStream:
             frame = await self.stream.recv(**kw)
             if not (self.runner.fault == "lose-confirms" and frame.code == Code.CONFIRM):
                 return frame
+            self.runner.fired()
             await self.runner.confirmed.wait()  # its own CONFIRMs go out before it sees the stream end
 
     async def refuse(self, reason):
@@ -64,10 +67,17 @@ class FaultyRunner(RoundRunner):
     """The protocol as it is, over streams that carry one of ``FAULTS`` (the class's ``fault``)."""
 
     fault: str | None = None
+    on_fired = None
+    """Called (no arguments) the first time the fault takes effect in an attempt."""
 
     def __init__(self, *args, **kw):
         super().__init__(*args, **kw)
         self.frozen, self.sent, self.confirmed = False, {}, asyncio.Event()
+
+    def fired(self) -> None:
+        if self.on_fired is not None and not getattr(self, "_fired", False):
+            self._fired = True
+            type(self).on_fired()
 
     async def run(self, connect):
         async def faulty(peer):
@@ -79,33 +89,36 @@ class FaultyRunner(RoundRunner):
         return await super().serve(FaultyStream(stream, self), opening)
 
 
-def faulty_runner(fault: str) -> type[FaultyRunner]:
+def faulty_runner(fault: str, on_fired=None) -> type[FaultyRunner]:
     if fault not in FAULTS:
         raise ValueError(f"unknown fault {fault!r}; one of {FAULTS}")
-    return type(f"Faulty[{fault}]", (FaultyRunner,), {"fault": fault})
+    return type(f"Faulty[{fault}]", (FaultyRunner,), {"fault": fault, "on_fired": staticmethod(on_fired)})
 
 
 class RoundRecorder(RoundHooks):
     """``attempts``: a file that gets one JSON line per attempt (outer step, members, ok, error type,
     time). ``dump_dir``: one ``{peer}-{outer_step}.pt`` per round with what was sent and received.
     ``stall``: (outer step, seconds) to sleep inside that round's all-reduce, first writing a line to
-    ``marker``. ``fault``: (outer step, one of ``FAULTS``) for that round's first attempt."""
+    ``marker``. ``fault``: (outer step, one of ``FAULTS``) for that round's attempts until it has taken effect
+once (an attempt that failed for another reason before the fault's moment is not the one asked for)."""
 
     def __init__(self, peer_id: str, *, attempts: str | None = None, dump_dir: str | None = None,
                  stall: tuple[int, float] | None = None, marker: str | None = None,
                  fault: tuple[int, str] | None = None):
         self.peer_id, self.attempts, self.dump_dir, self.stall, self.marker = peer_id, attempts, dump_dir, stall, marker
-        self.fault = (fault[0], faulty_runner(fault[1])) if fault else None
+        self.fault = (fault[0], faulty_runner(fault[1], on_fired=self._fired)) if fault else None
         self._sent: dict = {}
 
     def round_began(self, key, contribution):
         if self.dump_dir:
             self._sent[key] = contribution.clone()
 
+    def _fired(self) -> None:
+        self.fault = None
+
     def runner_for(self, group, default):
-        if self.fault and self.fault[0] == group.key.outer_step:  # its first attempt only
-            runner, self.fault = self.fault[1], None
-            return runner
+        if self.fault and self.fault[0] == group.key.outer_step:
+            return self.fault[1]
         return default
 
     async def before_exchange(self, group):

@@ -53,7 +53,7 @@ def main():
                    help="sleep inside the all-reduce of that outer step (the test kills or stops us there)")
     p.add_argument("--fault-in-round", nargs=2, default=None, metavar=("OUTER_STEP", "FAULT"),
                    help="lose-confirms: the others' CONFIRMs never reach us; freeze: our streams go silent once our "
-                        "parts and our shard's result are out (first attempt of that outer step's round)")
+                        "parts and our shard's result are out (that outer step's attempts, until it took effect once)")
     p.add_argument("--poison-at", type=int, default=None, help="make the pseudo-gradient of this outer step NaN")
     p.add_argument("--corrupt-at", type=int, default=None,
                    help="perturb θ_global after the first ok sync at or after this outer step")
