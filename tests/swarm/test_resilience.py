@@ -15,15 +15,6 @@ def ok_syncs(swarm, name):
     return {r["outer_step"]: r for r in swarm.records(name) if r["ok"]}
 
 
-def wait_for(condition, timeout, what, swarm=None, names=()):
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            logs = "\n".join(f"--- {n}\n{swarm.log(n)}" for n in names) if swarm else ""
-            pytest.fail(f"timed out waiting for {what}\n{logs}")
-        time.sleep(0.1)
-
-
 def assert_hashes_agree(swarm, names, steps):
     for step in steps:
         hashes = {n: ok_syncs(swarm, n)[step]["global_hash"] for n in names if step in ok_syncs(swarm, n)}
@@ -36,11 +27,11 @@ def test_late_joiner_downloads_state_and_trains_in_step(swarm):
     # this machine runs the others.
     opts = dict(run_until_stopped=True, local_steps=5, step_delay=0.2, min_group_size=2, **FAST)
     early = [swarm.worker(f"w{i}", seed=i + 1, **opts) for i in range(2)]
-    wait_for(lambda: all(len(ok_syncs(swarm, f"w{i}")) >= 2 for i in range(2)), 120, "two outer steps",
-             swarm, ["w0", "w1"])
+    swarm.wait_for(lambda: all(len(ok_syncs(swarm, f"w{i}")) >= 2 for i in range(2)), 120, "two outer steps",
+                   show=["w0", "w1"])
     late = swarm.worker("w2", seed=3, **opts)
-    wait_for(lambda: sum(r["group_size"] == 3 for r in ok_syncs(swarm, "w2").values()) >= 2, 120,
-             "the joiner to average twice with the others", swarm, ["w0", "w2"])
+    swarm.wait_for(lambda: sum(r["group_size"] == 3 for r in ok_syncs(swarm, "w2").values()) >= 2, 120,
+                   "the joiner to average twice with the others", show=["w0", "w2"])
     for proc in early + [late]:
         proc.send_signal(signal.SIGTERM)
     swarm.wait(early + [late], timeout=60)
@@ -71,12 +62,12 @@ def test_peer_lost_mid_allreduce_survivors_finish_and_it_catches_up(swarm, fault
     survivors = [swarm.worker(f"w{i}", seed=i + 1, **opts) for i in range(2)]
     victim = swarm.worker("victim", seed=9, stall_in_allreduce=(2, 30), **opts)
     marker = swarm.out("victim").with_name("victim.jsonl.inround")
-    wait_for(marker.exists, 120, "the victim to enter the all-reduce of outer step 2", swarm, ["victim", "w0"])
+    swarm.wait_for(marker.exists, 120, "the victim to enter the all-reduce of outer step 2", show=["victim", "w0"])
     hit = time.time()
     os.kill(victim.pid, signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
 
-    wait_for(lambda: all(3 in ok_syncs(swarm, f"w{i}") for i in range(2)), 60, "survivors to finish step 2",
-             swarm, ["w0", "w1"])
+    swarm.wait_for(lambda: all(3 in ok_syncs(swarm, f"w{i}") for i in range(2)), 60, "survivors to finish step 2",
+                   show=["w0", "w1"])
     held = max(ok_syncs(swarm, f"w{i}")[3]["time"] for i in range(2)) - hit
     for i in range(2):
         rec = ok_syncs(swarm, f"w{i}")[3]
@@ -98,9 +89,9 @@ def test_peer_lost_mid_allreduce_survivors_finish_and_it_catches_up(swarm, fault
     # averages with the others again.
     caught_up = (lambda: swarm.records(name, "start")[0]["downloaded"]) if fault == "kill" else \
         (lambda: any(r["reason"] == "caught up from a peer" for r in swarm.records(name)))
-    wait_for(lambda: swarm.records(name, "start") and caught_up()
-             and sum(r["group_size"] == 3 for r in ok_syncs(swarm, name).values()) >= 2,
-             180, f"{name} to catch up and average with the others again", swarm, [name, "w0"])
+    swarm.wait_for(lambda: swarm.records(name, "start") and caught_up()
+                   and sum(r["group_size"] == 3 for r in ok_syncs(swarm, name).values()) >= 2,
+                   180, f"{name} to catch up and average with the others again", show=[name, "w0"])
     for proc in survivors + [back]:
         proc.send_signal(signal.SIGTERM)
     swarm.wait(survivors + [back], timeout=60)
@@ -151,7 +142,7 @@ def test_quorum_not_reached_is_a_clear_failure_not_a_hang(swarm):
     procs = [swarm.worker(f"w{i}", seed=i + 1, **opts) for i in range(2)]
     time.sleep(0.5)
     # SIGTERM after the first failed round: workers leave cleanly (exit 0, nothing left behind).
-    wait_for(lambda: all(swarm.records(f"w{i}") for i in range(2)), 150, "a failed round", swarm, ["w0", "w1"])
+    swarm.wait_for(lambda: all(swarm.records(f"w{i}") for i in range(2)), 150, "a failed round", show=["w0", "w1"])
     for i in range(2):
         rec = swarm.records(f"w{i}")[0]
         assert not rec["ok"] and "need 3" in rec["reason"], rec
