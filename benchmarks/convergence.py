@@ -61,10 +61,30 @@ def trainers(n: int, run_dir: Path, communicators, **kw):
     return out
 
 
-def job(spec: dict) -> dict:
-    """One configuration: returns {inner step: held-out loss} at ``spec["at"]``."""
+def in_threads(fn, items) -> None:
+    """``fn(item)`` for every item at once, one thread each (replicas of an ``InProcessGroup`` wait on
+    one another); re-raises the first error."""
     import threading
 
+    errors = []
+
+    def run(item):
+        try:
+            fn(item)
+        except BaseException as e:  # surfaced below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(item,)) for item in items]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    if errors:
+        raise errors[0]
+
+
+def job(spec: dict) -> dict:
+    """One configuration: returns {inner step: held-out loss} at ``spec["at"]``."""
     import torch
 
     from opendiloco import InProcessGroup, SingleWorker
@@ -79,25 +99,15 @@ def job(spec: dict) -> dict:
         n = spec["workers"]
         group = InProcessGroup(n, compression="fp16", timeout=600)
         ts = trainers(n, run_dir, group.members, h=spec["H"], outer_lr=spec["outer_lr"], **common)
-        errors = []
 
         def replica(t):
-            try:
-                for step in range(1, at[-1] + 1):
-                    t.train_step()
-                    if t is ts[0] and step in at:  # after the outer step: every replica holds θ_global
-                        assert t.opt.local_step == 0 and t.opt.last_sync.ok
-                        losses[step] = t.evaluate()
-            except BaseException as e:  # surfaced below
-                errors.append(e)
+            for step in range(1, at[-1] + 1):
+                t.train_step()
+                if t is ts[0] and step in at:  # after the outer step: every replica holds θ_global
+                    assert t.opt.local_step == 0 and t.opt.last_sync.ok
+                    losses[step] = t.evaluate()
 
-        threads = [threading.Thread(target=replica, args=(t,)) for t in ts]
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join()
-        if errors:
-            raise errors[0]
+        in_threads(replica, ts)
         hashes = {t.opt.global_hash() for t in ts}
         assert len(hashes) == 1, "replicas disagree"
     else:  # "single" or "data-parallel": plain AdamW, the trainer's model and inner hyperparameters

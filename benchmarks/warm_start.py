@@ -21,10 +21,9 @@ import io
 import json
 import statistics
 import tempfile
-import threading
 from pathlib import Path
 
-from .convergence import config
+from .convergence import config, in_threads
 
 
 def run(seed: int, warm: bool, args, work: Path) -> dict:
@@ -49,23 +48,12 @@ def run(seed: int, warm: bool, args, work: Path) -> dict:
         return t
 
     def rounds(ts, n_rounds, losses):
-        errors = []
+        def replica(i):
+            for _ in range(n_rounds * args.h):
+                loss, _ = ts[i].train_step()
+                losses[i].append(loss)
 
-        def replica(i, t):
-            try:
-                for _ in range(n_rounds * args.h):
-                    loss, _ = t.train_step()
-                    losses[i].append(loss)
-            except BaseException as e:  # surfaced below
-                errors.append(e)
-
-        threads = [threading.Thread(target=replica, args=(i, t)) for i, t in enumerate(ts)]
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join()
-        if errors:
-            raise errors[0]
+        in_threads(replica, range(len(ts)))
 
     group3 = InProcessGroup(3, compression="fp16", timeout=600)
     old = [trainer(r, group3.members[r]) for r in range(3)]

@@ -27,13 +27,22 @@ def _add_train(sub) -> None:
     p.set_defaults(func=cmd_train, takes_overrides=True)
 
 
-def cmd_train(args, overrides: list[str]) -> int:
-    from .train.config import ConfigError, load_config, to_toml
+def _config(args, overrides: list[str]):
+    """The config of ``--config`` and its overrides; None (with the one-line error said) if it is refused."""
+    from .train.config import ConfigError, load_config
 
     try:
-        cfg = load_config(args.config, overrides)
+        return load_config(args.config, overrides)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
+        return None
+
+
+def cmd_train(args, overrides: list[str]) -> int:
+    from .train.config import to_toml
+
+    cfg = _config(args, overrides)
+    if cfg is None:
         return EXIT_CONFIG
     if args.print_config:
         print(to_toml(cfg), end="")
@@ -200,12 +209,8 @@ def _add_doctor(sub) -> None:
 
 
 def cmd_doctor(args, overrides: list[str]) -> int:
-    from .train.config import ConfigError, load_config
-
-    try:
-        cfg = load_config(args.config, overrides)
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
+    cfg = _config(args, overrides)
+    if cfg is None:
         return EXIT_CONFIG
     if not (args.timeout > 0 and args.startup_timeout > 0):
         print("opendiloco doctor: --timeout and --startup-timeout must be positive", file=sys.stderr)
