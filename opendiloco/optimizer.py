@@ -17,11 +17,11 @@ from .comm.buffers import FlatBuffer, all_finite, unflatten
 from .comm.local import SingleWorker
 from .errors import AveragingError, BehindError, DriftError, LocalRankFailure, RoundCounted
 from .fragment import Fragment, make_fragments
-from .optimizer_state import SavedRound, check_checkpoint, counters, fragment_work, joiner_position, settings_of
+from .optimizer_state import SavedRound, check_checkpoint, joiner_position, settings_of
 from .outer import OptimizerFactory, OuterState, fragmented_hash
 from .pacing import PACES, Pace, round_due, seconds_to_target
 from .staging import DeviceSnapshot
-from .state_check import Reference, adoptable_optimizer_state, check_state, reference_groups
+from .state_check import ADAM_ENTRIES, Reference, adoptable_optimizer_state, check_state, reference_groups
 from .streaming import check_schedule, event_gap, event_start, fragment_of, fragments_from_groups, split_evenly
 
 log = logging.getLogger(__name__)
@@ -616,7 +616,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
             return None
         shared = {}
         for param, entry in entries:
-            if id(param) not in index:
+            if id(param) not in index or not ADAM_ENTRIES <= entry.keys():  # not yet stepped (or being set up)
                 continue
             shared[index[id(param)]] = {
                 name: (torch.tensor(float(value), dtype=torch.float32) if name == "step"
@@ -633,20 +633,27 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         inner = sum(p.numel() for p in self._inner_params()) if self._adam_betas() is not None else 0
         return 4 * (4 * values + 3 * inner + buffers) + (16 << 20)
 
-    def _reference(self) -> Reference:
-        """What a peer's state must fit: this worker's model, outer optimizer settings and schedule."""
+    def _takes_inner(self) -> bool:
+        """Whether this worker would start its inner optimizer from a donor's (a joiner's, with ``warm_start``)."""
+        return self.warm_start and not self.inner.state and self._adam_betas() is not None
+
+    def _reference(self, take_inner: bool = False) -> Reference:
+        """What a peer's state must fit: this worker's model, outer optimizer settings and schedule (and its
+        inner optimizer's parameters and settings, when it would take the donor's inner state)."""
         return Reference(global_params=self.outer.global_params,
                          buffers=[torch.empty(b.shape, dtype=torch.float32, device="meta") for b in self.outer.buffers],
                          param_groups=reference_groups(self.outer.optimizer, self.outer.global_params),
                          fragments=[f.params for f in self.fragments], local_steps=self.local_steps, pace=self.pace,
                          inner_params=self._inner_params(),
-                         inner_betas=self._adam_betas() if self.warm_start else None)
+                         inner_betas=self._adam_betas() if take_inner else None,
+                         inner_amsgrad=any(g.get("amsgrad", False) for g in self.inner.param_groups))
 
     def check_shareable_state(self, state: dict, min_outer_step: int | None = None,
                               expected_hash: str | None = None) -> None:
         """Raises ``StateRefused`` (a ``ValueError`` naming the donor) for a peer's state that
         ``load_shareable_state`` would refuse; changes nothing. What is checked: ``opendiloco.state_check``."""
-        check_state(state, self._reference(), min_outer_step=min_outer_step, expected_hash=expected_hash)
+        check_state(state, self._reference(self._takes_inner()), min_outer_step=min_outer_step,
+                    expected_hash=expected_hash)
 
     @torch.no_grad()
     def load_shareable_state(self, state: dict, *, min_outer_step: int | None = None,
@@ -668,7 +675,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         # A download names the hash the run confirmed (``confirmed_hash``, set by the receiver, never the donor).
         expected_hash = expected_hash if expected_hash is not None else (
             state.get("confirmed_hash") if isinstance(state, dict) else None)
-        reference = self._reference()
+        reference = self._reference(take_inner=keep_local is None and self._takes_inner())
         check_state(state, reference, min_outer_step=min_outer_step, expected_hash=expected_hash)
         outer = {"global_params": state["outer"]["global_params"],
                  "optimizer": adoptable_optimizer_state(state, reference)}
@@ -691,7 +698,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
                 self._inner_steps_total = state["inner_steps_total"] + self._local_step
             self._pace_work = 0.0
             self._reset_residuals()  # owed against the θ_global this worker no longer holds
-            if keep_local is None and reference.inner_betas is not None and state.get("inner") and not self.inner.state:
+            if reference.inner_betas is not None and state.get("inner"):
                 self._warm_start_from(state["inner"])
         self._global_changed()
 
@@ -740,8 +747,9 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict) -> None:
         # Checked before anything changes, so a refused state dict leaves this optimizer as it was.
-        pending, residuals = check_checkpoint(state_dict, settings=settings_of(self),
-                                              global_params=self.outer.global_params, fragments=self.fragments)
+        checked = check_checkpoint(state_dict, settings=settings_of(self), global_params=self.outer.global_params,
+                                   fragments=self.fragments)
+        pending = checked.pending
         self._wait_pending()
         inner_backup = self.inner.state_dict()
         self.inner.load_state_dict(state_dict["inner"])
@@ -754,13 +762,13 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
             # torch's load_state_dict rebuilds param_groups: keep sharing them.
             self.param_groups = self.inner.param_groups
             self.state = self.inner.state
-        for name, value in counters(state_dict).items():
+        for name, value in checked.counters.items():
             setattr(self, f"_{name}", value)
-        for f, work in zip(self.fragments, fragment_work(state_dict, self.num_fragments)):
+        for f, work in zip(self.fragments, checked.fragment_work):
             f.work = work
         self._reset_residuals()
         if self.error_feedback:
-            for f, owed in residuals.items():
+            for f, owed in checked.residuals.items():
                 self.fragments[f].residuals()[0].copy_(owed)
         self._global_changed()  # θ_global was replaced: drop the cached hash
         if pending is not None:  # the round that was in flight starts again, under the same key

@@ -9,6 +9,7 @@ different, smaller state, checked by ``opendiloco.state_check``.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -44,10 +45,20 @@ def settings_of(optimizer) -> dict:
     return {name: getattr(optimizer, name) for name in SETTINGS}
 
 
+@dataclass(frozen=True)
+class Checked:
+    """What a checked state dict restores besides the optimizers' own state."""
+
+    pending: SavedRound | None
+    residuals: dict[int, torch.Tensor]
+    counters: dict
+    fragment_work: list[float]
+
+
 def check_checkpoint(state_dict: dict, *, settings: dict, global_params: Sequence[torch.Tensor],
-                     fragments: Sequence[Fragment]) -> tuple[SavedRound | None, dict[int, torch.Tensor]]:
+                     fragments: Sequence[Fragment]) -> Checked:
     """Raises ``ValueError`` (one line) for a state dict that does not fit an optimizer with these
-    ``settings``, parameters and fragments; returns its round in flight and its residuals, checked."""
+    ``settings``, parameters and fragments; returns what it restores besides the optimizers, checked."""
     if not isinstance(state_dict, dict):
         raise ValueError(f"DiLoCoOptimizer state_dict must be a dict, got {type(state_dict).__name__}")
     missing = REQUIRED - state_dict.keys()
@@ -73,7 +84,17 @@ def check_checkpoint(state_dict: dict, *, settings: dict, global_params: Sequenc
         raise ValueError("DiLoCoOptimizer state_dict['error_feedback'] must map fragments to residuals")
     for f, owed in residuals.items():
         validate_tensors([owed], [fragments[f].buffers()[0].flat], f"error_feedback[{f}]")
-    return pending, residuals
+    try:
+        restored = counters(state_dict)
+        work = fragment_work(state_dict, len(fragments))
+    except (TypeError, ValueError, OverflowError) as e:
+        raise ValueError(f"DiLoCoOptimizer state_dict has a malformed counter: {e}") from None
+    if len(work) != len(fragments) or not all(math.isfinite(w) and w >= 0 for w in work):
+        raise ValueError(f"DiLoCoOptimizer state_dict['fragment_work'] must hold {len(fragments)} finite, "
+                         "non-negative numbers")
+    if any(v < 0 for v in restored.values()) or not math.isfinite(restored["pace_work"]):
+        raise ValueError("DiLoCoOptimizer state_dict has a negative or non-finite counter")
+    return Checked(pending, residuals, restored, work)
 
 
 def _saved_round(pending, fragments: Sequence[Fragment]) -> SavedRound | None:

@@ -23,11 +23,13 @@ the run or checked against the joiner's own configuration, and the state is refu
 
 - **The inner optimizer's state** (a warm start, optional): served only by donors that share it and
   taken only by a joiner whose inner optimizer has no state yet. Adam's per-parameter state alone
-  (``step``, ``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq``), for this worker's parameters, of
-  their shapes, finite; ``step`` a whole number within the bound on ``inner_steps_total``; second
-  moments not negative; and first moments within ``ADAM_REACH`` of what Adam's own averages allow
-  against the second (``adam_moment_ratio``), so that a served moment moves no weight in one step
-  farther than an honest one could.
+  (``step``, ``exp_avg``, ``exp_avg_sq``, and ``max_exp_avg_sq`` exactly when the joiner uses amsgrad),
+  complete, for this worker's parameters, of their shapes, finite; ``step`` a whole number from 1
+  within the bound on ``inner_steps_total``; second moments not negative (``max_exp_avg_sq`` not below
+  them); and first moments within ``ADAM_REACH`` of what Adam's own averages allow against the second
+  after that many steps (``adam_moment_ratio``), so that a served moment moves no weight in one step
+  much farther than an honest one could. A second moment too large is not refused: it slows the
+  joiner's own first steps only.
 
 What this does not decide: which state the run confirms (``swarm/quorum.py``), and whether a
 momentum within the bound is the run's (see docs/trust.md).
@@ -60,21 +62,29 @@ to reach its outer step (plus one round). Honest surplus comes from failed round
 each adds one round of steps) and from workers faster than the group (``pace="swarm"``)."""
 
 
-ADAM_STATE = frozenset({"step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"})
-"""The per-parameter entries of ``torch.optim.Adam``/``AdamW``: the only inner state a joiner takes."""
+ADAM_ENTRIES = frozenset({"step", "exp_avg", "exp_avg_sq"})
+"""The per-parameter entries of ``torch.optim.Adam``/``AdamW`` (``max_exp_avg_sq`` too with amsgrad): the
+only inner state a joiner takes, and only complete."""
 
 ADAM_REACH = 2.0
 """Margin over ``adam_moment_ratio`` for a served first moment (a donor copies its moments while it
 steps, so the two may be a step apart)."""
 
 
-def adam_moment_ratio(beta1: float, beta2: float) -> float:
-    """The largest |m| / sqrt(v) Adam's averages allow for any gradients (None-free: inf when the
-    bound does not hold). With m = (1-β1) Σ β1^k g_k and v = (1-β2) Σ β2^k g_k², Cauchy-Schwarz gives
-    |m| <= (1-β1) / sqrt((1-β2)(1 - β1²/β2)) · sqrt(v) when β1² < β2 (1.17 for (0.9, 0.95))."""
-    if not (0 <= beta1 < 1 and 0 < beta2 < 1) or beta1 * beta1 >= beta2:
-        return math.inf
-    return (1 - beta1) / math.sqrt((1 - beta2) * (1 - beta1 * beta1 / beta2))
+def adam_moment_ratio(beta1: float, beta2: float, steps: int | None = None) -> float:
+    """The largest |m| / sqrt(v) Adam's averages allow after ``steps`` updates (None: any number), for
+    any gradients. With m = (1-β1) Σ_k<t β1^k g_k and v = (1-β2) Σ_k<t β2^k g_k², Cauchy-Schwarz gives
+    |m| <= (1-β1) / sqrt(1-β2) · sqrt(Σ_k<t q^k) · sqrt(v), q = β1²/β2: 1 after one step (the update
+    Adam makes then is lr·sign(g)), 1.17 in the limit for (0.9, 0.95). Bias correction scales m and v
+    alike for a given step, so a state within this bound makes an update no larger than an honest one."""
+    q = beta1 * beta1 / beta2
+    if steps is None:
+        if q >= 1:
+            return math.inf
+        total = 1 / (1 - q)
+    else:
+        total = float(steps) if q == 1 else (1 - q ** steps) / (1 - q)
+    return (1 - beta1) / math.sqrt(1 - beta2) * math.sqrt(total)
 
 
 class StateRefused(ValueError):
@@ -97,7 +107,9 @@ class Reference:
     inner_params: Sequence[torch.Tensor] = ()
     """The inner optimizer's parameters, in its ``state_dict`` order (empty: no inner state is taken)."""
     inner_betas: tuple[float, float] | None = None
-    """The inner optimizer's Adam betas (None: it is no Adam, and no inner state is taken)."""
+    """The inner optimizer's Adam betas (None: no inner state is taken: it is no Adam, or it is not a
+    joiner's that would take one)."""
+    inner_amsgrad: bool = False
 
 
 def reference_groups(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor]) -> list[dict]:
@@ -167,39 +179,36 @@ def _most_steps(ref: Reference, outer_step: int) -> int:
 
 
 def _inner(state, inner, ref: Reference, most: int) -> None:
-    """A served inner optimizer state: Adam's entries for this worker's parameters, bounded."""
+    """A served inner optimizer state: Adam's entries, complete, for this worker's parameters, bounded."""
     if not isinstance(inner, dict):
         raise _refuse(state, "the inner optimizer state is not a mapping")
-    ratio = ADAM_REACH * adam_moment_ratio(*ref.inner_betas)
+    beta1, beta2 = ref.inner_betas
+    expected = ADAM_ENTRIES | ({"max_exp_avg_sq"} if ref.inner_amsgrad else set())
     for index, entry in inner.items():
         if not (isinstance(index, int) and 0 <= index < len(ref.inner_params)) or not isinstance(entry, dict):
             raise _refuse(state, f"the inner optimizer state has an unexpected entry {index!r}")
-        unknown = entry.keys() - ADAM_STATE
-        if unknown:
-            raise _refuse(state, f"inner optimizer state[{index}] has entries {sorted(map(str, unknown))}, not Adam's")
-        param = ref.inner_params[index]
-        like = torch.empty(param.shape, dtype=torch.float32, device="meta")
-        for name, value in entry.items():
-            where = f"inner optimizer state[{index}].{name}"
-            if name == "step":
-                step = float(value) if isinstance(value, (int, float, torch.Tensor)) and (
-                    not isinstance(value, torch.Tensor) or value.numel() == 1) else math.nan
-                if not (math.isfinite(step) and step == int(step) and 0 <= step <= most):
-                    raise _refuse(state, f"{where} is {step}: the run's schedule allows at most {most} inner steps")
-                continue
-            _tensors(state, [value], [like], where)
-        second = entry.get("exp_avg_sq")
-        if second is not None and float(second.min()) < 0:
-            raise _refuse(state, f"inner optimizer state[{index}].exp_avg_sq is negative")
-        first = entry.get("exp_avg")
-        if first is not None and math.isfinite(ratio):
-            if second is None:
-                raise _refuse(state, f"inner optimizer state[{index}] has exp_avg without exp_avg_sq")
-            # |m| <= ratio * sqrt(v), with a floor for values at fp32's resolution
-            excess = (first.abs() - ratio * second.sqrt() - 1e-30).max()
-            if float(excess) > 0:
-                raise _refuse(state, f"inner optimizer state[{index}].exp_avg is larger than Adam's averages allow "
-                                     f"against exp_avg_sq (|m| <= {ratio:.3g} sqrt(v))")
+        if entry.keys() != expected:  # a partial entry would crash the joiner's first step
+            raise _refuse(state, f"inner optimizer state[{index}] has {sorted(map(str, entry))}, not Adam's "
+                                 f"{sorted(expected)}")
+        where = f"inner optimizer state[{index}]"
+        value = entry["step"]
+        step = float(value) if isinstance(value, (int, float, torch.Tensor)) and not isinstance(value, bool) and (
+            not isinstance(value, torch.Tensor) or value.numel() == 1) else math.nan
+        if not (math.isfinite(step) and step == int(step) and 1 <= step <= most):
+            raise _refuse(state, f"{where}.step is {step}: between 1 and {most} (the run's schedule) accepted")
+        like = torch.empty(ref.inner_params[index].shape, dtype=torch.float32, device="meta")
+        for name in sorted(expected - {"step"}):
+            _tensors(state, [entry[name]], [like], f"{where}.{name}")
+        first, second = entry["exp_avg"], entry["exp_avg_sq"]
+        if float(second.min()) < 0:
+            raise _refuse(state, f"{where}.exp_avg_sq is negative")
+        if "max_exp_avg_sq" in entry and bool((entry["max_exp_avg_sq"] < second).any()):
+            raise _refuse(state, f"{where}.max_exp_avg_sq is below exp_avg_sq")
+        ratio = ADAM_REACH * adam_moment_ratio(beta1, beta2, int(step))
+        # |m| <= ratio * sqrt(v), with a floor for values at fp32's resolution
+        if float((first.abs() - ratio * second.sqrt() - 1e-30).max()) > 0:
+            raise _refuse(state, f"{where}.exp_avg is larger than Adam's averages allow against exp_avg_sq after "
+                                 f"{int(step)} steps (|m| <= {ratio:.3g} sqrt(v))")
 
 
 def _tensors(state, incoming, expected, what: str) -> None:

@@ -40,6 +40,15 @@ def test_addresses_are_told_apart():
     assert ip_and_port("/ip4/1.2.3.4/tcp/5/p2p/Qm") == ("1.2.3.4", 5) and ip_and_port("/ip4/1.2.3.4/udp/5") is None
 
 
+def test_a_relayed_asker_is_not_dialled_back():
+    from opendiloco.swarm.reachability import direct
+
+    assert direct("/ip4/1.2.3.4/tcp/5") and direct("/ip4/1.2.3.4/tcp/5/p2p/12D3KooWAbc")
+    # Through a circuit relay the observed address is the relay's: dialling it would scan the relay's host.
+    assert not direct("/ip4/1.2.3.4/tcp/5/p2p/12D3KooWRelay/p2p-circuit")
+    assert not direct("/ip4/1.2.3.4/udp/5/quic") and not direct("/dns4/example.org/tcp/5")
+
+
 def test_a_node_behind_nat_is_told_to_use_client_mode_or_forward_a_port():
     behind = judge_reach(answered(observed="/ip4/203.0.113.9/tcp/51234", closed_ports=[40000]), ME, False)
     assert levels(behind) == ["fail"] and "behind NAT" in behind[0].text and "203.0.113.9" in behind[0].text

@@ -253,9 +253,14 @@ INNER_POISONS = {
     "exp_avg": (lambda s: [e["exp_avg"].fill_(1e3) for e in _entries(s)], "larger than Adam's averages allow"),
     "exp_avg_sq": (lambda s: [e["exp_avg_sq"].fill_(-1.0) for e in _entries(s)], "exp_avg_sq is negative"),
     "nan": (lambda s: [e["exp_avg_sq"].fill_(float("nan")) for e in _entries(s)], "NaN or Inf"),
-    "step": (lambda s: [e.update(step=torch.tensor(1e9)) for e in _entries(s)], "the run's schedule allows at most"),
+    "step": (lambda s: [e.update(step=torch.tensor(1e9)) for e in _entries(s)], "step is 1000000000.0: between 1 and"),
     "shape": (lambda s: [e.update(exp_avg=torch.zeros(3)) for e in _entries(s)], "shape (3,)"),
     "entry": (lambda s: [e.update(momentum_buffer=torch.zeros(1)) for e in _entries(s)], "not Adam's"),
+    "partial": (lambda s: [e.pop("exp_avg") for e in _entries(s)], "not Adam's"),  # would crash its first step
+    "step0": (lambda s: [e.update(step=torch.tensor(0.0)) for e in _entries(s)], "step is 0.0: between 1"),
+    # A first moment Adam cannot reach after one step (|m| <= sqrt(v) then): 4.8x lr in the joiner's first step.
+    "reach": (lambda s: [e.update(step=torch.tensor(1.0), exp_avg=2.3 * e["exp_avg_sq"].sqrt() + 1e-3)
+                         for e in _entries(s)], "after 1 steps"),
     "index": (lambda s: s["inner"].update({10**6: {}}), "unexpected entry 1000000"),
 }
 
@@ -319,6 +324,8 @@ def test_adams_first_moment_stays_within_the_bound_the_check_uses():
             p.grad = torch.randn(4096, generator=g) * scale if step % 50 else torch.full((4096,), 5.0)
             opt.step()
             state = opt.state[p]
-            worst = max(worst, float((state["exp_avg"].abs() / state["exp_avg_sq"].sqrt()).max()))
+            ratio = float((state["exp_avg"].abs() / state["exp_avg_sq"].sqrt()).max())
+            assert ratio <= adam_moment_ratio(*betas, steps=step + 1) * (1 + 1e-5), (betas, step, ratio)
+            worst = max(worst, ratio)
         assert worst <= adam_moment_ratio(*betas) * (1 + 1e-5), (betas, worst)
         assert worst > 0.5 * adam_moment_ratio(*betas) or betas[1] == 0.999, (betas, worst)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from ..errors import SwarmError
 from .node import start_dht, visible_maddrs
-from .reachability import Probe, address_kind, ip_and_port, probe
+from .reachability import DIAL_TIMEOUT, Probe, address_kind, ip_and_port, probe
 
 log = logging.getLogger(__name__)
 
@@ -116,8 +116,8 @@ def _ports(announced: Sequence[str]) -> list[int]:
 
 def _ask(dht, addr: str, ports: list[int], timeout: float) -> Probe:
     future = dht.run_coroutine(functools.partial(probe, addr=addr, ports=ports, timeout=timeout), return_future=True)
-    try:
-        return future.result(3 * timeout + 10)
+    try:  # the probe's own steps: a dial, connect, ping, open a stream, its answer (after the dial-back)
+        return future.result(5 * timeout + DIAL_TIMEOUT + 5)
     except Exception as e:  # the DHT process itself did not answer
         return Probe(peer=addr, error=f"no answer from the probe: {type(e).__name__}: {e}")
 
@@ -153,6 +153,7 @@ def startup_warnings(dht, initial_peers: Sequence[str], client_mode: bool, timeo
         return []
     announced = visible_maddrs(dht)
     p = _ask(dht, initial_peers[0], _ports(announced), timeout)
-    if p.error is not None:
-        return []  # joining already says so
+    if p.error is not None or p.reach_error is not None:  # joining says so; an older peer, or asked too often
+        log.debug("reachability check at start: %s", p.error or p.reach_error)
+        return []
     return [f for f in judge_reach(p, announced, client_mode) if f.level != "ok"]

@@ -80,7 +80,8 @@ class Doorbell:
 def in_round(record, outer_step: int) -> bool:
     """Whether a peer's record says its round ``outer_step`` is in flight: it has started that round (a
     streamed round runs in the background) and heads for the next. Its announcement of the round may
-    not have reached the DHT yet, but it is in the round: it is waited for like a peer heading for it."""
+    not have reached the DHT yet, but it is in the round: it is waited for, for ``straggler_wait`` (its
+    published ready time is for the round after), and not held to that time if it does not come."""
     return record.outer_step == outer_step and record.heading == outer_step + 1
 
 
@@ -154,7 +155,8 @@ class Matchmaker:
             # leaves us out are not waited for. Peers that just downloaded our state of this step
             # come too, whatever their record says yet.
             joiners = self.joiners(key.outer_step)
-            heading = {p for p, r in workers.items() if r.heading == key.outer_step or in_round(r, key.outer_step)}
+            in_flight = {p for p, r in workers.items() if in_round(r, key.outer_step)}
+            heading = {p for p, r in workers.items() if r.heading == key.outer_step} | in_flight
             heading |= {p for p in joiners if p not in workers or workers[p].heading < key.outer_step}
             expected = (heading - set(suspects) - self.taken) | {me}
             # A peer that would be left out of our group even if it came now is not waited for.
@@ -167,10 +169,11 @@ class Matchmaker:
             # A ready time is believed in full from a peer whose word counts here, or that has just
             # downloaded our state to join; from any other peer, for one grace at most (``partners.py``).
             believable = (self.presence.partners.vouched(set(workers) | {me}) & missing) | joiners
-            give_up_at = max((self._wait_until(workers.get(p), shared, p in believable) for p in missing),
-                             default=shared)
+            # A peer with the round in flight gets the grace only: its ready time is for the round after.
+            give_up_at = max((self._wait_until(None if p in in_flight else workers.get(p), shared, p in believable)
+                              for p in missing), default=shared)
             if enough and now >= give_up_at:
-                for p in missing:  # it promised a time and is not here: its next promise is not believed
+                for p in missing - in_flight:  # it promised a time and is not here: its next promise is not believed
                     if p in workers and workers[p].ready_at is not None:
                         self.no_shows[p] = key.outer_step
                 others = set(workers) - {me}

@@ -187,7 +187,7 @@ def start_dht(
         if temporary is not None:  # p2pd has read it (or failed to): the key lives on in memory only
             _remove_temporary_identity(temporary[1])
     try:  # every node answers peers that ask whether it can dial them back (``opendiloco doctor``)
-        dht.run_coroutine(reachability.serve)
+        dht.run_coroutine(reachability.serve, return_future=True).result(startup_timeout)
     except Exception as e:  # a node without the service still trains; peers' checks then say so
         log.warning("could not serve reachability checks: %s: %s", type(e).__name__, e)
     return dht

@@ -8,15 +8,17 @@ does not announce, and its ports there are closed; a node behind a firewall is s
 with its port closed. The reused connection the question came over proves nothing, so the answer is
 always a fresh dial.
 
-The dial goes only to the asker's own observed address, at most ``MAX_PORTS`` ports, each one TCP
-connect that is closed at once, at most once per asker per ``PER_PEER_S``: the service cannot be used
-to make a node connect anywhere else. ``probe`` (run inside a DHT process) asks one initial peer:
+The dial goes only to the asker's own observed address, never through a relay (there the address is
+the relay's), at most ``MAX_PORTS`` ports, each one TCP connect that is closed at once, at most once per
+asker per ``PER_PEER_S`` and for ``MAX_DIALLING`` askers at a time: the service cannot be used to make a
+node connect anywhere else, nor to hold its sockets. ``probe`` (run inside a DHT process) asks one initial peer:
 connect, ping (round trip and the peer's clock), then ``REACH``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import ipaddress
 import logging
 import time
@@ -35,6 +37,7 @@ MAX_PORTS = 4
 PER_PEER_S = 10.0
 DIAL_TIMEOUT = 3.0
 MAX_ASKERS = 4096
+MAX_DIALLING = 8
 
 
 def address_kind(ip: str) -> str:
@@ -58,11 +61,29 @@ def ip_and_port(maddr: str) -> tuple[str, int] | None:
     return None
 
 
+def direct(observed: str) -> bool:
+    """Whether a stream came straight from its peer (``/ip4|ip6/ADDR/tcp/PORT``, perhaps ``/p2p/ID``):
+    through a relay, the address is the relay's, which the asker must not make this node dial."""
+    parts = str(observed).strip("/").split("/")
+    return ip_and_port(observed) is not None and (len(parts) == 4 or (len(parts) == 6 and parts[4] == "p2p"))
+
+
 class ReachServer:
-    """Answers ``REACH`` on a p2p node (registered inside its DHT process by ``serve``)."""
+    """Answers ``REACH`` on a p2p node (registered inside its DHT process by ``serve``): at most
+    ``MAX_DIALLING`` answers being dialled at once, each asker once per ``PER_PEER_S``."""
 
     def __init__(self):
-        self._last: dict[str, float] = {}
+        self._last: collections.OrderedDict[str, float] = collections.OrderedDict()
+        self._dialling = asyncio.Semaphore(MAX_DIALLING)
+
+    def _asked_recently(self, peer: str, now: float) -> bool:
+        if now - self._last.get(peer, -PER_PEER_S) < PER_PEER_S:
+            return True
+        self._last[peer] = now
+        self._last.move_to_end(peer)
+        while len(self._last) > MAX_ASKERS:  # oldest first: fresh identities cannot grow it without bound
+            self._last.popitem(last=False)
+        return False
 
     async def handle(self, info, reader, writer) -> None:
         stream = ByteStream(reader, writer, remote=info.peer_id.to_base58())
@@ -70,16 +91,16 @@ class ReachServer:
             frame = await asyncio.wait_for(stream.recv(max_payload=0, expect=Code.REACH), 5.0)
             ports = meta_field(frame.meta, "ports", list)
             ports = [p for p in ports[:MAX_PORTS] if isinstance(p, int) and not isinstance(p, bool) and 0 < p < 65536]
-            observed = str(info.addr)
-            now = time.monotonic()
-            if now - self._last.get(stream.remote, -PER_PEER_S) < PER_PEER_S:
-                await stream.send(Code.REACH_ANSWER, {"observed": observed, "refused": "asked too often"})
+            observed = str(info.addr)[:200]
+            refused = ("relayed: no dial-back through a relay" if not direct(observed)
+                       else "busy" if self._dialling.locked()
+                       else "asked too often" if self._asked_recently(stream.remote, time.monotonic()) else None)
+            if refused:
+                await stream.send(Code.REACH_ANSWER, {"observed": observed, "refused": refused})
                 return
-            if len(self._last) >= MAX_ASKERS:
-                self._last = {p: t for p, t in self._last.items() if now - t < PER_PEER_S}
-            self._last[stream.remote] = now
             target = ip_and_port(observed)
-            results = await asyncio.gather(*(_dial(target[0], p) for p in ports)) if target else []
+            async with self._dialling:
+                results = await asyncio.gather(*(_dial(target[0], p) for p in ports))
             await stream.send(Code.REACH_ANSWER, {"observed": observed,
                                                   "open": [p for p, ok in zip(ports, results) if ok],
                                                   "closed": [p for p, ok in zip(ports, results) if not ok]})
