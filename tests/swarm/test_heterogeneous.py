@@ -5,7 +5,7 @@ import statistics
 
 import pytest
 
-from .test_resilience import assert_hashes_agree, ok_syncs, wait_for
+from .test_resilience import assert_hashes_agree, ok_syncs
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(300)]
 
@@ -24,7 +24,7 @@ def test_a_4x_slower_worker_contributes_to_every_round_and_nothing_is_dropped(sw
         """Outer steps in which all three averaged together."""
         return [k for k, r in ok_syncs(swarm, "slow").items() if r["group_size"] == 3]
 
-    wait_for(lambda: len(together()) >= 6, 200, "six rounds with all three workers", swarm, names)
+    swarm.wait_for(lambda: len(together()) >= 6, 200, "six rounds with all three workers", show=names)
     for proc in procs:
         proc.send_signal(signal.SIGTERM)
     swarm.wait(procs, timeout=60)
@@ -67,10 +67,11 @@ def test_a_worker_left_out_under_swarm_pace_carries_its_work_into_the_next_round
     survivors = [swarm.worker(f"w{i}", seed=i + 1, **opts) for i in range(2)]
     victim = swarm.worker("victim", seed=9, stall_in_allreduce=(2, 30), **opts)
     marker = swarm.out("victim").with_name("victim.jsonl.inround")
-    wait_for(marker.exists, 120, "the victim to enter the all-reduce of outer step 2", swarm, ["victim", "w0"])
+    swarm.wait_for(marker.exists, 120, "the victim to enter the all-reduce of outer step 2",
+                   show=["victim", "w0"])
     victim.send_signal(signal.SIGSTOP)
-    wait_for(lambda: all(3 in ok_syncs(swarm, f"w{i}") for i in range(2)), 60, "the others to go on", swarm,
-             ["w0", "w1"])
+    swarm.wait_for(lambda: all(3 in ok_syncs(swarm, f"w{i}") for i in range(2)), 60, "the others to go on",
+                   show=["w0", "w1"])
     victim.send_signal(signal.SIGCONT)
 
     def back_in_the_group() -> int:
@@ -78,8 +79,8 @@ def test_a_worker_left_out_under_swarm_pace_carries_its_work_into_the_next_round
         carried = [i for i, r in enumerate(records) if "carried" in r["reason"]]
         return carried and sum(r["ok"] and r["group_size"] == 3 for r in records[carried[0]:]) >= 2
 
-    wait_for(back_in_the_group, 180, "the victim to come back, carrying its work, and average again", swarm,
-             ["victim", "w0"])
+    swarm.wait_for(back_in_the_group, 180, "the victim to come back, carrying its work, and average again",
+                   show=["victim", "w0"])
     for proc in survivors + [victim]:
         proc.send_signal(signal.SIGTERM)
     swarm.wait(survivors + [victim], timeout=60)

@@ -35,7 +35,7 @@ def start_honest(swarm, n: int = 2, options=HONEST):
                         f"honest{i}", env={"OPENDILOCO_RUN_SECRET": SECRET}) for i in range(n)]
 
 
-HONEST = ("honest0", "honest1")
+HONEST_NAMES = ("honest0", "honest1")
 
 
 def steps_together(swarm) -> list[int]:
@@ -53,7 +53,7 @@ def stop(swarm, procs):
 def test_an_outsider_can_neither_read_publish_download_nor_contribute(swarm):
     swarm.bootstrap()
     honest = start_honest(swarm)
-    swarm.wait_for(lambda: len(steps_together(swarm)) >= 1, 150, "no common outer step", show=HONEST)
+    swarm.wait_for(lambda: len(steps_together(swarm)) >= 1, 150, "no common outer step", show=HONEST_NAMES)
     ids = [swarm.records(f"honest{i}", "start")[0]["peer_id"] for i in range(2)]
     names = Membership(RUN, RunSecret(SECRET.encode(), "test"))  # the names leak; the secret does not
     before, attacked_at = len(steps_together(swarm)), time.time()
@@ -78,7 +78,7 @@ def test_an_outsider_can_neither_read_publish_download_nor_contribute(swarm):
                    for r in report[kind]), report
         assert sum("not a member of this run" in r for r in report[kind]) >= 2, report
     # Its record "10**6 steps ahead" was never read as a worker: the run went on, just the two of them.
-    swarm.wait_for(lambda: len(steps_together(swarm)) >= before + 3, 150, "the run stalled", show=HONEST)
+    swarm.wait_for(lambda: len(steps_together(swarm)) >= before + 3, 150, "the run stalled", show=HONEST_NAMES)
     stop(swarm, honest)
     for i in range(2):
         rounds = swarm.records(f"honest{i}")
@@ -89,7 +89,7 @@ def test_an_outsider_can_neither_read_publish_download_nor_contribute(swarm):
 def test_an_insider_cannot_take_over_impersonate_stall_or_exhaust(swarm):
     swarm.bootstrap()
     honest = start_honest(swarm)
-    swarm.wait_for(lambda: len(steps_together(swarm)) >= 1, 150, "no common outer step", show=HONEST)
+    swarm.wait_for(lambda: len(steps_together(swarm)) >= 1, 150, "no common outer step", show=HONEST_NAMES)
     out = swarm.tmp / "insider.json"
     started = time.time()
     attacker = swarm.spawn([sys.executable, str(HERE / "attack_insider.py"), "--peers-file", str(swarm.peers_file),
@@ -98,7 +98,7 @@ def test_an_insider_cannot_take_over_impersonate_stall_or_exhaust(swarm):
     swarm.wait([attacker], timeout=240)
     report = json.loads(out.read_text())
     ended = time.time()
-    swarm.wait_for(lambda: len([k for k in steps_together(swarm)]) >= 4, 150, "the run stalled", show=HONEST)
+    swarm.wait_for(lambda: len([k for k in steps_together(swarm)]) >= 4, 150, "the run stalled", show=HONEST_NAMES)
     stop(swarm, honest)
 
     # It is a member, so it could download a state once; the hammer got one at a time, a few in all.
@@ -162,7 +162,7 @@ def test_identities_that_never_averaged_with_a_worker_neither_take_it_over_stall
     options = {**HONEST, "pace": "swarm"}
     swarm.bootstrap()
     honest = start_honest(swarm, options=options)
-    swarm.wait_for(lambda: len(steps_together(swarm)) >= 1, 150, "no common outer step", show=HONEST)
+    swarm.wait_for(lambda: len(steps_together(swarm)) >= 1, 150, "no common outer step", show=HONEST_NAMES)
     out = swarm.tmp / "sybil.json"
     attacker = swarm.spawn([sys.executable, str(HERE / "attack_sybil.py"), "--peers-file", str(swarm.peers_file),
                             "--out", str(out), "--run-id", RUN, "--keys", "3", "--duration", "45"], "sybil",
