@@ -38,6 +38,9 @@ STARTUP_ENV = ("LD_", "PYTHON", "HIVEMIND_", "OMP_", "MKL_", "TORCH_", "CUDA_", 
 """Environment variables read when an interpreter or a preloaded library starts: a request that
 sets any of them otherwise than the server's environment gets a fresh interpreter instead."""
 
+DUMP_SIGNAL = signal.SIGUSR1
+"""Makes a forked child write every thread's Python stack to its log (``ProcessGroup.diagnose``)."""
+
 REQUEST_MAX = 1 << 20
 START_TIMEOUT = 120.0
 
@@ -65,6 +68,9 @@ def _run_child(request: dict) -> None:
     os.close(log)
     os.close(null)
     os.chdir(request["cwd"])
+    import faulthandler
+
+    faulthandler.register(DUMP_SIGNAL, all_threads=True)  # a hung child's stacks, on request, in its log
     os.environ.clear()
     os.environ.update(request["env"])
     random.seed()  # a fresh interpreter seeds from the OS; forked children must not share a sequence

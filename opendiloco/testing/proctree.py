@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from opendiloco.testing.prefork import PreforkServer
+from opendiloco.testing.prefork import DUMP_SIGNAL, ForkedProcess, PreforkServer
 
 
 def children_table() -> dict[int, list[int]]:
@@ -44,6 +44,20 @@ def descendants(pid: int, table: dict[int, list[int]] | None = None) -> list[int
                 out.append(child)
                 todo.append(child)
     return out
+
+
+def describe(pid: int) -> str:
+    """One line on a process: state, kernel wait channel, threads, command line."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        with open(f"/proc/{pid}/wchan") as f:
+            wchan = f.read().strip() or "-"
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmd = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return f"{pid}: gone"
+    return f"{pid}: state {fields[0]}, waiting in {wchan}, {fields[17]} thread(s): {cmd[:160]}"
 
 
 def alive(pid: int) -> bool:
@@ -94,6 +108,17 @@ class ProcessGroup:
         path = self.log_dir / f"{name}.log"
         return path.read_text(errors="replace")[-tail:] if path.exists() else ""
 
+    def diagnose(self, proc) -> str:
+        """What a process that seems stuck is doing: its tree's states, and (for a forked child)
+        every thread's Python stack, which it writes to its log on ``DUMP_SIGNAL``."""
+        lines = [describe(pid) for pid in [proc.pid, *descendants(proc.pid)]]
+        if isinstance(proc, ForkedProcess) and proc.poll() is None:
+            before = len(self.log(proc.name, 1_000_000))
+            proc.send_signal(DUMP_SIGNAL)
+            time.sleep(1.0)
+            lines.append(self.log(proc.name, 1_000_000)[before:][-6000:] or "(no stack dump)")
+        return "\n".join(lines)
+
     def track(self, table: dict[int, list[int]] | None = None) -> set[int]:
         """Remembers the descendants of the running processes; returns the PIDs alive now."""
         table = children_table() if table is None else table
@@ -132,7 +157,8 @@ class ProcessGroup:
             if time.monotonic() > deadline:
                 names = [p.name for p in alive] + [n for n in show if n not in {p.name for p in alive}]
                 logs = "\n".join(f"--- {n}\n{self.log(n)}" for n in names)
-                raise ProcessError(f"no {what} within {timeout:.0f}s\n{logs}")
+                states = "\n".join(f"--- {p.name}, now:\n{self.diagnose(p)}" for p in alive if p.poll() is None)
+                raise ProcessError(f"no {what} within {timeout:.0f}s\n{logs}\n{states}")
             time.sleep(0.1)
 
     def stop(self, grace: float = 10.0) -> list[int]:
@@ -170,7 +196,10 @@ def spawn_bootstrap(group: ProcessGroup, addrs_file: Path, name: str = "bootstra
     proc = group.spawn([sys.executable, "-c", code], name)
     deadline = time.monotonic() + timeout
     while not Path(addrs_file).exists():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise ProcessError(f"bootstrap did not start:\n{group.log(name)}")
+        if proc.poll() is not None:
+            raise ProcessError(f"bootstrap exited ({proc.returncode}):\n{group.log(name)}")
+        if time.monotonic() > deadline:
+            raise ProcessError(f"bootstrap did not write its addresses within {timeout:.0f}s:\n{group.log(name)}\n"
+                               f"{group.diagnose(proc)}")
         time.sleep(0.1)
     return Path(addrs_file).read_text().split()

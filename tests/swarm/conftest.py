@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from opendiloco.testing.proctree import ProcessError, ProcessGroup
+from opendiloco.testing.proctree import ProcessError, ProcessGroup, spawn_bootstrap
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("worker.py")
@@ -27,15 +27,10 @@ class Swarm(ProcessGroup):
         self.peers_file = tmp / "peers.txt"
 
     def bootstrap(self, timeout: float = 60.0) -> list[str]:
-        code = ("import sys; from opendiloco.swarm.bootstrap import run_bootstrap; "
-                f"sys.exit(run_bootstrap(host_maddrs=['/ip4/127.0.0.1/tcp/0'], addrs_file={str(self.peers_file)!r}))")
-        proc = self.spawn([sys.executable, "-c", code], "bootstrap")
-        deadline = time.monotonic() + timeout
-        while not self.peers_file.exists():
-            assert proc.poll() is None, f"bootstrap exited: {self.log('bootstrap')}"
-            assert time.monotonic() < deadline, "bootstrap did not write its addresses in time"
-            time.sleep(0.1)
-        return self.peers_file.read_text().split()
+        try:
+            return spawn_bootstrap(self, self.peers_file, timeout=timeout)
+        except ProcessError as e:
+            pytest.fail(str(e))
 
     def worker(self, name: str, **options):
         args = [sys.executable, str(WORKER), "--peers-file", str(self.peers_file), "--out", str(self.out(name))]
