@@ -60,6 +60,8 @@ def run_bootstrap(*, initial_peers: Sequence[str] = (), host_maddrs: Sequence[st
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         addrs = visible_maddrs(dht)
+        if addrs_file:  # before anything is printed: whoever reads the output may go for the file
+            write_atomically(addrs_file, "\n".join(addrs) + "\n")
         print("DHT node running. Join with:", flush=True)
         for addr in addrs:
             print(f"  --swarm.initial-peers {addr}", flush=True)
@@ -67,8 +69,6 @@ def run_bootstrap(*, initial_peers: Sequence[str] = (), host_maddrs: Sequence[st
             collector.dht = dht
             host = f"[{metrics_host}]" if ":" in metrics_host else metrics_host
             print(f"metrics for Prometheus at http://{host}:{server.server_port}/metrics", flush=True)
-        if addrs_file:
-            write_atomically(addrs_file, "\n".join(addrs) + "\n")
         stop.wait()
     finally:
         for sig, handler in previous.items():

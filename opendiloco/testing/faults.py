@@ -35,20 +35,25 @@ class FaultyStream:
         r = self.runner
         if r.frozen:
             return
-        await self.stream.send(code, meta, payload)
         if code == Code.CONTRIBUTE:
             self.parts = meta["parts"]
-        r.sent[code] = r.sent.get(code, 0) + (code != Code.PART or meta["i"] == self.parts - 1)
+        sent = {**r.sent, code: r.sent.get(code, 0) + (code != Code.PART or meta["i"] == self.parts - 1)}
         others = len(r.members) - 1
-        r.frozen = r.fault == "freeze" and r.sent.get(Code.PART) == others and r.sent.get(Code.RESULT_END) == others
-        if r.frozen:
+        # Frozen from the moment this last frame leaves: whatever the others send in answer to it must
+        # not reach us, even if our receiving side runs before this coroutine resumes (a busy machine).
+        freezes = r.fault == "freeze" and sent.get(Code.PART) == others and sent.get(Code.RESULT_END) == others
+        r.freezing = r.freezing or freezes
+        await self.stream.send(code, meta, payload)
+        r.sent = sent
+        if freezes:
+            r.frozen = True
             r.fired()
         if r.sent.get(Code.CONFIRM) == others:
             r.confirmed.set()
 
     async def recv(self, **kw):
         while True:
-            if self.runner.frozen:
+            if self.runner.frozen or self.runner.freezing:
                 await asyncio.Event().wait()  # until the round gives up on us
             frame = await self.stream.recv(**kw)
             if not (self.runner.fault == "lose-confirms" and frame.code == Code.CONFIRM):
@@ -72,7 +77,7 @@ class FaultyRunner(RoundRunner):
 
     def __init__(self, *args, **kw):
         super().__init__(*args, **kw)
-        self.frozen, self.sent, self.confirmed = False, {}, asyncio.Event()
+        self.frozen, self.freezing, self.sent, self.confirmed = False, False, {}, asyncio.Event()
 
     def fired(self) -> None:
         if self.on_fired is not None and not getattr(self, "_fired", False):

@@ -187,8 +187,13 @@ class ProcessGroup:
 
 def spawn_bootstrap(group: ProcessGroup, addrs_file: Path, name: str = "bootstrap",
                     timeout: float = 60.0) -> list[str]:
-    """Starts an ``opendiloco`` bootstrap DHT node on 127.0.0.1 in ``group``; returns its addresses."""
+    """Starts an ``opendiloco`` bootstrap DHT node on 127.0.0.1 in ``group``; returns its addresses.
+
+    A forked bootstrap that does not come up within ``timeout`` is stopped, reported (a warning
+    with its threads' stacks) and started again as a fresh interpreter, and the prefork server
+    serves no more processes: whatever went wrong in it must not fail every later test."""
     import sys
+    import warnings
 
     Path(addrs_file).unlink(missing_ok=True)  # a stale file would name a bootstrap that is gone
     code = ("import sys; from opendiloco.swarm.bootstrap import run_bootstrap; "
@@ -199,7 +204,14 @@ def spawn_bootstrap(group: ProcessGroup, addrs_file: Path, name: str = "bootstra
         if proc.poll() is not None:
             raise ProcessError(f"bootstrap exited ({proc.returncode}):\n{group.log(name)}")
         if time.monotonic() > deadline:
-            raise ProcessError(f"bootstrap did not write its addresses within {timeout:.0f}s:\n{group.log(name)}\n"
-                               f"{group.diagnose(proc)}")
+            stuck = f"bootstrap did not write its addresses within {timeout:.0f}s:\n{group.log(name)}\n" \
+                    f"{group.diagnose(proc)}"
+            if not isinstance(proc, ForkedProcess) or group.prefork is None:
+                raise ProcessError(stuck)
+            warnings.warn(f"prefork: a forked {stuck}\nstarting it as a fresh interpreter; no more forks", stacklevel=2)
+            group.prefork.failed = True
+            proc.kill()
+            proc.wait(10)
+            return spawn_bootstrap(group, addrs_file, name, timeout)
         time.sleep(0.1)
     return Path(addrs_file).read_text().split()

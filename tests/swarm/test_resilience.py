@@ -40,11 +40,11 @@ def test_late_joiner_downloads_state_and_trains_in_step(swarm):
     assert start["downloaded"] and start["outer_step"] >= 2, start
     # It starts from exactly the θ_global the others had at that outer step...
     assert start["global_hash"] == ok_syncs(swarm, "w0")[start["outer_step"]]["global_hash"]
-    # ...takes the group's position in the round, so that it averages in the group's next round (or,
-    # if it fetched the state while that round was already under way, the one after), instead of
-    # holding the others up for a whole round of its own...
+    # ...takes the group's position in the round, so that its first round is the group's round of that
+    # outer step, instead of one of its own that would hold the others up (whether it makes that round
+    # depends on how fast this machine runs it against the others; it averages with them either way)...
+    assert swarm.records("w2")[0]["before"] == start["outer_step"], swarm.records("w2")
     joined = sorted(ok_syncs(swarm, "w2"))
-    assert joined[0] <= start["outer_step"] + 2, swarm.records("w2")
     assert sum(r["dropped"] for r in swarm.records("w2")) <= 5
     # ...and from its first sync on agrees with them bit for bit, in one group of three.
     assert_hashes_agree(swarm, ["w0", "w1", "w2"], joined)
