@@ -3,9 +3,10 @@
     python -m benchmarks.convergence --results docs/bench_convergence.json [--jobs 2]
 
 The sweep runs in-process. ``InProcessGroup`` averages the replicas' pseudo-gradients with the
-same codec as the swarm (fp16), and each replica is the trainer's own model, data shard and inner
-step (``Trainer.train_step``). So a point costs compute, not daemons. The model is a 0.2M-parameter
-Llama (hidden 64, 2 layers, seq 64), batch 8 per worker, 4 workers.
+same codec as the swarm (fp16; ``--compressions`` adds other wire formats, e.g. ``subset32+int4``),
+and each replica is the trainer's own model, data shard and inner step (``Trainer.train_step``).
+So a point costs compute, not daemons. The model is a 0.2M-parameter Llama (hidden 64, 2 layers,
+seq 64), batch 8 per worker, 4 workers.
 
 Every run uses the same inner lr schedule: linear warmup, then constant. The held-out loss at
 inner step s is then comparable across runs of any length. A point (H, outer lr, k outer steps)
@@ -37,15 +38,16 @@ MODEL = ["--model.hidden-size", "64", "--model.num-layers", "2", "--model.num-he
 
 
 def config(run_dir: Path, worker: str, *, h: int, outer_lr: float, batch: int, warmup: int, total: int,
-           eval_batches: int):
+           eval_batches: int, inner: str = "adamw", seed: int = 0, compression: str = "fp16"):
     from opendiloco.train.config import load_config
 
     return load_config(ROOT / "configs" / "tiny.toml", [
+        "--optim.inner", inner, "--model.init-seed", str(seed), "--train.seed", str(seed),
         *MODEL, "--train.batch-size", str(batch), "--train.threads", "1", "--train.device", "cpu",
         "--train.eval-batches", str(eval_batches), "--train.total-steps", str(total),
         "--optim.local-steps", str(h), "--optim.outer-lr", str(outer_lr), "--optim.warmup-steps", str(warmup),
         "--optim.min-lr-ratio", "1.0", "--optim.pace", "fixed", "--run.worker", worker,
-        "--run.dir", str(run_dir / worker), "--run.progress", "false", "--swarm.compression", "fp16"])
+        "--run.dir", str(run_dir / worker), "--run.progress", "false", "--swarm.compression", compression])
 
 
 def trainers(n: int, run_dir: Path, communicators, **kw):
@@ -92,31 +94,42 @@ def job(spec: dict) -> dict:
     torch.set_num_threads(1)
     run_dir = Path(spec["work"]) / spec["name"]
     at = sorted(spec["at"])
-    common = dict(batch=spec["batch"], warmup=spec["warmup"], total=at[-1], eval_batches=spec["eval_batches"])
+    common = dict(batch=spec["batch"], warmup=spec["warmup"], total=at[-1], eval_batches=spec["eval_batches"],
+                  inner=spec.get("inner", "adamw"), seed=spec.get("seed", 0))
     losses: dict[int, float] = {}
+    extra: dict = {}
     began = time.perf_counter()
     if spec["method"] == "diloco":
         n = spec["workers"]
-        group = InProcessGroup(n, compression="fp16", timeout=600)
-        ts = trainers(n, run_dir, group.members, h=spec["H"], outer_lr=spec["outer_lr"], **common)
+        compression = spec.get("compression", "fp16")  # error feedback as the trainer sets it for the format
+        group = InProcessGroup(n, compression=compression, timeout=600)
+        ts = trainers(n, run_dir, group.members, h=spec["H"], outer_lr=spec["outer_lr"], compression=compression,
+                      **common)
+
+        local_losses: dict[int, float] = {}
 
         def replica(t):
             for step in range(1, at[-1] + 1):
                 t.train_step()
-                if t is ts[0] and step in at:  # after the outer step: every replica holds θ_global
+                if t is ts[0] and step in at:  # after the outer step
                     assert t.opt.local_step == 0 and t.opt.last_sync.ok
-                    losses[step] = t.evaluate()
+                    losses[step], local_losses[step] = evaluate_global(t)
 
         in_threads(replica, ts)
+        if local_losses != losses:  # a subset format leaves the unsent values' local work in θ_local
+            extra["local_losses"] = {str(k): v for k, v in local_losses.items()}
         hashes = {t.opt.global_hash() for t in ts}
         assert len(hashes) == 1, "replicas disagree"
-    else:  # "single" or "data-parallel": plain AdamW, the trainer's model and inner hyperparameters
+    else:  # "single" or "data-parallel": the inner optimizer alone, the trainer's model and hyperparameters
+        from opendiloco.inner import inner_optimizer
+
         n = spec["workers"] if spec["method"] == "data-parallel" else 1
         ts = trainers(n, run_dir, [SingleWorker("none") for _ in range(n)], h=10**9, outer_lr=1.0, **common)
         lead = ts[0]
         params = [p for p in lead.model.parameters() if p.requires_grad]
-        opt = torch.optim.AdamW(params, lr=lead.cfg.optim.lr, betas=tuple(lead.cfg.optim.betas),
-                                eps=lead.cfg.optim.eps, weight_decay=lead.cfg.optim.weight_decay)
+        o = lead.cfg.optim
+        opt = inner_optimizer(o.inner, lead.model, lr=o.lr, betas=tuple(o.betas), eps=o.eps,
+                              weight_decay=o.weight_decay, muon_momentum=o.muon_momentum)(params)
         scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lead.scheduler.lr_lambdas[0])
         for step in range(1, at[-1] + 1):
             for t in ts:  # rank r's batch, as data-parallel rank r would see it; the mean of the gradients
@@ -128,27 +141,60 @@ def job(spec: dict) -> dict:
             scheduler.step()
             if step in at:
                 losses[step] = lead.evaluate()
-    return {**spec, "losses": {str(k): v for k, v in losses.items()}, "seconds": time.perf_counter() - began}
+    return {**spec, "losses": {str(k): v for k, v in losses.items()}, "seconds": time.perf_counter() - began,
+            **extra}
+
+
+def evaluate_global(t) -> tuple[float, float]:
+    """Held-out loss of θ_global and of this replica's θ_local, after an outer step. They are one model
+    unless a subset format left the unsent values' local work in θ_local (``opendiloco.comm.subset``)."""
+    import torch
+
+    outer = t.opt.outer
+    if all(torch.equal(p.detach().float().cpu(), g) for p, g in zip(outer.params, outer.global_params)):
+        loss = t.evaluate()
+        return loss, loss
+    local_loss = t.evaluate()
+    local = [p.detach().clone() for p in outer.params]
+    outer.reset_local()
+    try:
+        return t.evaluate(), local_loss
+    finally:
+        with torch.no_grad():
+            for p, v in zip(outer.params, local):
+                p.copy_(v)
+
+
+def suffix(inner: str, seed: int = 0) -> str:
+    """Run names: AdamW's at seed 0 keep their old names ("data-parallel", "diloco-H30-lr0.4")."""
+    return ("" if inner == "adamw" else f"-{inner}") + ("" if seed == 0 else f"-s{seed}")
 
 
 def plan(args) -> list[dict]:
-    base = dict(work=str(args.work), batch=args.batch, warmup=args.warmup, workers=args.workers,
-                eval_batches=args.eval_batches)
     specs, needed = [], set()
-    for h in args.hs:
-        ks = [k for k in args.outer_steps if k * h <= args.max_inner_steps]
-        at = [k * h for k in ks]
-        needed |= set(at)
-        for lr in args.outer_lrs:
-            specs.append({**base, "name": f"diloco-H{h}-lr{lr:g}", "method": "diloco", "H": h, "outer_lr": lr,
-                          "at": at})
-            if h in args.one_worker_hs:
-                specs.append({**base, "name": f"diloco1-H{h}-lr{lr:g}", "method": "diloco", "H": h,
-                              "outer_lr": lr, "at": at, "workers": 1})
+    for seed in args.seeds:
+        for inner in args.inners:
+            base = dict(work=str(args.work), batch=args.batch, warmup=args.warmup, workers=args.workers,
+                        eval_batches=args.eval_batches, inner=inner, seed=seed)
+            tag = suffix(inner, seed)
+            for h in args.hs:
+                ks = [k for k in args.outer_steps if k * h <= args.max_inner_steps]
+                at = [k * h for k in ks]
+                needed |= set(at)
+                for lr in args.outer_lrs:
+                    for wire in args.compressions:  # the baselines below send nothing: one of each
+                        name = f"H{h}-lr{lr:g}{tag}" + ("" if wire == "fp16" else f"-{wire}")
+                        specs.append({**base, "name": f"diloco-{name}", "method": "diloco", "H": h,
+                                      "outer_lr": lr, "at": at, "compression": wire})
+                        if h in args.one_worker_hs:
+                            specs.append({**base, "name": f"diloco1-{name}", "method": "diloco", "H": h,
+                                          "outer_lr": lr, "at": at, "workers": 1, "compression": wire})
+            specs.append({**base, "name": f"data-parallel{tag}", "method": "data-parallel"})
+            specs.append({**base, "name": f"single{tag}", "method": "single"})
     order = sorted(needed)
-    specs.insert(0, {**base, "name": "single", "method": "single", "at": order})
-    specs.insert(0, {**base, "name": "data-parallel", "method": "data-parallel", "at": order})
-    return specs
+    for spec in specs:
+        spec.setdefault("at", order)
+    return sorted(specs, key=lambda s: s["method"] == "diloco")  # baselines first
 
 
 def main(argv=None) -> int:
@@ -165,6 +211,11 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=50)
     p.add_argument("--eval-batches", type=int, default=8)
     p.add_argument("--jobs", type=int, default=2)
+    p.add_argument("--inners", type=lambda s: s.split(","), default=["adamw"], help="inner optimizers: adamw,muon")
+    p.add_argument("--compressions", type=lambda s: s.split(","), default=["fp16"],
+                   help="DiLoCo's wire formats, e.g. fp16,subset32+int4 ([swarm] compression)")
+    p.add_argument("--seeds", type=lambda s: [int(x) for x in s.split(",")], default=[0],
+                   help="initial weights (model.init_seed, train.seed) to repeat every run with")
     p.add_argument("--role", default="main", help=argparse.SUPPRESS)
     p.add_argument("--report-only", type=Path, default=None, metavar="RESULTS")
     args = p.parse_args(argv)
@@ -197,20 +248,35 @@ def main(argv=None) -> int:
 
 
 def table(out: dict) -> str:
+    """DiLoCo's held-out loss against the baselines of the same data order: data-parallel and one
+    worker with the same inner optimizer, and with AdamW (the baselines of the first sweeps)."""
     runs = out["runs"]
-    dp, single = runs["data-parallel"]["losses"], runs["single"]["losses"]
-    lines = ["| workers | H | outer lr | outer steps | inner steps | held-out loss | / data-parallel | / one AdamW |",
-             "|---|---|---|---|---|---|---|---|"]
+
+    def base(name, r):
+        return runs[f"{name}{suffix(r.get('inner', 'adamw'), r.get('seed', 0))}"]["losses"]
+
+    def adamw(name, r):
+        return runs[f"{name}{suffix('adamw', r.get('seed', 0))}"]["losses"]
+
+    lines = ["| inner | wire | seed | workers | H | outer lr | outer steps | inner steps | held-out loss "
+             "| / data-parallel | / one worker | / data-parallel AdamW | / one AdamW |", "|---" * 13 + "|"]
     for r in runs.values():
         if r["method"] != "diloco":
             continue
+        dp, single = base("data-parallel", r), base("single", r)
+        dp_adamw = adamw("data-parallel", r) if f"data-parallel{suffix('adamw', r.get('seed', 0))}" in runs else None
+        single_adamw = adamw("single", r) if dp_adamw is not None else None
         for step, loss in sorted(r["losses"].items(), key=lambda kv: int(kv[0])):
-            lines.append(f"| {r['workers']} | {r['H']} | {r['outer_lr']:g} | {int(step) // r['H']} | {step} "
-                         f"| {loss:.4f} | {loss / dp[step]:.3f} | {loss / single[step]:.3f} |")
-    lines += ["", "| baseline | inner steps | held-out loss |", "|---|---|---|"]
-    for name in ("data-parallel", "single"):
-        for step, loss in sorted(runs[name]["losses"].items(), key=lambda kv: int(kv[0])):
-            lines.append(f"| {name} | {step} | {loss:.4f} |")
+            vs = [f"{loss / b[step]:.3f}" if b is not None else "-" for b in (dp, single, dp_adamw, single_adamw)]
+            lines.append(f"| {r.get('inner', 'adamw')} | {r.get('compression', 'fp16')} | {r.get('seed', 0)} "
+                         f"| {r['workers']} | {r['H']} "
+                         f"| {r['outer_lr']:g} | {int(step) // r['H']} | {step} | {loss:.4f} | {' | '.join(vs)} |")
+    lines += ["", "| baseline | inner | seed | inner steps | held-out loss |", "|---|---|---|---|---|"]
+    for r in runs.values():
+        if r["method"] == "diloco":
+            continue
+        for step, loss in sorted(r["losses"].items(), key=lambda kv: int(kv[0])):
+            lines.append(f"| {r['method']} | {r.get('inner', 'adamw')} | {r.get('seed', 0)} | {step} | {loss:.4f} |")
     return "\n".join(lines)
 
 

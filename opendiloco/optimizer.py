@@ -15,6 +15,7 @@ import torch
 from .comm.base import Communicator, CompletedWork, RoundKey, SharedState, Work
 from .comm.buffers import FlatBuffer, all_finite, unflatten
 from .comm.local import SingleWorker
+from .comm.subset import carry_unsent, start_subset
 from .errors import AveragingError, BehindError, DriftError, LocalRankFailure, RoundCounted
 from .fragment import Fragment, make_fragments
 from .optimizer_state import SavedRound, check_checkpoint, joiner_position, settings_of
@@ -104,6 +105,9 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
     (quantisation error, with 8- and 4-bit codecs) is kept and added to its next contribution of
     the same fragment. The residual is this worker's own: saved in ``state_dict``, never shared
     with joiners, reset when state is downloaded. It costs two fp32 copies of the model on the host.
+    It is required with a subset wire format (``subset32+int4``: ``opendiloco.comm.subset``), where a
+    round sends a shared-seed 1/N of the pseudo-gradient and owes the rest to later rounds: an unsent
+    value keeps its local work in θ_local (the next Δ holds it), a sent one owes the codec's error.
 
     ``warm_start``: with an Adam inner optimizer, the state this worker serves joiners carries its Adam
     moments too, and a joiner whose inner optimizer has no state yet starts from the donor's (checked:
@@ -142,7 +146,11 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         self.param_groups = self.inner.param_groups
         self.state = self.inner.state
 
-        trainable = [p for g in self.param_groups for p in g["params"] if p.requires_grad and p.is_floating_point()]
+        # θ_global's layout follows the parameters as given, not the inner optimizer's grouping (Muon
+        # groups the matrices first): workers with different inner optimizers share one layout.
+        given = [p for item in params for p in (item["params"] if isinstance(item, dict) else [item])]
+        stepped = {id(p) for g in self.param_groups for p in g["params"]}
+        trainable = [p for p in given if id(p) in stepped and p.requires_grad and p.is_floating_point()]
         buffers = [b for b in module.buffers() if b.is_floating_point()] if module is not None else []
         self.outer = OuterState(trainable, buffers, outer_optimizer)
         if isinstance(fragments, int) and not isinstance(fragments, bool):
@@ -159,6 +167,11 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         """Whether this worker's inner optimizer started from a donor's state (``warm_start``)."""
         self.local_steps = local_steps
         self.communicator = communicator if communicator is not None else SingleWorker()
+        self.subset = self.communicator.subset
+        """The shared-seed subset a round sends (``opendiloco.comm.subset``); None: whole contributions."""
+        if self.subset is not None and not self.error_feedback:
+            raise ValueError(f"the communicator's wire format sends 1/{self.subset.every} of the values a round: "
+                             "it needs error_feedback=True, which owes what is not sent to later rounds")
         self.weight_by_samples = weight_by_samples or pace == "swarm"
         self.pace = pace
         self.catch_up_timeout = catch_up_timeout
@@ -201,6 +214,11 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
     def outer_step(self) -> int:
         """Outer steps done."""
         return self._outer_step
+
+    @property
+    def inner_kind(self) -> str:
+        """The inner optimizer's class name (a checkpoint is loaded only by the same kind)."""
+        return type(self.inner).__name__
 
     @property
     def inner_steps_total(self) -> int:
@@ -391,10 +409,14 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         self._pace_work = 0.0
 
     def _start(self, round_: _Round, contribution: FlatBuffer, result: FlatBuffer) -> Work:
-        """Hands the contribution to the communicator (with error feedback, where its error goes)."""
-        extra = {}
-        if self.error_feedback:
-            extra["error_out"] = round_.fragment.residuals()[1]
+        """Hands the contribution to the communicator (with error feedback, where its error goes); with a
+        subset format, the round's subset of the pseudo-gradient and the buffers whole."""
+        error_out = round_.fragment.residuals()[1] if self.error_feedback else None
+        if self.subset is not None:
+            return start_subset(self.communicator, self.subset, contribution.flat, head=round_.fragment.param_numel(),
+                                weight=round_.weight, key=round_.key, fragments=self.num_fragments,
+                                out=result.flat, error_out=error_out)
+        extra = {} if error_out is None else {"error_out": error_out}
         return self.communicator.start(contribution.flat, weight=round_.weight, key=round_.key, out=result.flat,
                                        **extra)
 
@@ -425,8 +447,14 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
             n = fragment.size
             views = unflatten(averaged, contribution.views)
             with self._state_lock:
+                # A subset round: the values it did not send keep their local work (owed to later rounds).
+                work = self._unsent_work(fragment) if self.subset is not None and round_.own_finite else None
                 self.outer.apply(views[:n], views[n:] if fragment.carries_buffers else None, fragment.indices,
                                  mix=self.mix)
+                if work is not None:  # the averaged buffer is free once applied
+                    carry_unsent(*fragment.tensors(), work, self.subset.indices(round_.key, work.numel(),
+                                                                                self.num_fragments),
+                                 scratch=averaged[: work.numel()])
                 self._outer_step += 1
                 self._pending = None
             report = SyncReport(self._outer_step, True, group_size=result.group_size, peers=result.peers,
@@ -445,6 +473,16 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         report.seconds = round_.blocked_s + time.perf_counter() - began
         self.last_sync = report
         return report
+
+    def _unsent_work(self, fragment: Fragment) -> torch.Tensor:
+        """θ_global − θ_local + what the contribution owed, per value of the fragment's parameters, written
+        into its contribution buffer (free once its round is done): what a value not sent owes."""
+        contribution, _ = fragment.buffers()
+        self.outer.pseudo_gradient_into(contribution.views[: fragment.size], fragment.indices)
+        work = contribution.flat[: fragment.param_numel()]
+        if self.error_feedback:
+            work.add_(fragment.residuals()[0][: work.numel()])
+        return work
 
     # -- contributions -------------------------------------------------------------------------
     def error_residual(self, fragment: int = 0) -> torch.Tensor | None:

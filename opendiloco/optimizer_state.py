@@ -18,9 +18,10 @@ import torch
 from .fragment import Fragment
 from .outer import validate_tensors
 
-SETTINGS = ("local_steps", "pace", "overlap", "mix")
+SETTINGS = ("local_steps", "pace", "overlap", "mix", "inner_kind")
 """Settings a checkpoint must share with the optimizer that loads it: its counters and its round in
-flight only mean something under the same schedule."""
+flight only mean something under the same schedule, and its inner state only for the same inner
+optimizer."""
 
 REQUIRED = frozenset({"inner", "outer", "local_step", "outer_step", "inner_steps_total"})
 

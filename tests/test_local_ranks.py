@@ -31,7 +31,7 @@ class _Scripted(SingleWorker):
 
     def __init__(self, scenario: str, peer_state: dict | None):
         # A lossy format where error feedback is tested: the residual is the leader's to hand over.
-        super().__init__(compression="int4" if scenario == "streamed" else "none")
+        super().__init__(compression={"streamed": "int4", "subset": "subset4+int4"}.get(scenario, "none"))
         self.scenario, self.peer_state = scenario, peer_state
 
     def start(self, flat, *, weight, key, out=None, error_out=None):
@@ -51,9 +51,9 @@ class _Scripted(SingleWorker):
         return []
 
 
-def _model() -> torch.nn.Module:
+def _model(hidden: int = 16) -> torch.nn.Module:
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    return torch.nn.Sequential(torch.nn.Linear(8, hidden), torch.nn.Tanh(), torch.nn.Linear(hidden, 4))
 
 
 def _peer_state() -> dict:
@@ -73,13 +73,14 @@ def _rank_main(rank: int, store: str, out: str, scenario: str) -> None:
                             timeout=datetime.timedelta(seconds=120))
     try:
         torch.set_num_threads(1)
-        model = _model()
+        model = _model(256 if scenario == "subset" else 16)  # subset: 13 blocks of 256 values, 4 a round
         ddp = torch.nn.parallel.DistributedDataParallel(model)
         leader = _Scripted(scenario, _peer_state()) if rank == 0 else None
         comm = LocalRanks(leader)
         streamed = dict(fragments=2, overlap=1, error_feedback=True) if scenario == "streamed" else {}
         opt = DiLoCoOptimizer(model.parameters(), local_steps=H + 1 if streamed else H, communicator=comm,
-                              pace="swarm" if scenario == "paced" else "fixed", **streamed)
+                              pace="swarm" if scenario == "paced" else "fixed", **streamed,
+                              **({"error_feedback": True} if scenario == "subset" else {}))
         gen = torch.Generator().manual_seed(100 + rank)  # each rank its own rows
         reports = []
         for step in range(4 * H):
@@ -162,3 +163,12 @@ def test_streamed_rounds_with_error_feedback_agree_on_every_rank(tmp_path):
     assert [r["fragment"] for r in rounds] == [i % 2 for i in range(len(rounds))] and all(r["ok"] for r in rounds)
     assert len(rounds) >= 5
     assert all(v > 0 for v in residuals)  # int4 loses something of every fragment
+
+
+def test_a_subset_round_agrees_on_every_rank(tmp_path):
+    """subset4+int4: every rank gathers the same quarter of the values (the follower learns the leader's
+    format when ``LocalRanks`` starts) and applies the same average and residual."""
+    reports = _same_on_both_ranks(_run(tmp_path, "subset"))
+    rounds, residuals = reports[:-1], reports[-1]["residuals"]
+    assert [r["outer_step"] for r in rounds] == [1, 2, 3, 4] and all(r["ok"] for r in rounds)
+    assert len({r["hash"] for r in rounds}) == 4 and residuals[0] > 0

@@ -32,7 +32,8 @@ def small_config(run_dir, *extra):
     return load_config(None, [*SMALL, "--run.dir", str(run_dir), *extra])
 
 
-@pytest.mark.parametrize("compression", ["fp16", "int4"])  # int4: error feedback on, its residual resumed
+# int4: error feedback on, its residual resumed; subset8+int4: a shared-seed eighth of the values a round
+@pytest.mark.parametrize("compression", ["fp16", "int4", "subset8+int4"])
 def test_resume_is_bit_exact(tmp_path, compression):
     wire = ["--swarm.compression", compression]
     whole = train(small_config(tmp_path / "whole", "--train.total-steps", "12", *wire))

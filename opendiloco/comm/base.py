@@ -222,6 +222,13 @@ class Communicator(ABC):
         the round has succeeded (error feedback adds it to the next contribution).
         """
 
+    @property
+    def subset(self):
+        """The shared-seed subset (``opendiloco.comm.subset.Subset``) that this communicator's wire format
+        names, e.g. ``subset32+int4``; None: whole contributions. The caller (``DiLoCoOptimizer``, which
+        knows which values are updates and which are buffers) sends only that subset through ``start``."""
+        return getattr(getattr(self, "codec", None), "subset", None)
+
     def average(self, tensors: Sequence[torch.Tensor], *, weight: float = 1.0, outer_step: int = 0) -> AverageResult:
         """Blocking convenience: averages a list of tensors; ``result.tensors`` are shaped like them."""
         began = time.perf_counter()

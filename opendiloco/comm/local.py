@@ -113,6 +113,10 @@ class _GroupMember(Communicator):
     def peer_id(self) -> str:
         return f"replica-{self.rank}"
 
+    @property
+    def subset(self):
+        return getattr(self.group.codec, "subset", None)
+
     def start(self, flat, *, weight, key, out=None, error_out=None) -> Work:
         flat = flat.detach().to(torch.float32)
 

@@ -113,6 +113,8 @@ class LocalRanks(Communicator):
         else:
             self.leader = None
         self._peer_id = self._broadcast_object(self.leader.peer_id if self.leader is not None else None)
+        # Every rank gathers the round's subset itself (the leader's wire format decides which).
+        self._subset = self._broadcast_object(self.leader.subset if self.leader is not None else None)
 
     @property
     def is_leader(self) -> bool:
@@ -121,6 +123,10 @@ class LocalRanks(Communicator):
     @property
     def peer_id(self) -> str:
         return self._peer_id
+
+    @property
+    def subset(self):
+        return self._subset
 
     # -- collectives ------------------------------------------------------------------------
     def _broadcast_object(self, obj):

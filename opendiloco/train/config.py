@@ -18,6 +18,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator, model_validator
 
 from opendiloco.comm.compression import CODECS, QUANTIZED
+from opendiloco.comm.subset import parse_subset
 from opendiloco.streaming import check_schedule
 
 if sys.version_info >= (3, 11):
@@ -198,6 +199,11 @@ class OptimConfig(Section):
     warm_start: bool = False
     """A joiner's inner AdamW starts from its donor's moments instead of empty ones (donors serve
     them: a state download three times the size). Off: measured no better (benchmarks/warm_start.py)."""
+    inner: Literal["adamw", "muon"] = "adamw"
+    """The inner optimizer. muon: Muon on the hidden weight matrices (its update scaled to AdamW's
+    RMS, so ``lr`` and ``weight_decay`` serve both), AdamW on embeddings, head, norms and biases."""
+    muon_momentum: float = Field(0.95, ge=0, lt=1)
+    """Muon's (Nesterov) momentum, under ``inner = "muon"``."""
 
     @field_validator("betas")
     @classmethod
@@ -209,6 +215,8 @@ class OptimConfig(Section):
     @model_validator(mode="after")
     def _schedule(self):
         check_schedule(self.local_steps, self.fragments, self.overlap, self.mix)
+        if self.warm_start and self.inner != "adamw":
+            raise ValueError("warm_start serves AdamW's moments: it needs inner = \"adamw\"")
         return self
 
 
@@ -270,13 +278,14 @@ class SwarmConfig(Section):
     client_mode: bool = False
     run_id: str = "opendiloco"
     compression: str = "fp16"
-    """The pseudo-gradients' wire format: none, fp16, scaled-fp16, int8, int4, e2m1 or e3m0."""
+    """The pseudo-gradients' wire format: none, fp16, scaled-fp16, int8, int4, e2m1 or e3m0; subsetN+ one of
+    them (e.g. subset32+int4) sends a shared-seed 1/N of the values each round, with error feedback."""
     result_compression: str | None = None
     """The averaged shards' wire format (a wider one than compression's protects the average from a
     second rounding); unset: the same as compression."""
     error_feedback: bool | None = None
     """Add what the wire format lost of a contribution to the next one; unset: on for the 8- and
-    4-bit formats."""
+    4-bit formats and the subset formats (which cannot run without it)."""
     min_group_size: int = Field(1, ge=1)
     matchmaking_timeout: float = Field(30.0, gt=0, le=SECONDS_MAX)
     allreduce_timeout: float = Field(60.0, gt=0, le=SECONDS_MAX)
@@ -336,16 +345,30 @@ class SwarmConfig(Section):
 
     @field_validator("compression", "result_compression")
     @classmethod
-    def _codec(cls, v):
-        if v is not None and v not in CODECS:
-            raise ValueError(f"unknown format {v!r}; choose one of {', '.join(CODECS)}")
+    def _codec(cls, v, info):
+        if v is None:
+            return v
+        subset, base = parse_subset(v)  # a malformed subsetN+ name: ValueError, one line
+        if subset is not None and info.field_name == "result_compression":
+            raise ValueError(f"{v!r}: the averages are of the contributions' subset; name a format without "
+                             "subsetN+ (e.g. int8)")
+        if base not in CODECS:
+            raise ValueError(f"unknown format {v!r}; choose one of {', '.join(CODECS)}, or subsetN+ one of them "
+                             "(e.g. subset32+int4)")
         return v
+
+    @model_validator(mode="after")
+    def _subset_feedback(self):
+        if self.error_feedback is False and parse_subset(self.compression)[0] is not None:
+            raise ValueError(f"error_feedback: {self.compression} owes what a round does not send to later rounds; "
+                             "it needs error feedback (leave error_feedback unset)")
+        return self
 
     @property
     def uses_error_feedback(self) -> bool:
         if self.error_feedback is not None:
             return self.error_feedback
-        return self.compression in QUANTIZED
+        return self.compression in QUANTIZED or parse_subset(self.compression)[0] is not None
 
     @field_validator("initial_peers")
     @classmethod

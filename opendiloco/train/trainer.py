@@ -22,6 +22,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 from opendiloco import Communicator, DiLoCoOptimizer
 from opendiloco.comm import LocalRanks, SingleWorker
 from opendiloco.errors import Interrupted, LocalRankFailure, SwarmError
+from opendiloco.inner import inner_optimizer
 
 from .allocator import release_freed_tensors
 from .checkpoint import CheckpointError, CheckpointManager, atomic_write
@@ -256,8 +257,8 @@ class Trainer:
         self.opt = DiLoCoOptimizer(
             self.model.parameters(),
             local_steps=o.local_steps,
-            inner_optimizer=functools.partial(torch.optim.AdamW, lr=o.lr, betas=tuple(o.betas), eps=o.eps,
-                                              weight_decay=o.weight_decay),
+            inner_optimizer=inner_optimizer(o.inner, self.model, lr=o.lr, betas=tuple(o.betas), eps=o.eps,
+                                            weight_decay=o.weight_decay, muon_momentum=o.muon_momentum),
             outer_optimizer=functools.partial(torch.optim.SGD, lr=o.outer_lr, momentum=o.outer_momentum,
                                               nesterov=o.outer_nesterov and o.outer_momentum > 0),
             communicator=self.comm,

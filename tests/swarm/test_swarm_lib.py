@@ -185,6 +185,35 @@ def test_four_bit_contributions_with_error_feedback_average_and_agree(swarm):
         assert (dumps[0]["got"][0] - received).abs().max() <= step_of_int8  # only the int8 rounding is left
 
 
+def test_a_shared_seed_subset_travels_alone_and_replicas_agree(swarm):
+    """subset8+int4 over real p2p streams: each round carries an eighth of the values (the round's
+    subset, chosen by every worker alike) in int4, and nothing else; every worker applies the same bits."""
+    from opendiloco.comm.base import RoundKey
+    from opendiloco.comm.compression import get_codec
+    from opendiloco.comm.runner import DEFAULT_PART_NUMEL, part_bounds, shard_bounds
+    from opendiloco.comm.subset import Subset
+
+    swarm.bootstrap()
+    names = ["s0", "s1"]
+    procs = [swarm.worker(n, seed=i + 1, outer_steps=3, local_steps=4, min_group_size=2, hidden=2048,
+                          compression="subset8+int4", error_feedback=True, audit_chunks=0)  # no audit bytes
+             for i, n in enumerate(names)]
+    swarm.wait(procs, timeout=180)
+    syncs = {n: by_step(swarm.records(n)) for n in names}
+    start = {r["peer_id"]: r for r in (swarm.records(n, "start")[0] for n in names)}
+    numel, int4 = next(iter(start.values()))["numel"], get_codec("int4")
+    for step in (1, 2, 3):
+        assert {syncs[n][step]["group_size"] for n in names} == {2}, swarm.log(names[0])
+        assert len({syncs[n][step]["global_hash"] for n in names}) == 1, step
+        k = Subset(8).indices(RoundKey(step - 1), numel).numel()  # what this round's subset holds
+        assert k < numel / 7
+        for n in names:
+            # its contribution to the other's shard, and its own shard's average to the other
+            want = sum(int4.wire_bytes(b - a) for lo, hi in shard_bounds(k, 2)
+                       for a, b in part_bounds(hi - lo, DEFAULT_PART_NUMEL))
+            assert syncs[n][step]["bytes_sent"] == want, (n, step, want)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_two_workers_with_cuda_models_average_and_agree(swarm):
