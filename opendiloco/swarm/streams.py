@@ -37,9 +37,12 @@ class P2PStreams:
     async def listen(self, on_stream: Callable[[ByteStream], Awaitable[None]]) -> None:
         async def handle(info, reader, writer):
             stream = ByteStream(reader, writer, remote=info.peer_id.to_base58())
-            if self.membership is not None and not await self._admit(stream):
-                return
-            await on_stream(stream)
+            try:
+                if self.membership is not None and not await self._admit(stream):
+                    return
+                await on_stream(stream)
+            except asyncio.CancelledError:  # the node is shutting down: the stream ends with it, no traceback
+                stream.close()
 
         await self.p2p.add_binary_stream_handler(self.name, handle)
 
