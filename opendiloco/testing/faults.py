@@ -56,6 +56,8 @@ class FaultyStream:
             if self.runner.frozen or self.runner.freezing:
                 await asyncio.Event().wait()  # until the round gives up on us
             frame = await self.stream.recv(**kw)
+            if self.runner.frozen or self.runner.freezing:
+                continue  # it arrived while this recv was already waiting: frozen means nothing gets in
             if not (self.runner.fault == "lose-confirms" and frame.code == Code.CONFIRM):
                 return frame
             self.runner.fired()

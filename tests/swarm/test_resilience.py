@@ -155,7 +155,8 @@ def test_a_member_whose_round_failed_after_the_group_completed_it_ends_with_the_
     """The victim's round of outer step 2 fails on its side after the others completed it: their CONFIRMs
     never reach it ("stream closed ... after 0 bytes" once they close), or it goes silent once its parts
     and its shard are out. It asks them, and ends with their outcome: it applies the average it holds, or
-    adopts their state; under pace="swarm" it never carries the counted work into the next round. Every
+    adopts their state (frozen with every shard already in, it applies what it holds once its wait for
+    the others' confirmations ends); under pace="swarm" it never carries the counted work into the next round. Every
     worker holds the same θ_global at every outer step."""
     swarm.bootstrap()
     # The others wait 3 s (verify_timeout) for the frozen victim's CONFIRM, then apply; the victim gives up on
@@ -179,7 +180,11 @@ def test_a_member_whose_round_failed_after_the_group_completed_it_ends_with_the_
     r = rounds[0]
     assert r["outer_step"] == 3 and r["global_hash"] == ok_syncs(swarm, "w0")[3]["global_hash"], r
     if r["ok"]:  # it held every shard: it applies the very average the others applied
-        assert r["settled"] and r["group_size"] == 3, r
+        assert r["group_size"] == 3, r
+        # Losing CONFIRMs fails its attempt, so it asks the others (settles); frozen with every shard already in
+        # (the others' results can arrive before its own last frame leaves), it waits out the confirmations
+        # like any member whose peers went quiet after the transfer, and applies what it holds.
+        assert r["settled"] or fault == "freeze", r
     else:  # it adopted their state: its steps are not carried, they were contributed
         assert r["counted"] and not r["carried"] and "the group completed round 2" in r["reason"], r["reason"]
         assert fault == "freeze" and r["contributed"] > 0 and r["dropped"] == 0, r
