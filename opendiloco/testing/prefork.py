@@ -101,10 +101,24 @@ def _run_child(request: dict) -> None:
     sys.exit(0)
 
 
+def _warm() -> None:
+    """What every worker would otherwise import on first use, once for all: an optimizer's first
+    step imports ``torch._dynamo`` and hundreds of modules behind it (about 1.2 s of CPU), the
+    trainer's model ``transformers``' Llama (about 1.3 s); on a model too small for any thread pool."""
+    import torch
+    from transformers import LlamaForCausalLM  # noqa: F401
+
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.zeros(1, 2)).sum().backward()
+    optimizer.step()
+
+
 def serve(sock_path: str, status_dir: str) -> None:
     """The server's loop: one request per connection (JSON), answered with the child's PID."""
     for name in PRELOAD:
         __import__(name)
+    _warm()
     if _threads() != 1:
         print(f"prefork: importing started {_threads() - 1} thread(s); not serving", file=sys.stderr)
         sys.exit(3)

@@ -94,6 +94,10 @@ class _GroupsLed:
         return any(self.leader in self.book.subkey_values(self.book.group_key(RoundKey(event), 0), 3600)
                    for event in events)
 
+    def announced(self, peer: str, events) -> bool:
+        """Whether ``peer`` has announced itself ready for one of these rounds (it is in matchmaking)."""
+        return any(peer in self.book.subkey_values(self.book.round_key(RoundKey(event)), 3600) for event in events)
+
     def close(self) -> None:
         self.dht.shutdown()
 
@@ -157,13 +161,16 @@ def test_sigterm_abandons_matchmaking_and_exchange_with_a_frozen_peer(swarm, tmp
         # Both log every 2 inner steps: once one has logged a step past the round, it has 3 steps or fewer
         # left before the next.
         swarm.wait_for(lambda: _trained_past_round(dirs["peer_x"]), 30, "peer_x to train on", [procs["peer_x"]])
-        time.sleep(1.0)  # peer_x is in its round by now, wait_x (1 s a step) still trains
         groups = _GroupsLed(peers, "x", ids[0][0])
         try:
-            _freeze([procs["peer_x"].pid], frozen)
-            # wait_x publishes its next group (with the frozen peer_x) and then sends to it: the exchange.
             # (A round that reached outer step n had event n - 1; the next one is event n.)
             upcoming = range(_rounds(dirs["wait_x"])[-1]["outer_step"], _rounds(dirs["wait_x"])[-1]["outer_step"] + 2)
+            # peer_x freezes once it has announced its next round (wait_x, 1 s a step, still trains), however
+            # long its 3 steps took: frozen before, it would be waited for in matchmaking, not in the exchange.
+            swarm.wait_for(lambda: groups.announced(ids[1][0], upcoming), 60, "peer_x's announcement",
+                           [procs["peer_x"]])
+            _freeze([procs["peer_x"].pid], frozen)
+            # wait_x publishes its next group (with the frozen peer_x) and then sends to it: the exchange.
             swarm.wait_for(lambda: groups.published(upcoming), 120, "wait_x's next group", [procs["wait_x"]])
         finally:
             groups.close()
