@@ -69,6 +69,35 @@ def alive(pid: int) -> bool:
         return False
 
 
+def command_name(pid: int) -> str:
+    """The kernel's name for a process (``/proc/PID/comm``, at most 15 characters); "" once it is gone."""
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+SELF_ENDING = ("torch_shm_manag",)
+"""Helpers that end on their own a few seconds after their last client: torch's shared-memory manager
+(hivemind shares memory through it) waits 2 s for a new client before it cleans up and exits."""
+
+
+def end_lingering(pids: set[int], timeout: float = 10.0) -> list[int]:
+    """Waits for the ``pids`` handed over by ``ProcessGroup.stop`` to end; kills and returns those that
+    did not end within ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    stuck = sorted(p for p in pids if alive(p) and command_name(p) in SELF_ENDING)
+    for pid in stuck:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return stuck
+
+
 class ProcessError(RuntimeError):
     """A process of the group failed or did not finish in time (the message ends with its log)."""
 
@@ -161,7 +190,12 @@ class ProcessGroup:
                 raise ProcessError(f"no {what} within {timeout:.0f}s\n{logs}\n{states}")
             time.sleep(0.1)
 
-    def stop(self, grace: float = 10.0) -> list[int]:
+    def stop(self, grace: float = 10.0, lingering: set[int] | None = None) -> list[int]:
+        """Ends the group's processes; returns the PIDs of descendants that outlived them (leaks).
+
+        With ``lingering``, helpers that end on their own shortly after their last client
+        (``SELF_ENDING``) are added to it instead of waited for: whoever owns the set checks later
+        that they did end (``end_lingering``)."""
         self.track()
         for proc in self.procs:
             if proc.poll() is None:
@@ -173,6 +207,10 @@ class ProcessGroup:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(5)
+        if lingering is not None:
+            helpers = {p for p in self.known if alive(p) and command_name(p) in SELF_ENDING}
+            lingering |= helpers
+            self.known -= helpers
         deadline = time.monotonic() + 8
         while any(alive(p) for p in self.known) and time.monotonic() < deadline:
             time.sleep(0.2)

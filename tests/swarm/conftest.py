@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from opendiloco.testing.proctree import ProcessError, ProcessGroup, spawn_bootstrap
+from opendiloco.testing.proctree import ProcessError, ProcessGroup, end_lingering, spawn_bootstrap
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("worker.py")
@@ -63,9 +63,19 @@ class Swarm(ProcessGroup):
             pytest.fail(str(e))
 
 
+@pytest.fixture(scope="session")
+def _lingering():
+    """torch's shared-memory managers of the swarm tests' processes, which end 2 s after their last
+    client: checked once at the end of the session instead of waited for after every test."""
+    pids: set[int] = set()
+    yield pids
+    stuck = end_lingering(pids)
+    assert not stuck, f"shared-memory managers still running at the end of the session (killed now): {stuck}"
+
+
 @pytest.fixture
-def swarm(tmp_path):
+def swarm(tmp_path, _lingering):
     s = Swarm(tmp_path)
     yield s
-    leaked = s.stop()
+    leaked = s.stop(lingering=_lingering)
     assert not leaked, f"processes left behind by the swarm test (killed now): {leaked}"
