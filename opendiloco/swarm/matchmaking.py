@@ -50,6 +50,13 @@ class MatchmakingSettings:
     """An announced attempt number more than this ahead of ours is ignored."""
 
 
+SLOW_READ_EVERY = 5
+"""While a worker waits, the announcements are read every poll, but what changes slowly or rings a
+doorbell when it changes (the live workers; a group its leader publishes) every this many polls: every
+read of a waiting worker is a DHT lookup that its peers' DHT processes answer, and at one poll each
+20 ms the reads of a few waiting workers kept their peers' DHT processes busy."""
+
+
 class Doorbell:
     """Wake-ups from leaders that have just published a group, so members read it at once.
 
@@ -214,7 +221,7 @@ class Matchmaker:
                 if members is not None:
                     return self._group(key, attempt, members), attempt
             time.sleep(s.poll_interval)
-            workers = None
+            workers = None if polls % SLOW_READ_EVERY == 0 else workers
         return self._adopt_group(key, attempt, announced_ok, set(workers) | {me}, numel), attempt
 
     def _announcements(self, announce_key: str) -> dict[str, dict]:
@@ -326,14 +333,16 @@ class Matchmaker:
         announce_key = self.records.round_key(key)
         deadline = time.monotonic() + s.straggler_wait + s.matchmaking_timeout
         polls = 0
-        published_ours = False
+        published_ours, rang = False, True
         gone = compatible - live  # a leader that died or went back is not waited for (``_gone``)
         while True:
             self._raise_if_interrupted()
-            # A group already closed for this round wins over our own view of who is ready.
-            members = self._published(key, gkey, live, compatible)
-            if members is not None:
-                return self._group(key, attempt, members)
+            # A group already closed for this round wins over our own view of who is ready. Its leader
+            # rings us when it publishes one; the DHT is read anyway now and then (a ring can be lost).
+            if rang or polls % SLOW_READ_EVERY == 0:
+                members = self._published(key, gkey, live, compatible)
+                if members is not None:
+                    return self._group(key, attempt, members)
             candidates = part_of(me, compatible - (self.taken - {me}) - gone, self.avoids)
             if len(candidates) < s.min_group_size:
                 raise AveragingError(f"round {key}: {len(candidates)} peer(s) left for a group, need "
@@ -343,7 +352,7 @@ class Matchmaker:
                 self.records.store(gkey, members, self.records.clock.now() + s.record_ttl)
                 if self.ring_members is not None:
                     self.ring_members([m for m in members if m != me], str(key), attempt)
-                published_ours = True  # read it back: a concurrent leader with a smaller id would win
+                published_ours = rang = True  # read it back: a concurrent leader with a smaller id would win
                 continue
             self._raise_if_interrupted()
             if time.monotonic() > deadline:
@@ -358,7 +367,7 @@ class Matchmaker:
                 compatible -= self._moved_on(workers, key)
                 self.avoids.update({p: announced_avoid(announcements[p]) for p in compatible if p in announcements})
                 gone = self._gone(workers, {p: announcements.get(p) for p in compatible}, key)
-            self.doorbell.wait(str(key), attempt, s.poll_interval)
+            rang = self.doorbell.wait(str(key), attempt, s.poll_interval)
 
     def _raise_if_interrupted(self) -> None:
         if self.interrupted.is_set():
