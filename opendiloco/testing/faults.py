@@ -105,9 +105,11 @@ def faulty_runner(fault: str, on_fired=None) -> type[FaultyRunner]:
 class RoundRecorder(RoundHooks):
     """``attempts``: a file that gets one JSON line per attempt (outer step, members, ok, error type,
     time). ``dump_dir``: one ``{peer}-{outer_step}.pt`` per round with what was sent and received.
-    ``stall``: (outer step, seconds) to sleep inside that round's all-reduce, first writing a line to
-    ``marker``. ``fault``: (outer step, one of ``FAULTS``) for that round's attempts until it has taken effect
-once (an attempt that failed for another reason before the fault's moment is not the one asked for)."""
+    ``stall``: (outer step, seconds) to sleep inside the all-reduce of the first round at or after that
+    outer step that this worker takes part in (and of that round's retries), first writing a line
+    "outer step, time" to ``marker`` (a worker that joined late may have skipped the step itself).
+    ``fault``: (outer step, one of ``FAULTS``) for that round's attempts until it has taken effect
+    once (an attempt that failed for another reason before the fault's moment is not the one asked for)."""
 
     def __init__(self, peer_id: str, *, attempts: str | None = None, dump_dir: str | None = None,
                  stall: tuple[int, float] | None = None, marker: str | None = None,
@@ -115,6 +117,7 @@ once (an attempt that failed for another reason before the fault's moment is not
         self.peer_id, self.attempts, self.dump_dir, self.stall, self.marker = peer_id, attempts, dump_dir, stall, marker
         self.fault = (fault[0], faulty_runner(fault[1], on_fired=self._fired)) if fault else None
         self._sent: dict = {}
+        self._stalled_at: int | None = None
 
     def round_began(self, key, contribution):
         if self.dump_dir:
@@ -129,7 +132,10 @@ once (an attempt that failed for another reason before the fault's moment is not
         return default
 
     async def before_exchange(self, group):
-        if self.stall and self.stall[0] == group.key.outer_step:
+        step = group.key.outer_step
+        if self.stall and self._stalled_at is None and step >= self.stall[0]:
+            self._stalled_at = step
+        if self.stall and step == self._stalled_at:
             with open(self.marker, "a") as f:  # tells the test we are inside the all-reduce
                 f.write(f"{group.key.outer_step} {time.time()}\n")
             await asyncio.sleep(self.stall[1])

@@ -50,7 +50,8 @@ def main():
     p.add_argument("--step-delay", type=float, default=0.0)
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--stall-in-allreduce", nargs=2, type=float, default=None, metavar=("OUTER_STEP", "SECONDS"),
-                   help="sleep inside the all-reduce of that outer step (the test kills or stops us there)")
+                   help="sleep inside the all-reduce of the first round at or after that outer step (the test kills "
+                        "or stops us there)")
     p.add_argument("--fault-in-round", nargs=2, default=None, metavar=("OUTER_STEP", "FAULT"),
                    help="lose-confirms: the others' CONFIRMs never reach us; freeze: our streams go silent once our "
                         "parts and our shard's result are out (that outer step's attempts, until it took effect once)")
