@@ -42,6 +42,14 @@ def orthogonalize(update: torch.Tensor, steps: int, coefficients=NS_COEFFICIENTS
     return x.T if tall else x
 
 
+def _evaluate(closure):
+    """The loss of an optimizer's ``step(closure)``: the closure run with gradients on, or None."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
+
+
 class Muon(torch.optim.Optimizer):
     """Muon on 2-D parameters: Nesterov momentum, orthogonalised, RMS-matched to AdamW, decoupled
     weight decay. State per parameter: ``momentum_buffer``."""
@@ -58,10 +66,7 @@ class Muon(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = _evaluate(closure)
         for group in self.param_groups:
             lr, mu = group["lr"], group["momentum"]
             for p in group["params"]:
@@ -112,10 +117,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = _evaluate(closure)
         self.muon.step()
         if self.adamw is not None:
             self.adamw.step()
