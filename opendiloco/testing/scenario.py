@@ -77,6 +77,9 @@ class Event:
     groups: tuple[tuple[str, ...], ...] = ()
     between: tuple[str, str] | None = None
     link: Link | None = None
+    wait_for: str | None = None
+    """``"checkpoint"``: held (and the schedule behind it) until its worker has written a checkpoint,
+    so that a crash is always one it can resume from, however slowly the worker started."""
 
 
 @dataclass
@@ -96,6 +99,9 @@ class Scenario:
     """``[train]`` keys passed to every worker as ``--section.key value``."""
     throttle: float = 0.0
     source: Path | None = None
+    settle_rounds: int | None = None
+    """End early: once the schedule has played and every running worker has contributed to this many
+    applied rounds since the last event (and since its launch). ``duration_s`` stays the bound."""
 
     def worker(self, name: str) -> Host:
         for w in self.workers:
@@ -115,7 +121,7 @@ class Scenario:
         keep = [e for e in self.events if e.action == "start" and e.at < duration]
         return Scenario(self.name + "-clean", duration, self.regions, self.links, self.default_link,
                         self.bootstrap_region, self.workers, keep, self.config, dict(self.overrides),
-                        self.throttle, self.source)
+                        self.throttle, self.source, self.settle_rounds)
 
 
 def _link(raw: dict, where: str) -> Link:
@@ -164,8 +170,8 @@ def load_scenario(path: str | Path) -> Scenario:
 
 
 def parse_scenario(raw: dict, source: Path | None = None) -> Scenario:
-    known = {"name", "duration_s", "config", "throttle", "regions", "links", "default_link", "bootstrap",
-             "workers", "events", "train"}
+    known = {"name", "duration_s", "settle_rounds", "config", "throttle", "regions", "links", "default_link",
+             "bootstrap", "workers", "events", "train"}
     unknown = set(raw) - known
     if unknown:
         raise ScenarioError(f"unknown key(s) {sorted(unknown)}")
@@ -175,6 +181,9 @@ def parse_scenario(raw: dict, source: Path | None = None) -> Scenario:
     duration = _number(raw, "duration_s", "", positive=True)
     if duration is None:
         raise ScenarioError("duration_s is required (every run is bounded)")
+    settle = raw.get("settle_rounds")
+    if settle is not None and (isinstance(settle, bool) or not isinstance(settle, int) or not 1 <= settle <= 100):
+        raise ScenarioError(f"settle_rounds: a whole number of rounds, 1..100, got {settle!r}")
     regions_raw = raw.get("regions")
     if not isinstance(regions_raw, dict) or not regions_raw:
         raise ScenarioError("regions: at least one [regions.NAME] table")
@@ -235,13 +244,17 @@ def parse_scenario(raw: dict, source: Path | None = None) -> Scenario:
                                               for k, v in train.items()):
         raise ScenarioError("train: a table of \"section.key\" = value overrides")
     return Scenario(name, duration, regions, links, default, boot.get("region", next(iter(regions))), workers,
-                    events, config, dict(train), _number(raw, "throttle", "", 0.0), source)
+                    events, config, dict(train), _number(raw, "throttle", "", 0.0), source, settle)
 
 
 def _event(raw: dict, i: int, regions: dict, workers: set[str], duration: float) -> Event:
     where = f"events[{i}]"
     if not isinstance(raw, dict):
         raise ScenarioError(f"{where}: expected a table")
+    unknown = set(raw) - {"at", "action", "worker", "for_s", "wait_for", "groups", "between", "delay_ms",
+                          "jitter_ms", "loss", "rate_mbit"}
+    if unknown:
+        raise ScenarioError(f"{where}: unknown key(s) {sorted(unknown)}")
     action = raw.get("action")
     if action not in ACTIONS:
         raise ScenarioError(f"{where}.action: one of {', '.join(ACTIONS)}; got {action!r}")
@@ -254,6 +267,9 @@ def _event(raw: dict, i: int, regions: dict, workers: set[str], duration: float)
         raise ScenarioError(f"{where}.worker: {'one of the workers' if needs_worker else 'not used by ' + action}"
                             f", got {worker!r}")
     for_s = _number(raw, "for_s", where, positive=True)
+    wait_for = raw.get("wait_for")
+    if wait_for is not None and (wait_for != "checkpoint" or worker is None):
+        raise ScenarioError(f"{where}.wait_for: \"checkpoint\" (the event's worker has written one), got {wait_for!r}")
     if action == "freeze" and for_s is None:
         raise ScenarioError(f"{where}.for_s: how long the worker stays frozen")
     groups: tuple = ()
@@ -270,4 +286,4 @@ def _event(raw: dict, i: int, regions: dict, workers: set[str], duration: float)
             raise ScenarioError(f"{where}.between: two regions (the same one twice: inside it)")
         between = (b[0], b[1])
         link = _link({k: v for k, v in raw.items() if k in {"delay_ms", "jitter_ms", "loss", "rate_mbit"}}, where)
-    return Event(at, action, worker, for_s, groups, between, link)
+    return Event(at, action, worker, for_s, groups, between, link, wait_for)

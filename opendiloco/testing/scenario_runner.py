@@ -6,9 +6,10 @@ and, for a host whose clock is off, ``faketime``. A restarted worker gets a new 
 it does with the default config. The runner writes what it did to ``events.jsonl`` (launches, exits, faults, with
 the runner's own clock) beside the workers' run dirs; ``scenario_report.py`` reads both.
 
-Bounded and tidy: the run ends at ``duration_s`` (workers are asked to stop, then killed by
-PID), and the namespaces, the link emulator and every process started here are gone afterwards,
-also when the runner itself is interrupted (SIGINT/SIGTERM).
+Bounded and tidy: the run ends at ``duration_s``, or earlier once it has settled
+(``settle_rounds``); the workers are asked to stop, then killed by PID; and the namespaces, the
+link emulator and every process started here are gone afterwards, also when the runner itself
+is interrupted (SIGINT/SIGTERM).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..train.metrics import read_metrics
 from .proctree import alive, children_table, descendants
 from .scenario import Event, Scenario
 from .world import LinkSpec, World
@@ -126,16 +128,62 @@ class ScenarioRunner:
                 undo = {"freeze": "thaw", "link": "restore_link", "partition": "heal"}[e.action]
                 agenda.append((e.at + e.for_s, 2, Event(e.at + e.for_s, undo, e.worker, between=e.between)))
         agenda.sort(key=lambda x: (x[0], x[1]))
+        held = 0.0  # how long events waiting for a condition held the schedule back
         for at, _, event in agenda:
-            if at >= s.duration_s:
+            if at + held >= s.duration_s:
                 continue
-            self._sleep_until(at)
+            self._sleep_until(at + held)
+            if event.wait_for == "checkpoint":
+                since = self._now()
+                self._wait_until(lambda w=event.worker: self._has_checkpoint(w), s.duration_s)
+                if self._now() - since >= 1.0:
+                    held += self._now() - since
+                    self._record("held", action=event.action, worker=event.worker, for_s=round(self._now() - since, 2))
+                if self._now() >= s.duration_s:
+                    continue
             try:
                 self._apply(event)
             except Exception as e:  # a fault that could not be applied is recorded, the run goes on
                 self._record("event_failed", action=event.action, worker=event.worker, error=str(e))
                 self.say(f"[{self._now():6.1f}s] {event.action} {event.worker or ''} failed: {e}")
+        if s.settle_rounds:
+            last_event = time.time()
+            if self._wait_until(lambda: self._settled(last_event, s.settle_rounds), s.duration_s):
+                self._record("settled", rounds=s.settle_rounds)
+                self.say(f"[{self._now():6.1f}s] settled: every running worker contributed to "
+                         f"{s.settle_rounds} round(s) since the last event")
+                return
         self._sleep_until(s.duration_s)
+
+    def _wait_until(self, condition, bound: float) -> bool:
+        """Polls ``condition`` each second until it holds (True) or the run's clock reaches ``bound``."""
+        while self._now() < bound:
+            self._track()
+            if condition():
+                return True
+            time.sleep(min(1.0, max(0.0, bound - self._now())))
+        return False
+
+    def _has_checkpoint(self, name: str) -> bool:
+        return any((self.out / "workers" / name / "checkpoints").glob("step-*.pt"))
+
+    def _settled(self, since: float, rounds: int) -> bool:
+        """Every running worker (not frozen) applied ``rounds`` rounds with its own steps in them since
+        ``since`` and since its launch, by the records it wrote (its clock corrected by its offset)."""
+        running = [(n, i) for n, i in ((n, self._current(n)) for n in self.instances)
+                   if i is not None and i.proc.poll() is None and n not in self.frozen]
+        if not running:
+            return False
+        for name, inst in running:
+            path = self.out / "workers" / name / "metrics.jsonl"
+            offset = self.scenario.worker(name).clock_offset_s
+            after = max(since, inst.launched)
+            recs = read_metrics(path) if path.exists() else []
+            done = sum(1 for r in recs if r.get("event") == "outer_step" and r.get("ok")
+                       and (r.get("contributed_steps") or 0) > 0 and r.get("time", 0.0) - offset >= after)
+            if done < rounds:
+                return False
+        return True
 
     def _sleep_until(self, at: float) -> None:
         while True:
