@@ -21,8 +21,10 @@ EXTRA = ["--train.eval-every", "0", "--train.grad-accum", "2"]  # DDP syncs once
 
 
 def _train(run_dir: Path, nproc: int, *extra: str) -> None:
-    head = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                                 "--nproc-per-node", str(nproc)]
+    if nproc == 1:  # one process: the same trainer, in this one (a fresh interpreter costs seconds of CPU)
+        train(small_config(run_dir, *EXTRA, *[e for e in extra if e != "--resume"]), resume="--resume" in extra)
+        return
+    head = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
     args = [*head, "-m", "opendiloco", "train", *SMALL, "--run.dir", str(run_dir), *EXTRA, *extra]
     proc = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=240,
                           env=dict(os.environ, OMP_NUM_THREADS="1"))

@@ -8,7 +8,8 @@
 - **stall**: announces that it heads for the run's next round, to be ready in an hour, and never comes;
 - **hammer**: opens ``--hammer`` state downloads at once from one worker.
 
-Writes what it got to ``--out`` (JSON) and keeps its records alive for ``--duration`` seconds.
+Writes what it got to ``--out`` (JSON). The takeover lasts a third of ``--duration`` seconds and the
+stall the rest; with ``--phase-rounds N``, each ends sooner, once the run has done N rounds under it.
 """
 
 import asyncio
@@ -87,12 +88,19 @@ async def main_async(args) -> dict:
     report["forged_stores"] = []
     report["hammer"] = await hammer(state_streams, donor.peer_id, args.hammer)
     began = time.monotonic()
-    deadline = began + args.duration
+    deadline, takeover_until = began + args.duration, began + args.duration / 3
+    phase, phase_from = "takeover", None  # phase_from: the run's outer step when the phase began
     while time.monotonic() < deadline:
         now = get_dht_time()
         run = {p: r for p, r in book.read_workers(60).items() if p != me}
         top = max([r.outer_step for r in run.values()] + [0])
-        if time.monotonic() < began + args.duration / 3:
+        phase_from = top if phase_from is None else phase_from
+        rounds_done = bool(args.phase_rounds) and top >= phase_from + args.phase_rounds
+        if phase == "takeover" and (rounds_done or time.monotonic() >= takeover_until):
+            phase, phase_from = "stall", top
+        elif phase == "stall" and rounds_done:
+            break
+        if phase == "takeover":
             # Takeover: one step ahead of the run with a hash nobody else holds (the poisoned state).
             mine = records.WorkerRecord(peer_id=me, outer_step=top + 1, global_hash="a" * 16, time=now,
                                         config=args.config)
@@ -130,6 +138,7 @@ async def main_async(args) -> dict:
 def main():
     p = attacker.insider_arguments()
     p.add_argument("--duration", type=float, default=40.0)
+    p.add_argument("--phase-rounds", type=int, default=0)
     p.add_argument("--hammer", type=int, default=12)
     attacker.run(main_async, p)
 

@@ -1,6 +1,7 @@
 """An insider with many identities (keys are free): one p2p node, and bare keys that sign records.
 
-In three phases of ``--duration / 3`` each:
+In three phases of ``--duration / 3`` each (with ``--phase-rounds N``, a phase ends sooner, once the
+run has done N rounds under it):
 
 - **takeover**: ``--keys`` identities publish progress records one outer step ahead of the run,
   all for the hash of a poisoned state (θ_global = 1000) that its p2p node serves to whoever asks;
@@ -48,6 +49,10 @@ async def main_async(args) -> dict:
         run = [r for p, r in book.read_workers(60).items() if p not in report["identities"]]
         return max([r.outer_step for r in run] + [0])
 
+    def done(began_at: int) -> bool:
+        """With ``--phase-rounds N``: the run has done N rounds since the phase began."""
+        return bool(args.phase_rounds) and run_top() >= began_at + args.phase_rounds
+
     async def publish(identity: Identity, record: records.WorkerRecord, ttl: float) -> None:
         signer = records.RunRecords(dht, membership, identity)
         await signer.store_async(signer.workers_key(), record.to_value(), get_dht_time() + ttl)
@@ -67,8 +72,8 @@ async def main_async(args) -> dict:
     report["identities"] += [k.peer_id for k in keys[1:]]
     server = StateServer(streams)
     report["takeover"] = [time.time(), None]
-    end = time.monotonic() + phase
-    while time.monotonic() < end:
+    end, began_at = time.monotonic() + phase, run_top()
+    while time.monotonic() < end and not done(began_at):
         top = run_top()
         if state["outer_step"] != top + 1:  # a poisoned state one step ahead of the run, and its real hash
             for g in state["outer"]["global_params"]:
@@ -88,8 +93,8 @@ async def main_async(args) -> dict:
 
     for kind in ("stall", "pace"):
         report[kind] = [time.time(), None]
-        end = time.monotonic() + phase
-        while time.monotonic() < end:
+        end, began_at = time.monotonic() + phase, run_top()
+        while time.monotonic() < end and not done(began_at):
             top, now = run_top(), get_dht_time()
             for heading in (top, top + 1):  # the run's next round, and the one after it
                 key = bare_key()
@@ -114,6 +119,7 @@ def main():
     p = attacker.insider_arguments()
     p.add_argument("--keys", type=int, default=3)
     p.add_argument("--duration", type=float, default=60.0)
+    p.add_argument("--phase-rounds", type=int, default=0)
     attacker.run(main_async, p)
 
 

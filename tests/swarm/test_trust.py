@@ -93,7 +93,7 @@ def test_an_insider_cannot_take_over_impersonate_stall_or_exhaust(swarm):
     out = swarm.tmp / "insider.json"
     started = time.time()
     attacker = swarm.spawn([sys.executable, str(HERE / "attack_insider.py"), "--peers-file", str(swarm.peers_file),
-                            "--out", str(out), "--run-id", RUN, "--duration", "45"], "insider",
+                            "--out", str(out), "--run-id", RUN, "--duration", "90", "--phase-rounds", "4"], "insider",
                            env={"OPENDILOCO_RUN_SECRET": SECRET})
     swarm.wait([attacker], timeout=240)
     report = json.loads(out.read_text())
@@ -165,7 +165,8 @@ def test_identities_that_never_averaged_with_a_worker_neither_take_it_over_stall
     swarm.wait_for(lambda: len(steps_together(swarm)) >= 1, 150, "no common outer step", show=HONEST_NAMES)
     out = swarm.tmp / "sybil.json"
     attacker = swarm.spawn([sys.executable, str(HERE / "attack_sybil.py"), "--peers-file", str(swarm.peers_file),
-                            "--out", str(out), "--run-id", RUN, "--keys", "3", "--duration", "45"], "sybil",
+                            "--out", str(out), "--run-id", RUN, "--keys", "3", "--duration", "120",
+                            "--phase-rounds", "3"], "sybil",
                            env={"OPENDILOCO_RUN_SECRET": SECRET})
     swarm.wait([attacker], timeout=240)
     report = json.loads(out.read_text())
