@@ -106,18 +106,20 @@ stop_all() {
     [ "$stopping" = 0 ] || return 0
     stopping=1
     trap - INT TERM
-    local i pid deadline
+    local i pid deadline members
     for group in workers bootstrap; do
+        members=()  # the PIDs of this group: only they are signalled, and only they are waited for
         for i in "${!pids[@]}"; do
-            pid=${pids[$i]}
             if { [ "$group" = workers ] && [ "${names[$i]}" != bootstrap ]; } ||
                { [ "$group" = bootstrap ] && [ "${names[$i]}" = bootstrap ]; }; then
-                alive "$pid" && kill -TERM "$pid" 2>/dev/null || true
+                members+=("${pids[$i]}")
             fi
         done
+        for pid in "${members[@]}"; do
+            alive "$pid" && kill -TERM "$pid" 2>/dev/null || true
+        done
         deadline=$((SECONDS + 30))
-        for i in "${!pids[@]}"; do
-            pid=${pids[$i]}
+        for pid in "${members[@]}"; do
             while alive "$pid" && [ "$SECONDS" -lt "$deadline" ]; do sleep 0.2; done
         done
     done

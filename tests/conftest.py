@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 
-# One compute thread per process: the suite runs in parallel processes (-n 2) that each start more
+# One compute thread per process: the suite runs in parallel processes (-n 3) that each start more
 # (workers, DHT daemons); torch's default of one thread per core would oversubscribe the cores many
 # times over. Set before torch is imported, and inherited by every process a test starts.
 os.environ.setdefault("OMP_NUM_THREADS", "1")

@@ -93,7 +93,13 @@ def test_local_swarm_sh_makes_a_run_secret_and_starts_a_closed_run(swarm, tmp_pa
     run_dir = tmp_path / "run"
     proc = swarm.spawn(["bash", str(ROOT / "scripts/local_swarm.sh"), "-n", "1", "--run-dir", str(run_dir), "--",
                         *small, "--train.total-steps", "4"], "local_swarm")
-    swarm.wait([proc], timeout=360)
+    swarm.wait_for(lambda: "all workers finished" in swarm.log("local_swarm", tail=10**6), 300,
+                   "the worker to finish", alive=[proc], show=["local_swarm"])
+    finished = time.monotonic()
+    swarm.wait([proc], timeout=120)
+    # Once the workers are done, the bootstrap is stopped at once: the script used to wait out its whole
+    # 30 s stop grace for the bootstrap (which it had not signalled yet) before signalling it.
+    assert time.monotonic() - finished < 30, "local_swarm.sh waited out its stop grace for the bootstrap"
     secret = run_dir / "run.secret"
     assert stat.S_IMODE(secret.stat().st_mode) == 0o600
     assert re.fullmatch(r"[0-9a-f]{64}\n", secret.read_text())
