@@ -136,9 +136,10 @@ class ScenarioRunner:
             if event.wait_for == "checkpoint":
                 since = self._now()
                 self._wait_until(lambda w=event.worker: self._has_checkpoint(w), s.duration_s)
-                if self._now() - since >= 1.0:
-                    held += self._now() - since
-                    self._record("held", action=event.action, worker=event.worker, for_s=round(self._now() - since, 2))
+                waited = self._now() - since
+                if waited >= 1.0:
+                    held += waited
+                    self._record("held", action=event.action, worker=event.worker, for_s=round(waited, 2))
                 if self._now() >= s.duration_s:
                     continue
             try:

@@ -49,9 +49,9 @@ async def main_async(args) -> dict:
         run = [r for p, r in book.read_workers(60).items() if p not in report["identities"]]
         return max([r.outer_step for r in run] + [0])
 
-    def done(began_at: int) -> bool:
+    def done(began_at: int, top: int) -> bool:
         """With ``--phase-rounds N``: the run has done N rounds since the phase began."""
-        return bool(args.phase_rounds) and run_top() >= began_at + args.phase_rounds
+        return bool(args.phase_rounds) and top >= began_at + args.phase_rounds
 
     async def publish(identity: Identity, record: records.WorkerRecord, ttl: float) -> None:
         signer = records.RunRecords(dht, membership, identity)
@@ -73,8 +73,10 @@ async def main_async(args) -> dict:
     server = StateServer(streams)
     report["takeover"] = [time.time(), None]
     end, began_at = time.monotonic() + phase, run_top()
-    while time.monotonic() < end and not done(began_at):
+    while time.monotonic() < end:
         top = run_top()
+        if done(began_at, top):
+            break
         if state["outer_step"] != top + 1:  # a poisoned state one step ahead of the run, and its real hash
             for g in state["outer"]["global_params"]:
                 g.fill_(1000.0)
@@ -94,8 +96,10 @@ async def main_async(args) -> dict:
     for kind in ("stall", "pace"):
         report[kind] = [time.time(), None]
         end, began_at = time.monotonic() + phase, run_top()
-        while time.monotonic() < end and not done(began_at):
+        while time.monotonic() < end:
             top, now = run_top(), get_dht_time()
+            if done(began_at, top):
+                break
             for heading in (top, top + 1):  # the run's next round, and the one after it
                 key = bare_key()
                 report["identities"].append(key.peer_id)
