@@ -57,6 +57,7 @@ from .membership import SECRET_FILE_ENV, Membership, RunSecret
 from .node import start_dht, visible_maddrs
 from .presence import OtherSettings, Presence
 from .quorum import confirmed
+from .relays import RelayLinks
 from .signing import Identity
 from .state_transfer import StateServer, download_bound, fetch_state, own_check
 from .streams import P2PStreams
@@ -226,7 +227,7 @@ class SwarmCommunicator(Communicator):
         self._call(self._setup(), timeout=30)
         self.presence = Presence(self.records, self._peer_id, self._loop,
                                  heartbeat_interval=s.heartbeat_interval, record_ttl=s.record_ttl,
-                                 config=s.config_fingerprint)
+                                 config=s.config_fingerprint, relays=getattr(dht, "relays", ()))
         self.matchmaker = Matchmaker(self.records, self.presence, MatchmakingSettings(
             run_id=s.run_id, min_group_size=s.min_group_size, matchmaking_timeout=s.matchmaking_timeout,
             straggler_wait=s.straggler_wait, max_wait=s.max_wait,
@@ -326,13 +327,18 @@ class SwarmCommunicator(Communicator):
         self.p2p = await self.dht.replicate_p2p()
         self.rounds = Rounds(wait_for_group=s.straggler_wait + s.verify_timeout)
         ns, m = self.membership.namespace, self.membership
-        self.reduce_streams = P2PStreams(self.p2p, f"opendiloco.{ns}.reduce", m)
-        self.state_streams = P2PStreams(self.p2p, f"opendiloco.{ns}.state", m)
+        hold_streams = P2PStreams(self.p2p, f"opendiloco.{ns}.hold", m)
+        self.relay_links = RelayLinks(self.records.relay_book, self.p2p, hold_streams.connect)
+        await hold_streams.listen(self.relay_links.serve_hold)
+        # Only a worker behind NAT dials through relays; a public one uses the connection the other dialled out.
+        links = self.relay_links if getattr(self.dht, "relays", ()) else None
+        self.reduce_streams = P2PStreams(self.p2p, f"opendiloco.{ns}.reduce", m, links)
+        self.state_streams = P2PStreams(self.p2p, f"opendiloco.{ns}.state", m, links)
         await self.reduce_streams.listen(self.rounds.serve)
         self.state_server = StateServer(self.state_streams)
         await self.state_server.listen()
         self.doorbell = Doorbell()
-        self.match_streams = P2PStreams(self.p2p, f"opendiloco.{ns}.match", m)
+        self.match_streams = P2PStreams(self.p2p, f"opendiloco.{ns}.match", m, links)
         await self.match_streams.listen(self._on_ring)
         self._background: set[asyncio.Task] = set()
 

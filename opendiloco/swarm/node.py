@@ -20,7 +20,7 @@ from hivemind.utils.multiaddr import Multiaddr
 
 from opendiloco.errors import SwarmError
 
-from . import reachability
+from . import reachability, relays
 from .signing import Identity, SignedRecordValidator
 
 log = logging.getLogger(__name__)
@@ -167,7 +167,9 @@ def start_dht(
             raise SwarmError(f"announce_maddrs: {addr!r} has port 0; announce the real, reachable port")
     check_ports_free(host_maddrs)
     kwargs = dict(host_maddrs=host_maddrs, client_mode=client_mode, use_relay=use_relay,
-                  use_auto_relay=client_mode and use_relay, startup_timeout=startup_timeout)
+                  startup_timeout=startup_timeout)
+    if use_relay:
+        kwargs.update(relays.daemon_options(client_mode, initial_peers))
     if announce_maddrs:
         kwargs["announce_maddrs"] = announce_maddrs
     temporary = None
@@ -198,6 +200,8 @@ def _start(initial_peers: list[str], identity: Identity, startup_timeout: float,
     dht = WorkerBoundDHT(initial_peers=initial_peers or None, start=True, await_ready=False,
                          record_validators=[SignedRecordValidator()], **kwargs)
     dht.identity = identity
+    dht.relays = tuple(kwargs.get("trusted_relays", ()))
+    """The relays this node reserved a slot on (client mode): its record names them (``relays.py``)."""
     identity_path = kwargs["identity_path"]
     try:
         dht.wait_until_ready(timeout=startup_timeout)

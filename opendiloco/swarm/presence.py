@@ -48,13 +48,15 @@ class Presence:
     """
 
     def __init__(self, run_records: records.RunRecords, peer_id: str, loop: asyncio.AbstractEventLoop, *,
-                 heartbeat_interval: float, record_ttl: float, config: str = ""):
+                 heartbeat_interval: float, record_ttl: float, config: str = "", relays: tuple[str, ...] = ()):
         self.records, self.peer_id, self.loop = run_records, peer_id, loop
         self.run_id = run_records.membership.run_id
         self.heartbeat_interval, self.record_ttl = heartbeat_interval, record_ttl
         self.max_ttl = record_ttl + CLOCK_SLACK
         """A progress record set to live longer than this is a forgery (or a broken clock): ignored."""
         self.config = config
+        self.relays = tuple(relays)
+        """The relays this worker holds a slot on (behind NAT): its record names them."""
         """This worker's config fingerprint: workers with another one are not part of its run."""
         self._foreign: set[str] = set()
         self._other_secrets: set[str] = set()
@@ -104,7 +106,7 @@ class Presence:
             return
         with self._lock:
             rec = records.WorkerRecord.of(self._progress, peer_id=self.peer_id, time=self.records.clock.now(),
-                                          left=left, config=self.config)
+                                          left=left, config=self.config, relays=self.relays)
         await self.records.store_async(self.records.workers_key(), rec.to_value(),
                                         self.records.clock.now() + self.record_ttl)
 

@@ -32,6 +32,7 @@ from opendiloco.pacing import Pace
 from . import signing
 from .clock import RunClock
 from .membership import Membership
+from .relays import RelayBook, checked_relays
 from .signing import Identity
 
 log = logging.getLogger(__name__)
@@ -55,11 +56,14 @@ class WorkerRecord(Progress):
     """Set when a worker leaves cleanly, so others stop waiting for it at once."""
     config: str = ""
     """The fingerprint of the settings the run's workers must share (``config_fingerprint``)."""
+    relays: tuple[str, ...] = ()
+    """Where a worker behind NAT (client mode) can be reached: the relays it holds a slot on (``relays.py``)."""
 
     @classmethod
-    def of(cls, progress: Progress, *, peer_id: str, time: float, left: bool, config: str) -> WorkerRecord:
+    def of(cls, progress: Progress, *, peer_id: str, time: float, left: bool, config: str,
+           relays: tuple[str, ...] = ()) -> WorkerRecord:
         """The record that publishes ``progress``."""
-        return cls(peer_id=peer_id, time=time, left=left, config=config,
+        return cls(peer_id=peer_id, time=time, left=left, config=config, relays=relays,
                    **{f.name: getattr(progress, f.name) for f in fields(Progress)})
 
     @property
@@ -99,6 +103,9 @@ class WorkerRecord(Progress):
             rec.ready = bool(rec.ready)
             rec.next_round = int(rec.next_round)
             if not isinstance(rec.name, str) or len(rec.name) > NAME_MAX:
+                return None
+            rec.relays = checked_relays(rec.relays)
+            if rec.relays is None:
                 return None
             if not isinstance(rec.global_hash, str) or not isinstance(rec.config, str) or not (
                     rec.loss is None or isinstance(rec.loss, (int, float))):
@@ -151,6 +158,8 @@ class RunRecords:
         self.dht, self.membership, self.identity = dht, membership, identity
         self.interrupted = interrupted
         self.clock = clock if clock is not None else RunClock()
+        self.relay_book = RelayBook()
+        """The relays the live workers' records name: where streams to workers behind NAT go."""
 
     # -- keys --------------------------------------------------------------------------------------
     def workers_key(self) -> str:
@@ -230,8 +239,11 @@ class RunRecords:
         self.clock.observe({subkey: value.get("time") for subkey, _, value in opened
                             if subkey != me and isinstance(value, dict) and not value.get("left")})
         now = self.clock.now()
-        return parse_workers({subkey: value for subkey, expiration, value in opened
-                              if now < expiration <= now + max_ttl})
+        workers = parse_workers({subkey: value for subkey, expiration, value in opened
+                                 if now < expiration <= now + max_ttl})
+        for peer, rec in workers.items():
+            self.relay_book.note(peer, rec.relays)
+        return workers
 
     def read_workers(self, max_ttl: float = 3600.0) -> dict[str, WorkerRecord]:
         """Live workers of the run (those that left cleanly are dropped)."""

@@ -18,6 +18,7 @@ from hivemind.p2p import P2P, PeerID
 
 from ..comm.wire import ByteStream, Code
 from .membership import Membership
+from .relays import RelayLinks
 
 log = logging.getLogger(__name__)
 
@@ -27,8 +28,11 @@ HELLO_TIMEOUT = 10.0
 class P2PStreams:
     """One named stream protocol on a p2p node: ``connect`` opens a stream, ``listen`` serves them."""
 
-    def __init__(self, p2p: P2P, name: str, membership: Membership | None = None):
+    def __init__(self, p2p: P2P, name: str, membership: Membership | None = None,
+                 relay_links: RelayLinks | None = None):
         self.p2p, self.name = p2p, name
+        self.relay_links = relay_links
+        """Where peers behind NAT can be reached: a stream to one of them goes through its relays."""
         self.membership = membership if membership is not None and membership.closed else None
         self.me = p2p.peer_id.to_base58()
         self.refused = 0
@@ -61,6 +65,8 @@ class P2PStreams:
         return False
 
     async def connect(self, peer: str) -> ByteStream:
+        if self.relay_links is not None:  # a peer behind NAT: through its relays, on a connection kept open
+            await self.relay_links.ensure(peer)
         _, reader, writer = await self.p2p.call_binary_stream_handler(PeerID.from_base58(peer), self.name)
         stream = ByteStream(reader, writer, remote=peer)
         if self.membership is not None:

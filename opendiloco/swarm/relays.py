@@ -1,0 +1,237 @@
+"""Relays for workers behind NAT: which peers carry their streams, and how a peer dials them there.
+
+A worker in client mode accepts no inbound connection, so two such workers reach each other only
+through a public peer that relays (libp2p's circuit relay v2). Such a worker reserves a slot on its
+relays (its initial peers) and names them in its record (``WorkerRecord.relays``). Another worker in
+client mode that opens a stream to it first connects through ``/p2p/RELAY/p2p-circuit`` (``dial_via``)
+and keeps one idle "hold" stream open on that connection (``RelayLinks``). A public worker needs no
+relay: it uses the connection the client-mode worker dialled out. libp2p keeps a relayed connection
+end-to-end encrypted and authenticated: the relay forwards bytes it can neither read nor forge, and
+the stream's remote peer id is still the worker's.
+
+Measured in network namespaces behind masquerading routers (``tests/world/test_nat_relay.py``), with
+hivemind 1.1.12's daemon:
+
+- it finds relays by "discovery" and waits for 4 candidates, or 3 minutes, before it reserves a
+  slot: a swarm of a few workers never has 4, and no slot was reserved in 3.5 minutes. With the
+  relays given as static ones and discovery off it reserves at once, but ``P2P.create`` cannot turn
+  discovery off, so the daemon's command line gets ``-relayDiscovery=0`` when relays are given;
+- a public node relays only once libp2p believes it is publicly reachable, which AutoNAT decides
+  from peers' dial-backs, if ever. A node not in client mode says it is reachable (that is what the
+  setting means, and ``opendiloco doctor`` checks it), so the daemon is told so;
+- libp2p announces a relayed address only for relays with public IP addresses, so peers in a network
+  of private addresses (an office, a cloud VPC, the test world) never learn one: the record names
+  the relays instead;
+- hivemind's multiaddr library writes ``/p2p/ID`` in a form the daemon cannot read (a CID where it
+  expects a bare multihash: "length greater than remaining number of bytes"), so circuit addresses
+  are encoded here;
+- a relayed connection is closed once it carries no stream: after one exchange, 22 of 24 later
+  streams found no connection; with a hold stream open, none did;
+- **a relayed connection carries at most 128 KiB in each direction** (the relay logs "relayed 131072
+  bytes" and resets it): libp2p's default limit for relays, which this daemon applies whatever its
+  ``-relayDataLimit`` says. A stream that crosses it fails and the round retries on a new connection,
+  so only what fits (tiny models, confirmations, audits, questions about a round) gets through.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import Awaitable, Callable, Sequence
+
+from hivemind.p2p import P2P, PeerID
+from hivemind.utils.multiaddr import Multiaddr
+
+from ..comm.wire import ByteStream
+
+log = logging.getLogger(__name__)
+
+MAX_RELAYS = 4
+"""The most relays a record may name (a reader takes no more)."""
+MAX_RELAY_CHARS = 256
+DIAL_TIMEOUT = 10.0
+"""Seconds a connection through a relay may take to open."""
+MAX_HELD = 64
+"""Relayed connections one worker keeps open (the oldest is let go beyond that)."""
+MAX_HOLDS_PER_PEER = 2
+MAX_HOLDS = 256
+"""Hold streams a worker accepts from one peer, and in all (more are closed at once)."""
+
+_P2P, _CIRCUIT = 421, 290  # multiaddr protocol codes of /p2p and /p2p-circuit
+
+
+def daemon_options(client_mode: bool, relays: Sequence[str]) -> dict:
+    """``P2P.create`` keyword arguments: a client-mode node reserves slots on ``relays`` (public peers'
+    full addresses, with ``/p2p/ID``); any other node relays for the others."""
+    if not client_mode:
+        return {"force_reachability": "public"}
+    options = {"force_reachability": "private", "use_auto_relay": bool(relays)}
+    if relays:
+        options["trusted_relays"] = list(relays)
+    return options
+
+
+def checked_relays(value) -> tuple[str, ...] | None:
+    """The relays a record names, or None if the field is malformed (input from the network)."""
+    if not isinstance(value, (list, tuple)) or len(value) > MAX_RELAYS:
+        return None
+    out = []
+    for addr in value:
+        if not isinstance(addr, str) or len(addr) > MAX_RELAY_CHARS:
+            return None
+        try:
+            circuit_address(addr)
+        except ValueError:
+            return None
+        out.append(addr)
+    return tuple(out)
+
+
+class _Encoded:
+    """A multiaddr as the daemon reads it (what ``ControlClient.connect`` asks of an address)."""
+
+    def __init__(self, raw: bytes):
+        self.raw = raw
+
+    def to_bytes(self) -> bytes:
+        return self.raw
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte, n = n & 0x7F, n >> 7
+        out.append(byte | (0x80 if n else 0))
+        if not n:
+            return bytes(out)
+
+
+def circuit_address(relay: str) -> _Encoded:
+    """``RELAY/p2p-circuit`` for a relay's full address (``.../p2p/ID``), encoded for the daemon."""
+    base, sep, peer = relay.rpartition("/p2p/")
+    if not sep or not base or "p2p-circuit" in base or "/" in peer:
+        raise ValueError(f"not a relay's address with its peer id: {relay!r}")
+    try:
+        multihash, head = PeerID.from_base58(peer).to_bytes(), Multiaddr(base).to_bytes()
+    except Exception as e:  # the multiaddr and base58 libraries' own errors
+        raise ValueError(f"not a relay's address with its peer id: {relay!r} ({type(e).__name__})") from None
+    return _Encoded(head + _varint(_P2P) + _varint(len(multihash)) + multihash + _varint(_CIRCUIT))
+
+
+class RelayBook:
+    """The relays each peer's latest record names (filled by ``RunRecords`` as it reads records)."""
+
+    def __init__(self):
+        self._relays: dict[str, tuple[str, ...]] = {}
+        self._lock = threading.Lock()
+
+    def note(self, peer: str, relays: Sequence[str]) -> None:
+        with self._lock:
+            if relays:
+                self._relays[peer] = tuple(relays)
+            else:
+                self._relays.pop(peer, None)
+
+    def of(self, peer: str) -> tuple[str, ...]:
+        with self._lock:
+            return self._relays.get(peer, ())
+
+
+async def dial_via(p2p: P2P, peer: str, relays: Sequence[str], timeout: float = DIAL_TIMEOUT) -> bool:
+    """Connects to ``peer`` through its relays (at once if already connected); False if that failed,
+    and the caller's direct dial says why."""
+    try:
+        addrs = [circuit_address(r) for r in relays]
+        await asyncio.wait_for(p2p._client.connect(PeerID.from_base58(peer), addrs), timeout)
+        return True
+    except asyncio.CancelledError:
+        raise
+    except Exception as e:
+        log.debug("could not reach %s through its relays: %s: %s", peer[-8:], type(e).__name__, e)
+        return False
+
+
+class RelayLinks:
+    """The relayed connections this worker (itself in client mode) keeps to peers behind NAT, one hold
+    stream each.
+
+    ``open_hold(peer)`` opens a hold stream (the caller's protocol, membership proof included); the
+    peer's side (``serve_hold``) reads it until it ends. A hold ends when its connection dies, and the
+    next ``ensure`` dials again."""
+
+    def __init__(self, book: RelayBook, p2p: P2P, open_hold: Callable[[str], Awaitable[ByteStream]]):
+        self.book, self.p2p, self.open_hold = book, p2p, open_hold
+        self._held: dict[str, ByteStream] = {}
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._watchers: set[asyncio.Task] = set()
+        self._serving: dict[str, int] = {}
+
+    def held(self) -> list[str]:
+        return list(self._held)
+
+    async def ensure(self, peer: str) -> None:
+        """A connection to ``peer`` through its relays, kept open, if its record names relays (else nothing:
+        the caller dials it directly)."""
+        relays = self.book.of(peer)
+        if not relays:
+            return
+        lock = self._locks.setdefault(peer, asyncio.Lock())
+        async with lock:
+            if peer in self._held:
+                return
+            if not await dial_via(self.p2p, peer, relays):
+                return
+            try:
+                hold = await asyncio.wait_for(self.open_hold(peer), DIAL_TIMEOUT)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # the stream that follows says what is wrong
+                log.debug("could not hold a relayed connection to %s: %s: %s", peer[-8:], type(e).__name__, e)
+                return
+            self._held[peer] = hold
+            watcher = asyncio.create_task(self._watch(peer, hold))
+            self._watchers.add(watcher)
+            watcher.add_done_callback(self._watchers.discard)
+            while len(self._held) > MAX_HELD:
+                oldest = next(iter(self._held))
+                self._held.pop(oldest).close()
+
+    async def _watch(self, peer: str, hold: ByteStream) -> None:
+        try:
+            await hold.recv(max_payload=0)  # nothing comes: this returns or raises when the hold ends
+        except Exception:
+            pass
+        finally:
+            hold.close()
+            if self._held.get(peer) is hold:
+                del self._held[peer]
+
+    async def serve_hold(self, stream: ByteStream) -> None:
+        """A peer's hold on its relayed connection to this worker: kept until it ends, bounded per peer."""
+        peer = stream.remote
+        if self._serving.get(peer, 0) >= MAX_HOLDS_PER_PEER or sum(self._serving.values()) >= MAX_HOLDS:
+            stream.close()
+            return
+        self._serving[peer] = self._serving.get(peer, 0) + 1
+        try:
+            await stream.recv(max_payload=0)  # a hold carries nothing: any frame ends it
+        except Exception:
+            pass
+        finally:
+            stream.close()
+            self._serving[peer] -= 1
+            if not self._serving[peer]:
+                del self._serving[peer]
+
+
+_make_process_args = P2P._make_process_args
+
+
+def _static_relays_only(*args, **kwargs) -> list[str]:
+    if kwargs.get("trustedRelays") and kwargs.get("autoRelay"):
+        kwargs["relayDiscovery"] = False
+    return _make_process_args(*args, **kwargs)
+
+
+P2P._make_process_args = staticmethod(_static_relays_only)
