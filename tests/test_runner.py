@@ -25,6 +25,7 @@ from opendiloco.comm.runner import (
     part_bounds,
     resolve,
     shard_bounds,
+    shard_bounds_for,
 )
 from opendiloco.comm.wire import PREFIX, ByteStream, Code, Refused, memory_pipe
 from opendiloco.errors import AveragingError, InDoubt, PeerFailure, ProtocolError, RoundCounted
@@ -61,12 +62,12 @@ def reference(flats, weights, codec_name, result_name=None):
 
 
 async def honest_round(members, flats, weights, codec="fp16", net=None, group_id="g1", result=None, errors=None,
-                       **kw):
+                       relayed=frozenset(), **kw):
     net = net or MemoryNetwork()
     for m in members:
         if m not in net.rounds:
             net.add(m)
-    group = Group(group_id, tuple(members), RoundKey(3))
+    group = Group(group_id, tuple(members), RoundKey(3), frozenset(relayed))
     errors = errors or [None] * len(members)
     runners = [RoundRunner(group, m, f, w, get_codec(codec), part_numel=PART,
                            result_codec=get_codec(result) if result else None, error_out=e, **kw)
@@ -106,6 +107,44 @@ def test_members_end_bit_identical_with_the_owners_average(codec, size):
         assert len(o.confirmed_by) == size - 1 and not o.missing_confirmations
     # a weighted average really happened (not just one member's values)
     assert not torch.equal(want, get_codec(codec).roundtrip(flats[1]))
+
+
+@pytest.mark.parametrize("relayed", [{"peer-1"}, {"peer-1", "peer-2"}, {"peer-0", "peer-1", "peer-2", "peer-3"}])
+def test_members_behind_nat_own_no_shard_and_end_bit_identical(relayed):
+    """A member reached only through a relay owns an empty shard: the others send it nothing but the
+    round's small frames, the owners average everything, and every member ends with the same bits
+    (audited too). If every member is relayed, the shards are equal as usual."""
+    n, size = 12_000, 4
+    members = [f"peer-{i}" for i in range(size)]
+    g = torch.Generator().manual_seed(7)
+    flats = [torch.randn(n, generator=g) for _ in range(size)]
+    outcomes = run(honest_round(members, flats, [1.0] * size, "fp16", relayed=relayed, audit_chunks=4))
+    for o in outcomes:
+        assert not isinstance(o, Exception), o
+    bounds = shard_bounds_for(n, members, frozenset(relayed))
+    owners = [m for m, (a, b) in zip(members, bounds) if b > a]
+    assert owners == ([m for m in members if m not in relayed] or members)
+    mean = sum(get_codec("fp16").roundtrip(f) for f in flats) / size
+    for o in outcomes:
+        assert torch.equal(o.flat, outcomes[0].flat) and o.digest == outcomes[0].digest
+        assert torch.allclose(o.flat, mean, atol=2e-3)
+    for m, o in zip(members, outcomes):
+        a, b = bounds[members.index(m)]
+        # fp16 both ways (audit answers come on top): its contribution to every other owner's shard, and
+        # its own shard's result to every other member; a member that owns nothing sends all it has
+        assert o.bytes_sent >= 2 * (n - (b - a)) + 2 * (b - a) * (size - 1)
+        if m in relayed and len(owners) < size:
+            assert a == b and o.bytes_sent >= 2 * n
+
+
+def test_an_empty_shard_is_not_audited():
+    """A vector with fewer values than the group has members leaves some shards empty; auditing one
+    asked for values that do not exist (and failed the round on an empty answer)."""
+    members = ["p0", "p1", "p2"]
+    outcomes = run(honest_round(members, [torch.randn(2) for _ in members], [1.0] * 3, "fp16", audit_chunks=4))
+    for o in outcomes:
+        assert not isinstance(o, Exception), o
+        assert o.digest == outcomes[0].digest
 
 
 def test_bytes_sent_are_bandwidth_optimal():

@@ -1,6 +1,8 @@
 """One round of a streamed, verified reduce-scatter / all-gather, over any stream of frames.
 
-A group of G members splits the flat vector into G contiguous shards; member j owns shard j.
+A group of G members splits the flat vector into contiguous shards; member j owns shard j. A member
+that others reach only through a relay (``Group.relayed``: behind NAT) owns an empty shard, so the
+bulk of the round flows to members that accept connections (``shard_bounds_for``).
 Every shard is cut into parts of ``part_numel`` values. Each member streams its *encoded*
 parts of shard j to member j; member j decodes each part as it arrives, and as soon as all G
 contributions to part i are in, averages them in member order (fp32), encodes the average
@@ -60,6 +62,23 @@ def shard_bounds(numel: int, parts: int) -> list[tuple[int, int]]:
     return bounds
 
 
+def shard_bounds_for(numel: int, members: Sequence[str],
+                     relayed: frozenset[str] = frozenset()) -> list[tuple[int, int]]:
+    """Each member's [start, end) of the flat vector: nearly equal shards for the members not in
+    ``relayed``, empty ones for those in it (every member's shard is equal if all are relayed)."""
+    owners = [m for m in members if m not in relayed] or list(members)
+    sizes = iter(shard_bounds(numel, len(owners)))
+    bounds, cursor = [], 0
+    for m in members:
+        if m in owners:
+            a, b = next(sizes)
+            cursor += b - a
+            bounds.append((cursor - (b - a), cursor))
+        else:
+            bounds.append((cursor, cursor))
+    return bounds
+
+
 def part_bounds(numel: int, part_numel: int) -> list[tuple[int, int]]:
     """[start, end) ranges of at most ``part_numel`` values; one empty part for an empty shard."""
     if numel == 0:
@@ -75,9 +94,13 @@ def group_label(codec: Codec, result_codec: Codec | None, aggregation: Aggregati
     return label + (f"|audit{audit_chunks}" if audit_chunks else "")
 
 
-def make_group_id(run_id: str, key: RoundKey, attempt: int, members: Sequence[str]) -> str:
+def make_group_id(run_id: str, key: RoundKey, attempt: int, members: Sequence[str],
+                  relayed: frozenset[str] = frozenset()) -> str:
+    """The round's name on the wire; members that split the vector differently name it differently."""
     h = new_hasher()
     h.update(f"{run_id}|{key}|{attempt}|{','.join(members)}".encode())
+    if relayed:
+        h.update(f"|relayed:{','.join(sorted(relayed))}".encode())
     return h.hexdigest()[:24]
 
 
@@ -88,6 +111,8 @@ class Group:
     group_id: str
     members: tuple[str, ...]
     key: RoundKey
+    relayed: frozenset[str] = frozenset()
+    """Members the others reach only through a relay (behind NAT): they own empty shards."""
 
 
 @dataclass
@@ -262,7 +287,7 @@ class RoundRunner:
         self.weight = float(weight)
         self.part_numel = part_numel
         self.timeout, self.confirm_timeout = timeout, confirm_timeout
-        self.bounds = shard_bounds(flat.numel(), len(self.members))
+        self.bounds = shard_bounds_for(flat.numel(), self.members, group.relayed)
         a, b = self.bounds[self.my_index]
         self.aggregation = aggregation or Aggregation()
         self.reducer = ShardReducer(codec, b - a, self.members, part_numel, self.result_codec, self.aggregation,
@@ -585,7 +610,8 @@ class RoundRunner:
             if j == self.my_index:
                 continue
             parts = part_bounds(self.bounds[j][1] - self.bounds[j][0], self.part_numel)
-            chunks = [(i, c) for i, (pa, pb) in enumerate(parts) for c in range(audit.chunk_count(pb - pa))]
+            chunks = [(i, c) for i, (pa, pb) in enumerate(parts) if pb > pa  # an empty shard has nothing to check
+                      for c in range(audit.chunk_count(pb - pa))]
             picked[j] = rng.sample(chunks, min(self._per_owner, len(chunks)))
         asked = [[j, i, c] for j, chosen in sorted(picked.items()) for i, c in chosen]
         streams = dict(self._confirm_streams)

@@ -113,6 +113,9 @@ class Matchmaker:
         self.offenders = offenders if offenders is not None else Offenders()
         self.avoids: dict[str, frozenset[str]] = {}
         """The peers each peer that announced the current attempt avoids (its announcement's ``avoid``)."""
+        self.relayed: dict[str, bool] = {}
+        """Whether each peer that announced the current attempt is reached only through relays (its
+        announcement's ``relayed``): such a member owns an empty shard (``shard_bounds_for``)."""
         self._told = ""
         """The round key for which this worker was last told that members refuse it."""
         self.no_shows: dict[str, int] = {}
@@ -144,7 +147,8 @@ class Matchmaker:
             gkey = self.records.group_key(key, attempt)
             if announced != attempt:
                 value = {"attempt": attempt, "numel": numel, "codec": self.codec_name, "part": s.part_numel,
-                         "config": s.config, "since": began, "avoid": self.offenders.active(key.outer_step)}
+                         "config": s.config, "since": began, "avoid": self.offenders.active(key.outer_step),
+                         "relayed": self._behind_nat()}
                 self.records.store(announce_key, value, self.records.clock.now() + s.record_ttl)
                 ready[me], announced, mine_avoid = value, attempt, announced_avoid(value)
             if gkey != self._taken_for:
@@ -154,6 +158,8 @@ class Matchmaker:
             announced_ok = self._compatible(ready, attempt, numel) - self._moved_on(workers, key)
             self.avoids = {p: announced_avoid(ready[p]) for p in announced_ok}
             self.avoids[me] = mine_avoid  # what we announced for this attempt, whether read back yet or not
+            self.relayed = {p: ready[p].get("relayed") is True for p in announced_ok}
+            self.relayed[me] = self._behind_nat()
             compatible = announced_ok - (self.taken - {me}) - self._gone(workers, ready, key)
             mine = part_of(me, compatible, self.avoids)  # without peers that members of it avoid
             self._tell_if_refused(key, compatible)
@@ -322,8 +328,13 @@ class Matchmaker:
         for m in members:
             self.no_shows.pop(m, None)
 
+    def _behind_nat(self) -> bool:
+        """Whether this worker is reached only through relays (it holds slots on some: ``relays.py``)."""
+        return bool(getattr(self.presence, "relays", ()))
+
     def _group(self, key: RoundKey, attempt: int, members: tuple[str, ...]) -> Group:
-        return Group(make_group_id(self.settings.run_id, key, attempt, members), members, key)
+        relayed = frozenset(m for m in members if self.relayed.get(m))
+        return Group(make_group_id(self.settings.run_id, key, attempt, members, relayed), members, key, relayed)
 
     def _adopt_group(self, key: RoundKey, attempt: int, compatible: set[str], live: set[str], numel: int) -> Group:
         """Publishes the group if this worker leads it (the smallest id of those ready and not taken),
@@ -366,6 +377,8 @@ class Matchmaker:
                 compatible |= self._compatible(announcements, attempt, numel)
                 compatible -= self._moved_on(workers, key)
                 self.avoids.update({p: announced_avoid(announcements[p]) for p in compatible if p in announcements})
+                self.relayed.update({p: announcements[p].get("relayed") is True for p in compatible
+                                     if p in announcements and p != me})
                 gone = self._gone(workers, {p: announcements.get(p) for p in compatible}, key)
             rang = self.doorbell.wait(str(key), attempt, s.poll_interval)
 
