@@ -327,11 +327,13 @@ class SwarmCommunicator(Communicator):
         self.p2p = await self.dht.replicate_p2p()
         self.rounds = Rounds(wait_for_group=s.straggler_wait + s.verify_timeout)
         ns, m = self.membership.namespace, self.membership
-        hold_streams = P2PStreams(self.p2p, f"opendiloco.{ns}.hold", m)
-        self.relay_links = RelayLinks(self.records.relay_book, self.p2p, hold_streams.connect)
-        await hold_streams.listen(self.relay_links.serve_hold)
-        # Only a worker behind NAT dials through relays; a public one uses the connection the other dialled out.
-        links = self.relay_links if getattr(self.dht, "relays", ()) else None
+        # Only a worker behind NAT dials through relays, and only one behind NAT is dialled that way (and
+        # held); a public one uses the connection the other dialled out, and serves no holds.
+        links = None
+        if getattr(self.dht, "relays", ()):
+            hold_streams = P2PStreams(self.p2p, f"opendiloco.{ns}.hold", m)
+            links = RelayLinks(self.records.relay_book, self.p2p, hold_streams.connect)
+            await hold_streams.listen(links.serve_hold)
         self.reduce_streams = P2PStreams(self.p2p, f"opendiloco.{ns}.reduce", m, links)
         self.state_streams = P2PStreams(self.p2p, f"opendiloco.{ns}.state", m, links)
         await self.reduce_streams.listen(self.rounds.serve)

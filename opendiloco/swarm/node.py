@@ -200,8 +200,7 @@ def _start(initial_peers: list[str], identity: Identity, startup_timeout: float,
     dht = WorkerBoundDHT(initial_peers=initial_peers or None, start=True, await_ready=False,
                          record_validators=[SignedRecordValidator()], **kwargs)
     dht.identity = identity
-    dht.relays = tuple(kwargs.get("trusted_relays", ()))
-    """The relays this node reserved a slot on (client mode): its record names them (``relays.py``)."""
+    dht.relays = tuple(kwargs.get("trusted_relays", ()))  # where it holds a slot (client mode): its record names them
     identity_path = kwargs["identity_path"]
     try:
         dht.wait_until_ready(timeout=startup_timeout)

@@ -55,9 +55,9 @@ class Presence:
         self.max_ttl = record_ttl + CLOCK_SLACK
         """A progress record set to live longer than this is a forgery (or a broken clock): ignored."""
         self.config = config
+        """This worker's config fingerprint: workers with another one are not part of its run."""
         self.relays = tuple(relays)
         """The relays this worker holds a slot on (behind NAT): its record names them."""
-        """This worker's config fingerprint: workers with another one are not part of its run."""
         self._foreign: set[str] = set()
         self._other_secrets: set[str] = set()
         self._unconfirmed_ahead = -1

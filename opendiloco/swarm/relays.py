@@ -29,8 +29,8 @@ hivemind 1.1.12's daemon:
   streams found no connection; with a hold stream open, none did;
 - **a relayed connection carries at most 128 KiB in each direction** (the relay logs "relayed 131072
   bytes" and resets it): libp2p's default limit for relays, which this daemon applies whatever its
-  ``-relayDataLimit`` says. A stream that crosses it fails and the round retries on a new connection,
-  so only what fits (tiny models, confirmations, audits, questions about a round) gets through.
+  ``-relayDataLimit`` says. A stream that crosses it fails. So a worker behind NAT owns no shard of a
+  round (``comm.runner.shard_bounds_for``): what two of them send each other is a few small frames.
 """
 
 from __future__ import annotations
@@ -166,9 +166,6 @@ class RelayLinks:
         self._locks: dict[str, asyncio.Lock] = {}
         self._watchers: set[asyncio.Task] = set()
         self._serving: dict[str, int] = {}
-
-    def held(self) -> list[str]:
-        return list(self._held)
 
     async def ensure(self, peer: str) -> None:
         """A connection to ``peer`` through its relays, kept open, if its record names relays (else nothing:
