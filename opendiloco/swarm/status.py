@@ -21,7 +21,8 @@ from .status_page import RunHistory, StatusServer, keep_reading
 def fetch_workers(initial_peers: Sequence[str], run_id: str, secret: RunSecret | None = None,
                   settle: float = 1.0) -> list[records.WorkerRecord]:
     """The run's live workers; a closed run's records can be read only with its ``secret``."""
-    dht = start_dht(initial_peers=initial_peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"], client_mode=True)
+    dht = start_dht(initial_peers=initial_peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"], client_mode=True,
+                    use_relay=False)  # a reader takes no relay slot: a relay holds each for an hour
     try:
         time.sleep(settle)  # let the routing table fill before asking
         workers = records.RunRecords(dht, Membership(run_id, secret)).read_workers()
@@ -68,7 +69,8 @@ class RunReader:
 
     def __init__(self, initial_peers: Sequence[str], run_id: str, secret: RunSecret | None = None,
                  settle: float = 1.0):
-        self.dht = start_dht(initial_peers=initial_peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"], client_mode=True)
+        self.dht = start_dht(initial_peers=initial_peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"], client_mode=True,
+                             use_relay=False)  # a reader takes no relay slot: a relay holds each for an hour
         self.records = records.RunRecords(self.dht, Membership(run_id, secret))
         self._rounds: dict[int, dict[str, dict]] = {}
         time.sleep(settle)  # let the routing table fill before asking
