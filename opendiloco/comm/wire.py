@@ -58,6 +58,13 @@ class Code(enum.IntEnum):
     STATE_REQUEST = 16
     STATE = 17
     STATE_PART = 18
+    STATE_MANIFEST_REQUEST = 21
+    """A joiner asks for a donor's state at ``outer_step``, cut in parts of ``part_bytes`` (state_layout.py)."""
+    STATE_MANIFEST = 22
+    """The donor's answer: ``outer_step`` and flat ``size``; payload: the parts' digests, then the skeleton."""
+    STATE_PART_REQUEST = 23
+    """A joiner asks for part ``index`` of a manifest it holds (``outer_step``, ``part_bytes``); the
+    answer is the part's bytes in STATE_PART frames."""
     # reachability (swarm/reachability.py)
     REACH = 19
     """A node asks a peer to dial it back on its listening ports (meta: ``ports``)."""

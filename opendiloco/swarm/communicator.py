@@ -54,6 +54,7 @@ from .exclusion import EXCLUDE_ROUNDS, Offenders
 from .hooks import RoundHooks
 from .matchmaking import Doorbell, Matchmaker, MatchmakingSettings
 from .membership import SECRET_FILE_ENV, Membership, RunSecret
+from .multi_donor import MAX_DONORS, fetch_from_donors
 from .node import start_dht, visible_maddrs
 from .presence import OtherSettings, Presence
 from .quorum import confirmed
@@ -212,6 +213,8 @@ class SwarmCommunicator(Communicator):
         self._peer_id = dht.peer_id.to_base58()
         self._closed = False
         self._interrupted = threading.Event()
+        self._donor_rates: dict[str, float] = {}
+        """Bytes per second each donor served this worker's last state download at (fast ones are asked first)."""
         self.state = RoundState.DONE
         """The state of the latest round (for status and tests)."""
         self._runner: RoundRunner | None = None
@@ -582,7 +585,12 @@ class SwarmCommunicator(Communicator):
             candidates = [r for r in others
                           if wanted is not None and (r.global_hash, r.outer_step) == (wanted, wanted_step)
                           and (min_outer_step is None or r.outer_step >= min_outer_step)]
-            for rec in candidates:
+            if candidates:
+                state = self._download_in_parts(candidates, wanted, wanted_step, min_outer_step, max_bytes, check,
+                                                deadline, errors)
+                if state is not None:
+                    return state
+            for rec in candidates:  # one donor at a time: donors of older versions, or a run that moved on
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     break
@@ -616,6 +624,31 @@ class SwarmCommunicator(Communicator):
                 raise AveragingError(f"no peer served the state the run confirms within {timeout:.0f}s"
                                      + (f": {errors}" if errors else ""))
             self._interrupted.wait(0.5)
+
+    def _download_in_parts(self, candidates: list, wanted_hash: str, wanted_step: int, min_outer_step: int | None,
+                           max_bytes: int, check, deadline: float, errors: dict[str, str]) -> dict | None:
+        """The state of ``wanted_step`` in parts from up to ``MAX_DONORS`` of ``candidates`` (those fast last
+        time first), checked against ``wanted_hash``; None (the reason in ``errors``) if that failed."""
+        donors = sorted((r.peer_id for r in candidates), key=lambda p: -self._donor_rates.get(p, 0.0))[:MAX_DONORS]
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return None
+        t0 = time.perf_counter()
+        try:
+            state, rates = self._call(fetch_from_donors(self.state_streams, donors, wanted_step, max_bytes, check,
+                                                        min_outer_step), remaining, interruptible=True)
+            if check is not None:  # θ_global itself, against the hash the run confirms
+                check(state, min_outer_step, expected_hash=wanted_hash)
+        except Interrupted:
+            raise
+        except Exception as e:
+            errors["in parts"] = str(e) or type(e).__name__
+            return None
+        self._donor_rates.update(rates)
+        state["confirmed_hash"] = wanted_hash
+        log.info("downloaded state of outer step %s in parts from %d of %d donor(s) in %.2fs", wanted_step,
+                 len(rates), len(donors), time.perf_counter() - t0)
+        return state
 
     def _voters(self, workers: dict, mine) -> dict:
         """The records that vote on a state to download: a joiner's (``mine`` None) counts every worker,

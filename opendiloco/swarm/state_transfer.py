@@ -10,6 +10,12 @@ only: *which* state to adopt is the run's decision (``quorum.py``), checked by t
 A download may come with the receiver's own check of the state (``opendiloco.state_check``): a
 state it refuses is refused here, naming the donor, so that the caller goes on to the next donor.
 The state returned names its donor (``donor``, set here, never by the donor).
+
+A joiner may instead take the state in parts from several donors (``multi_donor.py``): it asks each
+for a manifest at one outer step (a turn, as a download is), and the donor keeps that cut
+(``state_layout.Snapshot``) to serve parts of it, at most ``PART_STREAMS_PER_PEER`` at a time to one
+peer and ``PART_BYTES_PER_WINDOW`` times the state's size per peer per window. A part request never
+makes a donor cut its state again; a cut nobody used for ``SNAPSHOT_KEEP_S`` is dropped.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from ..comm.wire import ByteStream, Code
 from ..comm.wire import field as meta_field
 from ..errors import ProtocolError
 from ..fingerprint import new_hasher
+from .state_layout import MAX_PART_BYTES, MIN_PART_BYTES, Snapshot, part_count, snapshot
 from .streams import P2PStreams
 
 log = logging.getLogger(__name__)
@@ -45,6 +52,11 @@ next candidate gets its turn instead of one silent donor taking the whole downlo
 STALL_TIMEOUT = 20.0
 """A donor whose next part does not come within this, once it started sending, is given up on
 (frozen, or its link died)."""
+PART_STREAMS_PER_PEER = 2
+MAX_CONCURRENT_PART_SERVES = 8
+PART_BYTES_PER_WINDOW = 3
+"""A peer may take at most this many times the state's size in parts per ``SERVE_WINDOW_S``."""
+SNAPSHOT_KEEP_S = 120.0
 
 
 def _digest(payload) -> str:
@@ -61,6 +73,12 @@ class StateServer:
         self._serving: set[str] = set()
         self._served: dict[str, collections.deque] = {}
         """Recent serve times by peer (monotonic), for the per-peer rate limit."""
+        self._snapshot: Snapshot | None = None
+        self._snapshot_used = 0.0
+        self._snapshot_lock: asyncio.Lock | None = None
+        self._part_streams: collections.Counter[str] = collections.Counter()
+        self._part_bytes: dict[str, collections.deque] = {}
+        """Recent (monotonic time, bytes) of parts served, by peer."""
         self.joiners: dict[str, tuple[int, float]] = {}
         """Peers this worker is serving or served its state to: (its outer step, monotonic time). They continue
         from it, so this worker's next round waits for them (``recent_joiners``) even before their
@@ -89,12 +107,27 @@ class StateServer:
 
     async def listen(self) -> None:
         self._slots = asyncio.Semaphore(MAX_CONCURRENT_SERVES)
+        self._snapshot_lock = asyncio.Lock()
         await self.streams.listen(self._serve)
 
     async def _serve(self, stream: ByteStream) -> None:
+        try:
+            request = await asyncio.wait_for(stream.recv(max_payload=0, expect=(
+                Code.STATE_REQUEST, Code.STATE_MANIFEST_REQUEST, Code.STATE_PART_REQUEST)), 10)
+        except Exception as e:
+            await stream.refuse(str(e) if isinstance(e, ProtocolError) else type(e).__name__)
+            stream.close()
+            return
+        if request.code == Code.STATE_MANIFEST_REQUEST:
+            await self._serve_manifest(stream, request.meta)
+        elif request.code == Code.STATE_PART_REQUEST:
+            await self._serve_part(stream, request.meta)
+        else:
+            await self._serve_whole(stream, request)
+
+    async def _serve_whole(self, stream: ByteStream, request) -> None:
         counted = False
         try:
-            request = await asyncio.wait_for(stream.recv(max_payload=0, expect=Code.STATE_REQUEST), 10)
             min_step = request.meta.get("min_outer_step")
             if self.provider is None:
                 raise ProtocolError("this worker has no state to share yet")
@@ -123,6 +156,92 @@ class StateServer:
             if counted:
                 self._serving.discard(stream.remote)
             stream.close()
+
+    async def _serve_manifest(self, stream: ByteStream, meta: dict) -> None:
+        """Cuts the state at the asked outer step (or keeps the cut already made there) and sends its manifest."""
+        try:
+            outer_step = meta_field(meta, "outer_step", int)
+            part_bytes = meta_field(meta, "part_bytes", int)
+            if not MIN_PART_BYTES <= part_bytes <= MAX_PART_BYTES:
+                raise ProtocolError(f"parts of {MIN_PART_BYTES}-{MAX_PART_BYTES} bytes only")
+            if self.provider is None:
+                raise ProtocolError("this worker has no state to share yet")
+            self._take_turn(stream.remote)
+            async with self._snapshot_lock:
+                snap = self._snapshot
+                if snap is None or snap.part_bytes != part_bytes or snap.outer_step < outer_step:
+                    provider = self.provider
+                    snap = await asyncio.get_running_loop().run_in_executor(
+                        None, lambda: snapshot(provider(), part_bytes))
+                    self._snapshot = snap
+                    self._keep_snapshot()
+            if snap.outer_step != outer_step:
+                raise ProtocolError(f"at outer step {snap.outer_step}, not {outer_step}")
+            self.joiners[stream.remote] = (outer_step, time.monotonic())
+            payload = snap.manifest_payload()
+            await asyncio.wait_for(stream.send(Code.STATE_MANIFEST, {"outer_step": outer_step, "size": snap.size},
+                                               payload), SEND_TIMEOUT_BASE + len(payload) / MIN_RATE_BYTES_PER_S)
+        except Exception as e:
+            await stream.refuse(str(e) if isinstance(e, ProtocolError) else type(e).__name__)
+        finally:
+            stream.close()
+
+    async def _serve_part(self, stream: ByteStream, meta: dict) -> None:
+        """Sends one part of the cut a manifest named; never cuts the state again."""
+        peer, counted = stream.remote, False
+        try:
+            outer_step = meta_field(meta, "outer_step", int)
+            part_bytes = meta_field(meta, "part_bytes", int)
+            index = meta_field(meta, "index", int)
+            snap = self._snapshot
+            if snap is None or (snap.outer_step, snap.part_bytes) != (outer_step, part_bytes):
+                raise ProtocolError(f"no cut of outer step {outer_step} here (ask for its manifest)")
+            if not 0 <= index < part_count(snap.size, part_bytes):
+                raise ProtocolError(f"no part {index}")
+            total = sum(self._part_streams.values())
+            if self._part_streams[peer] >= PART_STREAMS_PER_PEER or total >= MAX_CONCURRENT_PART_SERVES:
+                raise ProtocolError(f"busy: at most {PART_STREAMS_PER_PEER} parts at a time per peer")
+            data = snap.part(index)
+            self._take_bytes(peer, data.nbytes, snap.size)
+            self._part_streams[peer] += 1
+            counted = True
+            self._keep_snapshot()
+
+            async def send():
+                for i in range(0, data.nbytes, CHUNK_BYTES):
+                    await stream.send(Code.STATE_PART, None, data[i : i + CHUNK_BYTES])
+
+            await asyncio.wait_for(send(), SEND_TIMEOUT_BASE + data.nbytes / MIN_RATE_BYTES_PER_S)
+        except Exception as e:
+            await stream.refuse(str(e) if isinstance(e, ProtocolError) else type(e).__name__)
+        finally:
+            if counted:
+                self._part_streams[peer] -= 1
+                if not self._part_streams[peer]:
+                    del self._part_streams[peer]
+            stream.close()
+
+    def _take_bytes(self, peer: str, nbytes: int, state_size: int) -> None:
+        """Counts a part for ``peer``, or raises ``ProtocolError`` if it is over its byte budget."""
+        now = time.monotonic()
+        for other in [p for p, q in self._part_bytes.items() if not q or now - q[-1][0] > SERVE_WINDOW_S]:
+            del self._part_bytes[other]
+        recent = self._part_bytes.setdefault(peer, collections.deque())
+        while recent and now - recent[0][0] > SERVE_WINDOW_S:
+            recent.popleft()
+        if sum(n for _, n in recent) + nbytes > PART_BYTES_PER_WINDOW * max(state_size, 1):
+            raise ProtocolError(f"at most {PART_BYTES_PER_WINDOW}x the state in parts per peer per "
+                                f"{SERVE_WINDOW_S:.0f}s")
+        recent.append((now, nbytes))
+
+    def _keep_snapshot(self) -> None:
+        """Marks the cut as in use; it is dropped once nobody used it for ``SNAPSHOT_KEEP_S``."""
+        self._snapshot_used = time.monotonic()
+        asyncio.get_running_loop().call_later(SNAPSHOT_KEEP_S + 1, self._drop_idle_snapshot)
+
+    def _drop_idle_snapshot(self) -> None:
+        if self._snapshot is not None and time.monotonic() - self._snapshot_used >= SNAPSHOT_KEEP_S:
+            self._snapshot = None
 
     def _serialize(self) -> tuple[int, memoryview, str]:
         """The provider's state as bytes with its digest (runs on an executor thread, off the event loop)."""
@@ -176,15 +295,20 @@ async def fetch_state(streams: P2PStreams, peer: str, min_outer_step: int | None
             raise ProtocolError("state does not match its digest")
     finally:
         stream.close()
-    loop = asyncio.get_running_loop()
-    state = await loop.run_in_executor(None, _load, payload)
+    state = await asyncio.get_running_loop().run_in_executor(None, _load, payload)
+    return await checked_state(state, peer, check, min_outer_step)
+
+
+async def checked_state(state, donor: str, check: Callable[[dict, int | None], None] | None,
+                        min_outer_step: int | None) -> dict:
+    """A loaded state, named after its ``donor`` and passed through ``check`` (``ProtocolError`` if refused)."""
     if not isinstance(state, dict):
         raise ProtocolError("state is not a dict")
     state.pop("confirmed_hash", None)  # the receiver's to name (the run's votes), never the donor's
-    state["donor"] = peer
+    state["donor"] = donor
     if check is not None:
         try:
-            await loop.run_in_executor(None, check, state, min_outer_step)
+            await asyncio.get_running_loop().run_in_executor(None, check, state, min_outer_step)
         except ValueError as e:  # StateRefused: the message names the donor
             log.warning("%s", e)
             raise ProtocolError(str(e)) from None

@@ -1,7 +1,8 @@
 """A bad state donor for tests: a peer of the run that says it is ahead, then serves its state badly.
 
 ``--mode stall``: takes the state request and never answers (a donor on a dead-slow link).
-``--mode die``: announces a state, sends its first part, and exits (a donor killed mid-download).
+``--mode die``: announces a state (or a manifest of one), sends its first MiB, and exits (a donor
+killed mid-download).
 ``--mode poison``: an insider that votes with the run: it downloads the state of a worker at
 ``--outer-step`` (or later), publishes that worker's record as its own (same outer step, θ_global
 hash and settings), and serves that state with one field corrupted (``--poison``, see ``POISONS``;
@@ -22,6 +23,7 @@ from opendiloco.comm.wire import Code
 from opendiloco.swarm import records
 from opendiloco.swarm.membership import Membership
 from opendiloco.swarm.node import start_dht
+from opendiloco.swarm.state_layout import snapshot
 from opendiloco.swarm.state_transfer import StateServer, fetch_state
 from opendiloco.swarm.streams import P2PStreams
 
@@ -60,11 +62,17 @@ def poison(state: dict, field: str) -> dict:
 
 
 async def serve(args, stream) -> None:
-    await stream.recv(max_payload=0, expect=Code.STATE_REQUEST)
+    request = await stream.recv(max_payload=0, expect=(Code.STATE_REQUEST, Code.STATE_MANIFEST_REQUEST,
+                                                       Code.STATE_PART_REQUEST))
     with open(args.marker, "a") as f:
         f.write("request\n")
     if args.mode == "stall":
         await asyncio.sleep(3600)
+    if request.code == Code.STATE_MANIFEST_REQUEST:  # a state of 4 MiB, in the asked parts
+        fake = snapshot({"outer_step": args.outer_step, "blob": torch.zeros(1 << 20)}, request.meta["part_bytes"])
+        await stream.send(Code.STATE_MANIFEST, {"outer_step": args.outer_step, "size": fake.size},
+                          fake.manifest_payload())
+        return
     size = 4 << 20
     await stream.send(Code.STATE, {"size": size, "outer_step": args.outer_step, "digest": "0" * 64})
     await stream.send(Code.STATE_PART, None, b"\0" * (1 << 20))

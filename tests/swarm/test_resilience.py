@@ -38,6 +38,9 @@ def test_late_joiner_downloads_state_and_trains_in_step(swarm):
 
     start = swarm.records("w2", "start")[0]
     assert start["downloaded"] and start["outer_step"] >= 2, start
+    # It asked both workers for the state's parts at once (multi_donor.py).
+    assert f"downloaded state of outer step {start['outer_step']} in parts from " in swarm.log("w2", 1_000_000)
+    assert " of 2 donor(s)" in swarm.log("w2", 1_000_000)
     # It starts from exactly the θ_global the others had at that outer step...
     assert start["global_hash"] == ok_syncs(swarm, "w0")[start["outer_step"]]["global_hash"]
     # ...takes the group's position in the round, so that its first round is the group's round of that

@@ -1,0 +1,242 @@
+"""A joiner's download from several donors at once: one manifest each, then parts from whoever has them.
+
+1. Every donor is asked for its manifest at the same outer step (``state_layout.py``): its parts'
+   digests and its skeleton. The first donor that answers (the caller lists the fast ones first)
+   is the *head*: the state is built on its skeleton and digests. Another donor serves a part only
+   where its digest equals the head's, so every byte is the head's word, checked part by part as
+   it arrives; a part that does not match names its sender, who is dropped.
+2. Parts are handed out from one queue, at most ``PARTS_IN_FLIGHT_PER_DONOR`` per donor at a time:
+   fast donors come back for more sooner and so serve more. A donor that fails a part (gone, stalled,
+   refused) has it put back for the others; after ``DONOR_FAILURES`` it is dropped. When the queue is
+   empty, an idle donor also asks for a part that has been in flight elsewhere for longer than its
+   own parts take (a slow or dying donor at the tail), and the first copy to arrive wins.
+3. The whole state then goes through the same checks as a download from one donor
+   (``state_transfer.checked_state``), and the caller checks θ_global against the run's hash.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import math
+import time
+from collections.abc import Callable
+
+from ..comm.wire import Code
+from ..errors import ProtocolError
+from .state_layout import MAX_PART_BYTES, Manifest, assemble, part_digest, read_manifest
+from .state_transfer import CHUNK_BYTES, CONNECT_TIMEOUT, STALL_TIMEOUT, checked_state
+from .streams import P2PStreams
+
+log = logging.getLogger(__name__)
+
+PART_BYTES = 2 << 20
+MAX_DONORS = 4
+"""Donors one download asks at once: enough to fill a joiner's link from peers of like links."""
+MAX_PARTS_WANTED = 1024
+PARTS_IN_FLIGHT_PER_DONOR = 2
+DONOR_FAILURES = 2
+MANIFEST_TIMEOUT = 30.0
+"""A donor cuts its state before it answers (a copy and a digest of it): seconds for a large model."""
+MAX_MANIFEST_BYTES = 16 << 20
+
+
+class PartMismatch(ProtocolError):
+    """A donor sent bytes that do not match the digest the download builds on."""
+
+
+def part_bytes_for(max_bytes: int) -> int:
+    """Parts of ``PART_BYTES``, larger for a model whose bound would need more than ``MAX_PARTS_WANTED``
+    (whole MiB, so that joiners of one model cut alike and a donor keeps one cut for all of them)."""
+    wanted = math.ceil(max_bytes / MAX_PARTS_WANTED / (1 << 20)) << 20
+    return min(MAX_PART_BYTES, max(PART_BYTES, wanted))
+
+
+async def _connect(streams: P2PStreams, donor: str):
+    try:
+        return await asyncio.wait_for(streams.connect(donor), CONNECT_TIMEOUT)
+    except asyncio.TimeoutError:
+        raise ProtocolError(f"could not reach {donor[-8:]} within {CONNECT_TIMEOUT:.0f}s") from None
+
+
+async def _within(awaitable, donor: str):
+    try:
+        return await asyncio.wait_for(awaitable, STALL_TIMEOUT)
+    except asyncio.TimeoutError:
+        raise ProtocolError(f"{donor[-8:]} sent nothing for {STALL_TIMEOUT:.0f}s") from None
+
+
+async def fetch_manifest(streams: P2PStreams, donor: str, outer_step: int, part_bytes: int,
+                         max_bytes: int) -> Manifest:
+    stream = await _connect(streams, donor)
+    try:
+        await stream.send(Code.STATE_MANIFEST_REQUEST, {"outer_step": outer_step, "part_bytes": part_bytes})
+        frame = await asyncio.wait_for(stream.recv(max_payload=MAX_MANIFEST_BYTES, expect=Code.STATE_MANIFEST),
+                                       MANIFEST_TIMEOUT)
+    except asyncio.TimeoutError:
+        raise ProtocolError(f"{donor[-8:]} sent no manifest within {MANIFEST_TIMEOUT:.0f}s") from None
+    finally:
+        stream.close()
+    manifest = read_manifest(frame.meta, frame.payload, part_bytes=part_bytes, max_bytes=max_bytes)
+    if manifest.outer_step != outer_step:
+        raise ProtocolError(f"{donor[-8:]} sent a manifest of outer step {manifest.outer_step}, not {outer_step}")
+    return manifest
+
+
+async def fetch_part(streams: P2PStreams, donor: str, manifest: Manifest, index: int) -> bytearray:
+    """Part ``index`` from ``donor``, checked against the manifest's digest."""
+    size = manifest.part_size(index)
+    stream = await _connect(streams, donor)
+    try:
+        await stream.send(Code.STATE_PART_REQUEST, {"outer_step": manifest.outer_step,
+                                                    "part_bytes": manifest.part_bytes, "index": index})
+        data = bytearray()
+        while len(data) < size:
+            frame = await _within(stream.recv(max_payload=min(CHUNK_BYTES, size - len(data)),
+                                              expect=Code.STATE_PART), donor)
+            if not frame.payload:
+                raise ProtocolError("empty state part")
+            data += frame.payload
+    finally:
+        stream.close()
+    digest = await asyncio.get_running_loop().run_in_executor(None, part_digest, data)
+    if digest != manifest.digests[index]:
+        raise PartMismatch(f"{donor[-8:]} sent part {index} that does not match its digest")
+    return data
+
+
+class _Parts:
+    """The parts still to fetch, who may serve each, and what each donor did."""
+
+    def __init__(self, manifest: Manifest, sources: dict[str, set[int]]):
+        self.manifest = manifest
+        self.sources = sources
+        self.todo = collections.deque(range(len(manifest.digests)))
+        self.done: set[int] = set()
+        self.running: dict[int, dict[str, tuple[asyncio.Task, float]]] = collections.defaultdict(dict)
+        self.failures: collections.Counter[str] = collections.Counter()
+        self.dropped: set[str] = set()
+        self.errors: dict[str, str] = {}
+        self.served: collections.Counter[str] = collections.Counter()
+        self.busy_s: collections.Counter[str] = collections.Counter()
+        self.changed = asyncio.Event()
+        self.flat = bytearray(manifest.size)
+
+    def complete(self) -> bool:
+        return len(self.done) == len(self.manifest.digests)
+
+    def part_time(self, donor: str) -> float | None:
+        """How long a part takes ``donor``, on average so far (None before its first)."""
+        count = self.served[donor] // max(self.manifest.part_bytes, 1)
+        return self.busy_s[donor] / count if count else None
+
+    def next_for(self, donor: str) -> int | None:
+        """A queued part ``donor`` can serve, else a part it may race a slower donor for, else None."""
+        mine = self.sources[donor]
+        for index in self.todo:
+            if index in mine:
+                self.todo.remove(index)
+                return index
+        own = self.part_time(donor)
+        if own is None:
+            return None
+        now, oldest = time.monotonic(), None
+        for index, holders in self.running.items():
+            if index in self.done or index not in mine or donor in holders or len(holders) >= 2:
+                continue
+            started = min(t for _, t in holders.values())
+            if now - started > 2 * own and (oldest is None or started < oldest[1]):
+                oldest = (index, started)
+        return None if oldest is None else oldest[0]
+
+    def servable_by(self, donor: str) -> bool:
+        return donor not in self.dropped and any(i in self.sources[donor] for i in range(len(self.manifest.digests))
+                                                 if i not in self.done)
+
+
+async def _serve_donor(streams: P2PStreams, donor: str, parts: _Parts) -> None:
+    while not parts.complete() and parts.servable_by(donor):
+        index = parts.next_for(donor)
+        if index is None:
+            parts.changed.clear()
+            if not parts.running and not any(i in parts.sources[donor] for i in parts.todo):
+                return  # what is left, others must serve; nothing of theirs can come back to this donor
+            try:
+                await asyncio.wait_for(parts.changed.wait(), 0.5)
+            except asyncio.TimeoutError:
+                pass
+            continue
+        started = time.monotonic()
+        task = asyncio.ensure_future(fetch_part(streams, donor, parts.manifest, index))
+        parts.running[index][donor] = (task, started)
+        try:
+            data = await task
+        except asyncio.CancelledError:
+            if task.cancelled() and not asyncio.current_task().cancelling():
+                continue  # another donor delivered this part first
+            raise
+        except Exception as e:
+            parts.failures[donor] += 1
+            parts.errors[donor[-8:]] = str(e) or type(e).__name__
+            if isinstance(e, PartMismatch) or parts.failures[donor] >= DONOR_FAILURES:
+                parts.dropped.add(donor)
+                log.warning("state download: dropped donor %s (%s)", donor[-8:], parts.errors[donor[-8:]])
+            if index not in parts.done and len(parts.running[index]) == 1:
+                parts.todo.appendleft(index)
+            continue
+        finally:
+            parts.running[index].pop(donor, None)
+            if not parts.running[index]:
+                del parts.running[index]
+            parts.changed.set()
+        if index in parts.done:
+            continue
+        offset = index * parts.manifest.part_bytes
+        parts.flat[offset : offset + len(data)] = data
+        parts.done.add(index)
+        parts.served[donor] += len(data)
+        parts.busy_s[donor] += time.monotonic() - started
+        for rival, _ in list(parts.running.get(index, {}).values()):
+            rival.cancel()
+
+
+async def fetch_from_donors(streams: P2PStreams, donors: list[str], outer_step: int, max_bytes: int,
+                            check: Callable[[dict, int | None], None] | None = None,
+                            min_outer_step: int | None = None) -> tuple[dict, dict[str, float]]:
+    """The state of ``outer_step`` taken in parts from ``donors`` (fastest first), checked as
+    ``fetch_state`` checks a whole one; also each donor's rate in bytes per second of its own time
+    (for the caller to order donors by next time). ``ProtocolError`` when the donors cannot deliver
+    every part (the message names what each did wrong)."""
+    part_bytes = part_bytes_for(max_bytes)
+    t0 = time.monotonic()
+    answers = await asyncio.gather(*(fetch_manifest(streams, d, outer_step, part_bytes, max_bytes) for d in donors),
+                                   return_exceptions=True)
+    errors = {d[-8:]: str(a) or type(a).__name__ for d, a in zip(donors, answers) if isinstance(a, BaseException)}
+    answered = [(d, a) for d, a in zip(donors, answers) if isinstance(a, Manifest)]
+    if not answered:
+        raise ProtocolError(f"no donor sent a manifest of outer step {outer_step}: {errors}")
+    head, manifest = answered[0]
+    sources = {d: {i for i, digest in enumerate(manifest.digests) if i < len(m.digests) and m.digests[i] == digest}
+               for d, m in answered}
+    parts = _Parts(manifest, sources)
+    t1 = time.monotonic()
+    workers = [_serve_donor(streams, d, parts) for d, _ in answered for _ in range(PARTS_IN_FLIGHT_PER_DONOR)]
+    try:
+        await asyncio.gather(*workers)
+    finally:
+        for holders in list(parts.running.values()):
+            for task, _ in holders.values():
+                task.cancel()
+    if not parts.complete():
+        errors.update(parts.errors)
+        raise ProtocolError(f"{len(manifest.digests) - len(parts.done)} of {len(manifest.digests)} state parts "
+                            f"found no donor: {errors}")
+    rates = {d: parts.served[d] / parts.busy_s[d] * PARTS_IN_FLIGHT_PER_DONOR
+             for d in parts.served if parts.busy_s[d] > 0}
+    t2 = time.monotonic()
+    state = await asyncio.get_running_loop().run_in_executor(None, assemble, manifest, parts.flat)
+    log.info("state of outer step %d: %d parts from %s (manifests %.2fs, parts %.2fs, assembly %.2fs)", outer_step,
+             len(manifest.digests), ", ".join(f"{d[-8:]} {parts.served[d] / 2**20:.1f} MiB" for d in parts.served),
+             t1 - t0, t2 - t1, time.monotonic() - t2)
+    return await checked_state(state, head, check, min_outer_step), rates

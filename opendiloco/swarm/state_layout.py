@@ -1,0 +1,167 @@
+"""A state cut into parts that several donors can serve: a small skeleton plus one flat byte vector.
+
+Every tensor of the state (walked in order: dict values, list and tuple items) is moved into one
+flat vector of bytes, and left in the skeleton as a placeholder of the same shape and dtype that
+holds a single value (a stride-0 view: ``torch.save`` stores one element). The flat vector is cut
+into parts of ``part_bytes``, each with its digest. Two workers that hold the same θ_global and
+outer state produce the same bytes for those parts whatever else differs (their position in the
+round, a warm start's Adam moments: those come last), so a joiner can take each part from any
+donor whose digest for it matches the one it builds on, and check every part as it arrives.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import ProtocolError
+from ..fingerprint import new_hasher
+
+MIN_PART_BYTES = 1 << 20
+MAX_PART_BYTES = 64 << 20
+MAX_PARTS = 4096
+MAX_SKELETON_BYTES = 8 << 20
+"""A skeleton holds structure, counters and one value per tensor: megabytes would be an attack."""
+
+
+def part_digest(data) -> bytes:
+    h = new_hasher(parallel=True)
+    h.update(data)
+    return h.digest()
+
+
+DIGEST_BYTES = len(part_digest(b""))
+
+
+def _tensors(obj, found: list[torch.Tensor]) -> None:
+    if isinstance(obj, torch.Tensor):
+        found.append(obj)
+    elif isinstance(obj, dict):
+        for value in obj.values():
+            _tensors(value, found)
+    elif isinstance(obj, list | tuple):
+        for value in obj:
+            _tensors(value, found)
+
+
+def _replace(obj, make):
+    """``obj`` with every tensor ``t`` replaced by ``make(t)``, in walk order."""
+    if isinstance(obj, torch.Tensor):
+        return make(obj)
+    if isinstance(obj, dict):
+        out = type(obj)() if type(obj) is not dict else {}
+        for key, value in obj.items():
+            out[key] = _replace(value, make)
+        return out
+    if isinstance(obj, list):
+        return [_replace(v, make) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(_replace(v, make) for v in obj)
+    return obj
+
+
+def _placeholder(t: torch.Tensor) -> torch.Tensor:
+    return torch.zeros((), dtype=t.dtype).expand(t.shape)
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """A donor's state, cut for serving: ``skeleton`` (``torch.save`` bytes), ``flat`` (every tensor's
+    bytes, in walk order), and the digest of each ``part_bytes`` slice of ``flat``."""
+
+    outer_step: int
+    skeleton: bytes
+    flat: memoryview
+    part_bytes: int
+    digests: tuple[bytes, ...]
+
+    @property
+    def size(self) -> int:
+        return self.flat.nbytes
+
+    def part(self, index: int) -> memoryview:
+        return self.flat[index * self.part_bytes : (index + 1) * self.part_bytes]
+
+    def manifest_payload(self) -> bytes:
+        return b"".join(self.digests) + self.skeleton
+
+
+def part_count(size: int, part_bytes: int) -> int:
+    return max(1, math.ceil(size / part_bytes))
+
+
+def snapshot(state: dict, part_bytes: int) -> Snapshot:
+    """Cuts ``state`` (CPU tensors) into a skeleton and parts of ``part_bytes``."""
+    found: list[torch.Tensor] = []
+    _tensors(state, found)
+    pieces = [t.detach().contiguous().reshape(-1).view(torch.uint8) for t in found if t.numel()]
+    flat = torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.uint8)
+    buf = io.BytesIO()
+    torch.save(_replace(state, _placeholder), buf)
+    view = memoryview(flat.numpy()).cast("B")
+    digests = tuple(part_digest(view[i * part_bytes : (i + 1) * part_bytes])
+                    for i in range(part_count(len(view), part_bytes)))
+    return Snapshot(state["outer_step"], buf.getvalue(), view, part_bytes, digests)
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """What a joiner builds on: a donor's skeleton and part digests, checked for size."""
+
+    outer_step: int
+    size: int
+    part_bytes: int
+    digests: tuple[bytes, ...]
+    skeleton: bytes
+
+    def part_size(self, index: int) -> int:
+        return min(self.part_bytes, self.size - index * self.part_bytes)
+
+
+def read_manifest(meta: dict, payload: bytes, *, part_bytes: int, max_bytes: int) -> Manifest:
+    """The manifest a donor sent (meta ``outer_step``, ``size``; payload: digests then skeleton), or
+    ``ProtocolError`` for one that does not fit what was asked or what this worker accepts."""
+    outer_step, size = meta.get("outer_step"), meta.get("size")
+    if type(outer_step) is not int or type(size) is not int:
+        raise ProtocolError("manifest without an integer outer_step and size")
+    if not 0 <= size <= max_bytes:
+        raise ProtocolError(f"state of {size} bytes announced; at most {max_bytes} accepted")
+    parts = part_count(size, part_bytes)
+    skeleton_len = len(payload) - parts * DIGEST_BYTES
+    if not 0 < skeleton_len <= MAX_SKELETON_BYTES:
+        raise ProtocolError(f"manifest of {len(payload)} bytes does not fit {parts} parts and a skeleton")
+    digests = tuple(payload[i * DIGEST_BYTES : (i + 1) * DIGEST_BYTES] for i in range(parts))
+    return Manifest(outer_step, size, part_bytes, digests, payload[parts * DIGEST_BYTES :])
+
+
+def assemble(manifest: Manifest, flat: bytearray) -> dict:
+    """The state a skeleton and its flat bytes stand for; ``ProtocolError`` if they do not fit each other."""
+    try:
+        skeleton = torch.load(io.BytesIO(manifest.skeleton), map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise ProtocolError(f"skeleton does not load: {type(e).__name__}") from None
+    if not isinstance(skeleton, dict):
+        raise ProtocolError("state is not a dict")
+    placeholders: list[torch.Tensor] = []
+    try:
+        _tensors(skeleton, placeholders)
+    except RecursionError:
+        raise ProtocolError("skeleton nested too deeply") from None
+    need = sum(math.prod(p.shape) * p.element_size() for p in placeholders)
+    if need != len(flat) or len(flat) != manifest.size:
+        raise ProtocolError(f"skeleton's tensors take {need} bytes; {manifest.size} announced")
+    offset = 0
+
+    def fill(p: torch.Tensor) -> torch.Tensor:
+        nonlocal offset
+        n = math.prod(p.shape)
+        if n == 0:
+            return torch.empty(p.shape, dtype=p.dtype)
+        t = torch.frombuffer(flat, dtype=p.dtype, count=n, offset=offset).reshape(p.shape).clone()
+        offset += n * p.element_size()
+        return t
+
+    return _replace(skeleton, fill)

@@ -1,0 +1,227 @@
+"""A joiner's download in parts from several donors, over real p2p streams (daemons on 127.0.0.1):
+every part checked, a donor that dies or lies mid-part leaves its parts to the others."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+
+import pytest
+import torch
+from hivemind.p2p import P2P
+
+from opendiloco.comm.wire import Code
+from opendiloco.errors import ProtocolError
+from opendiloco.swarm import multi_donor
+from opendiloco.swarm.multi_donor import fetch_from_donors, fetch_manifest, part_bytes_for
+from opendiloco.swarm.state_transfer import CHUNK_BYTES, StateServer
+from opendiloco.swarm.streams import P2PStreams
+
+pytestmark = [pytest.mark.swarm, pytest.mark.timeout(120)]
+
+MAX_BYTES = 1 << 30
+PARTS = part_bytes_for(MAX_BYTES)
+
+
+def make_state(seed: int = 0, tail: int | None = None) -> dict:
+    """θ_global and momentum of 6 parts' worth; ``tail``: a donor's own Adam moments, last (a warm start's)."""
+    g = torch.Generator().manual_seed(seed)
+    n = 3 * PARTS // 4
+    state = {"outer_step": 4, "inner_steps_total": 40, "local_step": 0,
+             "outer": {"global_params": [torch.randn(n, generator=g), torch.randn(3, 5, generator=g)],
+                       "optimizer": {"state": {0: {"momentum_buffer": torch.randn(n, generator=g)}},
+                                     "param_groups": [{"lr": 0.4, "momentum": 0.9, "params": [0, 1]}]}}}
+    if tail is not None:
+        state["inner"] = {"exp_avg": torch.full((PARTS // 4,), float(tail))}
+    return state
+
+
+def same(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, list | tuple):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def with_donors(count: int, scenario):
+    """``scenario(donors, streams)``: ``count`` donor daemons and a joiner's streams, all connected."""
+    async def main():
+        nodes = []
+        try:
+            for _ in range(count):
+                nodes.append(await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"]))
+            maddrs = [str(m) for node in nodes for m in await node.get_visible_maddrs()]
+            joiner = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=maddrs)
+            nodes.append(joiner)
+            return await asyncio.wait_for(scenario(nodes[:count], P2PStreams(joiner, "test.state")), 90)
+        finally:
+            for node in reversed(nodes):
+                try:
+                    await node.shutdown()
+                except Exception:  # a daemon the scenario killed
+                    pass
+
+    return asyncio.run(main())
+
+
+async def serve(node: P2P, state: dict) -> StateServer:
+    server = StateServer(P2PStreams(node, "test.state"))
+    server.provider = lambda: state
+    await server.listen()
+    return server
+
+
+def ids(nodes) -> list[str]:
+    return [n.peer_id.to_base58() for n in nodes]
+
+
+def test_a_state_in_parts_from_three_donors_matches_and_each_served_some():
+    state = make_state()
+
+    async def scenario(donors, streams):
+        for d in donors:
+            await serve(d, state)
+        return await fetch_from_donors(streams, ids(donors), 4, MAX_BYTES)
+
+    got, rates = with_donors(3, scenario)
+    assert same({k: v for k, v in got.items() if k != "donor"}, state)
+    assert len(rates) == 3 and all(r > 0 for r in rates.values())
+
+
+def test_a_donor_killed_mid_part_leaves_its_parts_to_the_others(caplog):
+    """The third donor's daemon is SIGKILLed after the first MiB of its first part."""
+    state = make_state()
+    killed = []
+
+    async def scenario(donors, streams):
+        servers = [await serve(d, state) for d in donors]
+        victim = donors[2]
+
+        async def die_mid_part(stream, meta):
+            snap = servers[2]._snapshot
+            await stream.send(Code.STATE_PART, None, snap.part(meta["index"])[:CHUNK_BYTES])
+            await asyncio.sleep(0.1)
+            killed.append(victim._child.pid)
+            os.kill(victim._child.pid, signal.SIGKILL)
+
+        servers[2]._serve_part = die_mid_part
+        return await fetch_from_donors(streams, ids(donors), 4, MAX_BYTES), ids(donors)[2]
+
+    with caplog.at_level(logging.WARNING, logger="opendiloco.swarm.multi_donor"):
+        (got, rates), victim = with_donors(3, scenario)
+    assert killed, "the victim never got a part request"
+    assert same({k: v for k, v in got.items() if k != "donor"}, state)
+    assert victim not in rates and len(rates) == 2  # its parts came from the two others
+    assert f"dropped donor {victim[-8:]}" in caplog.text
+
+
+def test_a_donor_whose_part_does_not_match_its_digest_is_dropped_and_named(caplog):
+    """An attacker's donor: its manifest is honest, the parts it sends are not."""
+    state = make_state()
+
+    async def scenario(donors, streams):
+        servers = [await serve(d, state) for d in donors]
+        liar = servers[1]
+
+        async def lie(stream, meta):
+            data = bytearray(liar._snapshot.part(meta["index"]))
+            data[12345] ^= 1
+            for i in range(0, len(data), CHUNK_BYTES):
+                await stream.send(Code.STATE_PART, None, bytes(data[i : i + CHUNK_BYTES]))
+
+        liar._serve_part = lie
+        return await fetch_from_donors(streams, ids(donors), 4, MAX_BYTES), ids(donors)[1]
+
+    with caplog.at_level(logging.WARNING, logger="opendiloco.swarm.multi_donor"):
+        (got, rates), liar = with_donors(3, scenario)
+    assert same({k: v for k, v in got.items() if k != "donor"}, state)
+    assert liar not in rates
+    assert f"dropped donor {liar[-8:]} ({liar[-8:]} sent part" in caplog.text
+
+
+def test_parts_only_the_head_has_come_from_the_head():
+    """Donors agree on θ_global and momentum but each has its own Adam moments (the last parts):
+    those come from the head, whose skeleton the state is built on."""
+    states = [make_state(tail=i) for i in range(3)]
+
+    async def scenario(donors, streams):
+        for d, s in zip(donors, states):
+            await serve(d, s)
+        manifests = [await fetch_manifest(streams, d, 4, PARTS, MAX_BYTES) for d in ids(donors)]
+        got = await fetch_from_donors(streams, ids(donors), 4, MAX_BYTES)
+        return manifests, got
+
+    manifests, (got, _) = with_donors(3, scenario)
+    differ = [i for i, d in enumerate(manifests[0].digests) if manifests[1].digests[i] != d]
+    assert differ and differ[-1] == len(manifests[0].digests) - 1  # the tail is the donors' own
+    assert same({k: v for k, v in got.items() if k != "donor"}, states[0])
+
+
+def test_donors_that_cannot_deliver_every_part_fail_the_download_naming_them(monkeypatch):
+    monkeypatch.setattr(multi_donor, "STALL_TIMEOUT", 1.0)
+    state = make_state()
+
+    async def scenario(donors, streams):
+        servers = [await serve(d, state) for d in donors]
+
+        async def stall(stream, meta):
+            await asyncio.sleep(30)
+
+        for server in servers:
+            server._serve_part = stall
+        with pytest.raises(ProtocolError, match="state parts found no donor") as e:
+            await fetch_from_donors(streams, ids(donors), 4, MAX_BYTES)
+        return str(e.value)
+
+    message = with_donors(2, scenario)
+    assert "sent nothing for 1s" in message
+
+
+def test_a_donor_past_the_asked_step_refuses_its_manifest():
+    state = make_state()
+
+    async def scenario(donors, streams):
+        await serve(donors[0], state)
+        with pytest.raises(ProtocolError, match="no donor sent a manifest of outer step 3.*at outer step 4, not 3"):
+            await fetch_from_donors(streams, ids(donors), 3, MAX_BYTES)
+
+    with_donors(1, scenario)
+
+
+def test_parts_are_served_only_of_a_cut_a_manifest_made_and_within_a_peers_budget():
+    """An attacker's joiner: part requests before any manifest, then the same part over and over."""
+    state = make_state()
+
+    async def ask(streams, donor, index):
+        stream = await streams.connect(donor)
+        try:
+            await stream.send(Code.STATE_PART_REQUEST, {"outer_step": 4, "part_bytes": PARTS, "index": index})
+            got = 0
+            while got < PARTS:
+                got += len((await stream.recv(max_payload=CHUNK_BYTES, expect=Code.STATE_PART)).payload)
+            return got
+        finally:
+            stream.close()
+
+    async def scenario(donors, streams):
+        server = await serve(donors[0], state)
+        donor = ids(donors)[0]
+        with pytest.raises(ProtocolError, match="no cut of outer step 4 here"):
+            await ask(streams, donor, 0)
+        assert server._snapshot is None  # a part request never cuts the state
+        manifest = await fetch_manifest(streams, donor, 4, PARTS, MAX_BYTES)
+        with pytest.raises(ProtocolError, match="no part 99"):
+            await ask(streams, donor, 99)
+        served = 0
+        with pytest.raises(ProtocolError, match="at most 3x the state in parts per peer"):
+            while True:
+                served += await ask(streams, donor, 0)
+        return served, manifest.size
+
+    served, size = with_donors(1, scenario)
+    assert 2 * size < served <= 3 * size
