@@ -225,3 +225,24 @@ def test_parts_are_served_only_of_a_cut_a_manifest_made_and_within_a_peers_budge
 
     served, size = with_donors(1, scenario)
     assert 2 * size < served <= 3 * size
+
+
+def test_an_idle_donor_races_a_slow_one_for_its_parts_instead_of_waiting_it_out(caplog):
+    """The second donor takes each part request and then sends nothing for a minute (a dead-slow link,
+    not yet a stalled one): the first takes those parts over once they take longer than its own do."""
+    state = make_state()
+
+    async def scenario(donors, streams):
+        servers = [await serve(d, state) for d in donors]
+
+        async def crawl(stream, meta):
+            await asyncio.sleep(60)
+
+        servers[1]._serve_part = crawl
+        return await fetch_from_donors(streams, ids(donors), 4, MAX_BYTES), ids(donors)[1]
+
+    with caplog.at_level(logging.WARNING, logger="opendiloco.swarm.multi_donor"):
+        (got, rates), slow = with_donors(2, scenario)
+    assert same({k: v for k, v in got.items() if k != "donor"}, state)
+    assert slow not in rates
+    assert "dropped donor" not in caplog.text  # raced, not timed out (20 s) and dropped
