@@ -1,4 +1,6 @@
-"""How long a joiner takes to download the state: from one donor, and in parts from three.
+"""What a join costs: how long a joiner takes to download the state, and how long the old workers wait.
+
+**Download** (the default):
 
 Four emulated hosts (network namespaces on a bridge, ``opendiloco.testing.netns``): three donors whose
 links are shaped to ``--donor-mbit`` each, and a joiner shaped to ``--joiner-mbit``. Every donor
@@ -11,6 +13,15 @@ over the joiner's link rate (the least it can take).
     python -m benchmarks.join --params 10000000 --donor-mbit 100 --joiner-mbit 300 --repeats 3
 
 Needs root (network namespaces).
+
+**The old workers' rounds during a join** (``--held``): ``scripts/local_swarm.sh`` starts three
+workers on 127.0.0.1 (``--held-config``, with the overrides below), and once each has applied
+``--before`` outer steps, ``scripts/join_swarm.sh`` starts a fourth; once it has averaged
+``--after`` times with them, everything is stopped. From the workers' ``metrics.jsonl``: the old
+workers' seconds between outer steps and in matchmaking, before the join and in the rounds while the
+joiner was starting, downloading and making its first round, as ratios to the rounds before.
+
+    python -m benchmarks.join --held --held-dir runs/bench_join_held
 """
 
 from __future__ import annotations
@@ -134,6 +145,114 @@ def run(args) -> dict:
     return data
 
 
+HELD_MODEL = ["--model.hidden-size", "384", "--model.num-layers", "6", "--model.num-heads", "6",
+              "--model.intermediate-size", "1024", "--data.seq-len", "64", "--train.batch-size", "4",
+              "--train.threads", "1", "--train.total-steps", "1000000", "--train.eval-batches", "1",
+              "--optim.local-steps", "10", "--optim.warmup-steps", "2", "--checkpoint.every-outer-steps", "0",
+              "--run.log-every", "5"]
+"""About 11M parameters (an 86 MB state to download), rounds of a few seconds on 2 cores."""
+
+
+def _metrics(run_dir: Path, event: str = "outer_step") -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:  # a line being written
+            continue
+        if record.get("event") == event:
+            records.append(record)
+    return records
+
+
+def held(args) -> None:
+    """Plays the join on 127.0.0.1 and reports the old workers' rounds around it."""
+    root = Path(__file__).resolve().parents[1]
+    work = Path(args.held_dir).resolve()
+    if work.exists():
+        sys.exit(f"error: {work} exists; pass a new --held-dir")
+    olds = [work / f"worker-{i}" for i in range(3)]
+    joiner_dir = work / "joiner"
+    swarm = subprocess.Popen(["bash", str(root / "scripts/local_swarm.sh"), "-n", "3", "--config", args.held_config,
+                              "--run-dir", str(work), "--", *HELD_MODEL], cwd=root, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL, start_new_session=True)
+    joiner = None
+    try:
+        def wait(condition, what: str, timeout: float = 900) -> None:
+            deadline = time.monotonic() + timeout
+            while not condition():
+                if swarm.poll() is not None or (joiner is not None and joiner.poll() is not None):
+                    raise RuntimeError(f"a process exited while waiting for {what}")
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"no {what} within {timeout:.0f}s")
+                time.sleep(0.5)
+
+        wait(lambda: all(sum(r["ok"] for r in _metrics(d)) >= args.before for d in olds), "rounds before the join")
+        joined_at = time.time()
+        (work / "joined_at").write_text(repr(joined_at))
+        joiner = subprocess.Popen(["bash", str(root / "scripts/join_swarm.sh"), "--peers-file",
+                                   str(work / "bootstrap.addrs"), "--secret-file", str(work / "run.secret"),
+                                   "--config", args.held_config, "--run-id", "local", "--run-dir", str(joiner_dir),
+                                   "--", *HELD_MODEL], cwd=root, stdout=open(work / "logs/joiner.log", "w"),
+                                  stderr=subprocess.STDOUT, start_new_session=True)
+        wait(lambda: sum(r["ok"] and r["group_size"] == 4 for r in _metrics(joiner_dir)) >= args.after,
+             "rounds with the joiner")
+    finally:
+        for proc in (joiner, swarm):
+            if proc is not None and proc.poll() is None:
+                proc.terminate()
+        for proc in (joiner, swarm):
+            if proc is not None:
+                try:
+                    proc.wait(90)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+    report_held(work)
+
+
+def report_held(work: Path) -> dict:
+    """The old workers' rounds around the join of a run ``held`` played in ``work``."""
+    olds, joiner_dir = [work / f"worker-{i}" for i in range(3)], work / "joiner"
+    joined_at = float((work / "joined_at").read_text())
+    first_round = min((r for r in _metrics(joiner_dir) if r["ok"] and r["group_size"] == 4), key=lambda r: r["time"])
+    first, first_step = first_round["time"], first_round["outer_step"]
+    rows = []
+    for d in olds:
+        records = [r for r in _metrics(d) if r["ok"]]
+        for prev, cur in zip(records, records[1:]):
+            phase = ("before" if cur["time"] < joined_at else "joining" if cur["outer_step"] < first_step
+                     else "first with the joiner" if cur["outer_step"] == first_step else "after")
+            rows.append({"worker": d.name, "phase": phase, "interval_s": cur["time"] - prev["time"],
+                         "matchmaking_s": cur.get("matchmaking_s") or 0.0, "group_size": cur["group_size"]})
+    before = [r for r in rows if r["phase"] == "before"]
+    base_interval = statistics.median(r["interval_s"] for r in before)
+    base_mm = statistics.median(r["matchmaking_s"] for r in before)
+    print(f"old workers' rounds before the join: median {base_interval:.2f} s between outer steps, "
+          f"{base_mm:.2f} s in matchmaking ({len(before)} rounds)")
+    print("| phase | rounds | seconds between outer steps (max) | / before | matchmaking s (max) | group sizes |")
+    print("|---|---|---|---|---|---|")
+    for phase in ("before", "joining", "first with the joiner", "after"):
+        sel = [r for r in rows if r["phase"] == phase]
+        if not sel:
+            continue
+        top = max(r["interval_s"] for r in sel)
+        print(f"| {phase} | {len(sel)} | {statistics.median(r['interval_s'] for r in sel):.2f} ({top:.2f}) | "
+              f"{top / base_interval:.2f}x | {statistics.median(r['matchmaking_s'] for r in sel):.2f} "
+              f"({max(r['matchmaking_s'] for r in sel):.2f}) | {sorted({r['group_size'] for r in sel})} |")
+    starts = _metrics(joiner_dir, "start")
+    if starts:
+        print(f"joiner: training from outer step {starts[0]['outer_step']} {starts[0]['time'] - joined_at:.1f} s "
+              f"after its launch; first round with the old workers {first - joined_at:.1f} s after it")
+    for line in (work / "logs/joiner.log").read_text().splitlines():
+        if "downloaded state" in line:
+            print("joiner:", line.split(": ", 1)[-1])
+    return {"rows": rows, "joined_at": joined_at, "first_round": first}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--params", type=int, default=10_000_000, help="values in θ_global (and in the momentum)")
@@ -141,6 +260,12 @@ def main() -> None:
     p.add_argument("--joiner-mbit", type=float, default=300)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--work", default="/tmp/opendiloco-bench-join")
+    p.add_argument("--held", action="store_true", help="measure the old workers' rounds during a join instead")
+    p.add_argument("--held-dir", default="runs/bench_join_held")
+    p.add_argument("--report-only", action="store_true", help="--held: the table of a run already in --held-dir")
+    p.add_argument("--held-config", default="configs/tiny.toml")
+    p.add_argument("--before", type=int, default=6, help="--held: outer steps each old worker applies first")
+    p.add_argument("--after", type=int, default=3, help="--held: rounds the joiner makes with the old workers")
     p.add_argument("--role", choices=["donor", "joiner"], help=argparse.SUPPRESS)
     p.add_argument("--ip", help=argparse.SUPPRESS)
     p.add_argument("--donors", help=argparse.SUPPRESS)
@@ -151,6 +276,10 @@ def main() -> None:
     elif args.role == "joiner":
         asyncio.run(joiner(args.ip, json.loads(Path(args.donors).read_text()), args.params, args.repeats,
                            Path(args.out)))
+    elif args.held and args.report_only:
+        report_held(Path(args.held_dir))
+    elif args.held:
+        held(args)
     else:
         run(args)
 
