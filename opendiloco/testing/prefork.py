@@ -103,10 +103,9 @@ def _run_child(request: dict) -> None:
 
 def _warm() -> None:
     """What every worker would otherwise import on first use, once for all: an optimizer's first
-    step imports ``torch._dynamo`` and hundreds of modules behind it (about 1.2 s of CPU), the
-    trainer's model ``transformers``' Llama (about 1.3 s); on a model too small for any thread pool."""
+    step imports ``torch._dynamo`` and hundreds of modules behind it (about 1.2 s of CPU); on a model
+    too small for any thread pool."""
     import torch
-    from transformers import LlamaForCausalLM  # noqa: F401
 
     model = torch.nn.Linear(2, 2)
     optimizer = torch.optim.AdamW(model.parameters())

@@ -1,4 +1,5 @@
-"""The model: a randomly initialised Llama from ``transformers``, nothing downloaded."""
+"""The model: a randomly initialised Llama (``llama.py``: ``transformers``' parameter names and
+initial weights, without its import), nothing downloaded."""
 
 from __future__ import annotations
 
@@ -14,26 +15,25 @@ def padded_vocab(vocab_size: int, multiple: int = 64) -> int:
 
 def build_model(cfg: ModelConfig, vocab_size: int, max_seq_len: int) -> torch.nn.Module:
     """The same weights on every worker: drawn from ``cfg.init_seed``, not from the trainer's RNG."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from .llama import LlamaForCausalLM, LlamaSpec
 
-    config = LlamaConfig(
+    spec = LlamaSpec(
         vocab_size=padded_vocab(vocab_size),
         hidden_size=cfg.hidden_size,
         intermediate_size=cfg.intermediate_size,
-        num_hidden_layers=cfg.num_layers,
-        num_attention_heads=cfg.num_heads,
-        num_key_value_heads=cfg.num_kv_heads or cfg.num_heads,
-        max_position_embeddings=max_seq_len,
+        num_layers=cfg.num_layers,
+        num_heads=cfg.num_heads,
+        num_kv_heads=cfg.num_kv_heads or cfg.num_heads,
+        max_seq_len=max_seq_len,
         rms_norm_eps=cfg.rms_norm_eps,
         rope_theta=cfg.rope_theta,
-        initializer_range=cfg.init_std,
-        tie_word_embeddings=cfg.tie_embeddings,
-        use_cache=False,
+        init_std=cfg.init_std,
+        tie_embeddings=cfg.tie_embeddings,
     )
     rng_state = torch.random.get_rng_state()
     torch.manual_seed(cfg.init_seed)
     try:
-        model = LlamaForCausalLM(config)
+        model = LlamaForCausalLM(spec)
     finally:
         torch.random.set_rng_state(rng_state)
     return model.float()
