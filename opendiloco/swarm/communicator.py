@@ -563,6 +563,7 @@ class SwarmCommunicator(Communicator):
         check = own_check(self.state_server.provider)
         deadline = time.monotonic() + timeout
         errors: dict[str, str] = {}
+        tried_parts = False
         while True:
             self._raise_if_interrupted(Interrupted("the worker is stopping: state download abandoned"))
             workers = self.live_workers()
@@ -585,7 +586,8 @@ class SwarmCommunicator(Communicator):
             candidates = [r for r in others
                           if wanted is not None and (r.global_hash, r.outer_step) == (wanted, wanted_step)
                           and (min_outer_step is None or r.outer_step >= min_outer_step)]
-            if candidates:
+            if candidates and not tried_parts:  # once per download: its manifests take a turn of each donor's
+                tried_parts = True
                 state = self._download_in_parts(candidates, wanted, wanted_step, min_outer_step, max_bytes, check,
                                                 deadline, errors)
                 if state is not None:

@@ -1,13 +1,15 @@
 """A joiner's download from several donors at once: one manifest each, then parts from whoever has them.
 
 1. Every donor is asked for its manifest at the same outer step (``state_layout.py``): its parts'
-   digests and its skeleton. The first donor that answers (the caller lists the fast ones first)
-   is the *head*: the state is built on its skeleton and digests. Another donor serves a part only
+   digests and its skeleton, checked whole before anything is downloaded. The first donor in the
+   caller's order (fast ones first) whose manifest passes is the *head*: the state is built on its
+   skeleton and digests. Another donor serves a part only
    where its digest equals the head's, so every byte is the head's word, checked part by part as
    it arrives; a part that does not match names its sender, who is dropped.
 2. Parts are handed out from one queue, at most ``PARTS_IN_FLIGHT_PER_DONOR`` per donor at a time:
    fast donors come back for more sooner and so serve more. A donor that fails a part (gone, stalled,
-   refused) has it put back for the others; after ``DONOR_FAILURES`` it is dropped. When the queue is
+   refused) has it put back for the others (it takes it again only if nobody else can); after
+   ``DONOR_FAILURES`` it is dropped. When the queue is
    empty, an idle donor also asks for a part that has been in flight elsewhere for longer than its
    own parts take (a slow or dying donor at the tail), and the first copy to arrive wins.
 3. The whole state then goes through the same checks as a download from one donor
@@ -89,8 +91,9 @@ async def fetch_part(streams: P2PStreams, donor: str, manifest: Manifest, index:
     size = manifest.part_size(index)
     stream = await _connect(streams, donor)
     try:
-        await stream.send(Code.STATE_PART_REQUEST, {"outer_step": manifest.outer_step,
-                                                    "part_bytes": manifest.part_bytes, "index": index})
+        await stream.send(Code.STATE_PART_REQUEST, {
+            "outer_step": manifest.outer_step, "part_bytes": manifest.part_bytes, "index": index,
+            "digest": manifest.digests[index].hex()})
         data = bytearray()
         while len(data) < size:
             frame = await _within(stream.recv(max_payload=min(CHUNK_BYTES, size - len(data)),
@@ -118,7 +121,9 @@ class _Parts:
         self.failures: collections.Counter[str] = collections.Counter()
         self.dropped: set[str] = set()
         self.errors: dict[str, str] = {}
+        self.failed_by: dict[int, set[str]] = collections.defaultdict(set)
         self.served: collections.Counter[str] = collections.Counter()
+        self.parts_served: collections.Counter[str] = collections.Counter()
         self.busy_s: collections.Counter[str] = collections.Counter()
         self.changed = asyncio.Event()
         self.flat = bytearray(manifest.size)
@@ -128,14 +133,14 @@ class _Parts:
 
     def part_time(self, donor: str) -> float | None:
         """How long a part takes ``donor``, on average so far (None before its first)."""
-        count = self.served[donor] // max(self.manifest.part_bytes, 1)
+        count = self.parts_served[donor]
         return self.busy_s[donor] / count if count else None
 
     def next_for(self, donor: str) -> int | None:
         """A queued part ``donor`` can serve, else a part it may race a slower donor for, else None."""
         mine = self.sources[donor]
         for index in self.todo:
-            if index in mine:
+            if index in mine and (donor not in self.failed_by[index] or not self._others_can(index, donor)):
                 self.todo.remove(index)
                 return index
         own = self.part_time(donor)
@@ -149,6 +154,14 @@ class _Parts:
             if now - started > 2 * own and (oldest is None or started < oldest[1]):
                 oldest = (index, started)
         return None if oldest is None else oldest[0]
+
+    def _others_can(self, index: int, donor: str) -> bool:
+        return any(index in parts and d != donor and d not in self.dropped for d, parts in self.sources.items())
+
+    def put_back(self, index: int, donor: str) -> None:
+        """``donor`` did not deliver part ``index``: it goes back first in line, unless another has it in flight."""
+        if index not in self.done and set(self.running.get(index, {})) <= {donor}:
+            self.todo.appendleft(index)
 
     def servable_by(self, donor: str) -> bool:
         return donor not in self.dropped and any(i in self.sources[donor] for i in range(len(self.manifest.digests))
@@ -173,17 +186,18 @@ async def _serve_donor(streams: P2PStreams, donor: str, parts: _Parts) -> None:
         try:
             data = await task
         except asyncio.CancelledError:
-            if task.cancelled() and not asyncio.current_task().cancelling():
-                continue  # another donor delivered this part first
-            raise
+            if asyncio.current_task().cancelling():
+                raise  # the download itself is cancelled
+            parts.put_back(index, donor)  # another donor delivered it first (else: its fetch ended so)
+            continue
         except Exception as e:
             parts.failures[donor] += 1
+            parts.failed_by[index].add(donor)
             parts.errors[donor[-8:]] = str(e) or type(e).__name__
             if isinstance(e, PartMismatch) or parts.failures[donor] >= DONOR_FAILURES:
                 parts.dropped.add(donor)
                 log.warning("state download: dropped donor %s (%s)", donor[-8:], parts.errors[donor[-8:]])
-            if index not in parts.done and len(parts.running[index]) == 1:
-                parts.todo.appendleft(index)
+            parts.put_back(index, donor)
             continue
         finally:
             parts.running[index].pop(donor, None)
@@ -196,6 +210,7 @@ async def _serve_donor(streams: P2PStreams, donor: str, parts: _Parts) -> None:
         parts.flat[offset : offset + len(data)] = data
         parts.done.add(index)
         parts.served[donor] += len(data)
+        parts.parts_served[donor] += 1
         parts.busy_s[donor] += time.monotonic() - started
         for rival, _ in list(parts.running.get(index, {}).values()):
             rival.cancel()
@@ -216,7 +231,7 @@ async def fetch_from_donors(streams: P2PStreams, donors: list[str], outer_step: 
     answered = [(d, a) for d, a in zip(donors, answers) if isinstance(a, Manifest)]
     if not answered:
         raise ProtocolError(f"no donor sent a manifest of outer step {outer_step}: {errors}")
-    head, manifest = answered[0]
+    head, manifest = answered[0]  # the first in the caller's order: the fastest known
     sources = {d: {i for i, digest in enumerate(manifest.digests) if i < len(m.digests) and m.digests[i] == digest}
                for d, m in answered}
     parts = _Parts(manifest, sources)

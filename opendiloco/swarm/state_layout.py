@@ -11,9 +11,11 @@ donor whose digest for it matches the one it builds on, and check every part as 
 
 from __future__ import annotations
 
+import collections
 import io
 import math
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 import torch
 
@@ -77,6 +79,7 @@ class Snapshot:
     flat: memoryview
     part_bytes: int
     digests: tuple[bytes, ...]
+    made: float = field(default_factory=time.monotonic)
 
     @property
     def size(self) -> int:
@@ -107,15 +110,55 @@ def snapshot(state: dict, part_bytes: int) -> Snapshot:
     return Snapshot(state["outer_step"], buf.getvalue(), view, part_bytes, digests)
 
 
+PLAIN_DTYPES = frozenset({torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32,
+                          torch.int16, torch.int8, torch.uint8, torch.bool})
+"""What a state's tensors may be: a placeholder of another kind (quantized, complex, ...) is refused."""
+SCALARS = (str, int, float, bool, type(None))
+MAX_NODES = 1 << 20
+MAX_DEPTH = 32
+
+
+def _placeholders(skeleton) -> list[torch.Tensor]:
+    """The placeholders of a loaded skeleton, in walk order, once it is known to be a plain tree: dicts
+    (with string or integer keys), lists, tuples, scalars and plain dense tensors, nothing reached
+    twice (a pickle can share one list many times: walking it would take for ever), at most
+    ``MAX_NODES`` nodes ``MAX_DEPTH`` deep. ``ProtocolError`` otherwise."""
+    found: list[torch.Tensor] = []
+    seen: set[int] = set()
+    stack = [(skeleton, 0)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, SCALARS):
+            continue
+        if id(node) in seen:
+            raise ProtocolError("skeleton reaches one object twice")
+        seen.add(id(node))
+        if len(seen) > MAX_NODES or depth > MAX_DEPTH:
+            raise ProtocolError(f"skeleton of more than {MAX_NODES} nodes or {MAX_DEPTH} levels")
+        if type(node) is torch.Tensor:
+            if node.layout != torch.strided or node.is_quantized or node.dtype not in PLAIN_DTYPES:
+                raise ProtocolError(f"skeleton holds a {node.dtype} {node.layout} tensor")
+            found.append(node)
+        elif type(node) in (dict, collections.OrderedDict):
+            if not all(type(k) in (str, int) for k in node):
+                raise ProtocolError("skeleton holds a dict with keys other than strings and integers")
+            stack.extend((v, depth + 1) for v in reversed(node.values()))
+        elif type(node) in (list, tuple):
+            stack.extend((v, depth + 1) for v in reversed(node))
+        else:
+            raise ProtocolError(f"skeleton holds a {type(node).__name__}")
+    return found
+
+
 @dataclass(frozen=True)
 class Manifest:
-    """What a joiner builds on: a donor's skeleton and part digests, checked for size."""
+    """What a joiner builds on: a donor's skeleton (loaded and checked) and part digests."""
 
     outer_step: int
     size: int
     part_bytes: int
     digests: tuple[bytes, ...]
-    skeleton: bytes
+    skeleton: dict
 
     def part_size(self, index: int) -> int:
         return min(self.part_bytes, self.size - index * self.part_bytes)
@@ -123,36 +166,39 @@ class Manifest:
 
 def read_manifest(meta: dict, payload: bytes, *, part_bytes: int, max_bytes: int) -> Manifest:
     """The manifest a donor sent (meta ``outer_step``, ``size``; payload: digests then skeleton), or
-    ``ProtocolError`` for one that does not fit what was asked or what this worker accepts."""
+    ``ProtocolError`` for one that does not fit what was asked or what this worker accepts: checked
+    whole (the skeleton a plain tree whose tensors take exactly ``size`` bytes, at the announced
+    outer step) before a byte of the state is asked for or allocated."""
     outer_step, size = meta.get("outer_step"), meta.get("size")
     if type(outer_step) is not int or type(size) is not int:
         raise ProtocolError("manifest without an integer outer_step and size")
     if not 0 <= size <= max_bytes:
         raise ProtocolError(f"state of {size} bytes announced; at most {max_bytes} accepted")
     parts = part_count(size, part_bytes)
+    if parts > MAX_PARTS:
+        raise ProtocolError(f"state of {parts} parts; at most {MAX_PARTS}")
     skeleton_len = len(payload) - parts * DIGEST_BYTES
     if not 0 < skeleton_len <= MAX_SKELETON_BYTES:
         raise ProtocolError(f"manifest of {len(payload)} bytes does not fit {parts} parts and a skeleton")
-    digests = tuple(payload[i * DIGEST_BYTES : (i + 1) * DIGEST_BYTES] for i in range(parts))
-    return Manifest(outer_step, size, part_bytes, digests, payload[parts * DIGEST_BYTES :])
-
-
-def assemble(manifest: Manifest, flat: bytearray) -> dict:
-    """The state a skeleton and its flat bytes stand for; ``ProtocolError`` if they do not fit each other."""
+    digests = tuple(bytes(payload[i * DIGEST_BYTES : (i + 1) * DIGEST_BYTES]) for i in range(parts))
     try:
-        skeleton = torch.load(io.BytesIO(manifest.skeleton), map_location="cpu", weights_only=True)
+        skeleton = torch.load(io.BytesIO(payload[parts * DIGEST_BYTES :]), map_location="cpu", weights_only=True)
     except Exception as e:
         raise ProtocolError(f"skeleton does not load: {type(e).__name__}") from None
     if not isinstance(skeleton, dict):
         raise ProtocolError("state is not a dict")
-    placeholders: list[torch.Tensor] = []
-    try:
-        _tensors(skeleton, placeholders)
-    except RecursionError:
-        raise ProtocolError("skeleton nested too deeply") from None
-    need = sum(math.prod(p.shape) * p.element_size() for p in placeholders)
-    if need != len(flat) or len(flat) != manifest.size:
-        raise ProtocolError(f"skeleton's tensors take {need} bytes; {manifest.size} announced")
+    need = sum(math.prod(p.shape) * p.element_size() for p in _placeholders(skeleton))
+    if need != size:
+        raise ProtocolError(f"skeleton's tensors take {need} bytes; {size} announced")
+    if skeleton.get("outer_step") != outer_step:
+        raise ProtocolError(f"skeleton says outer step {skeleton.get('outer_step')!r}, the manifest {outer_step}")
+    return Manifest(outer_step, size, part_bytes, digests, skeleton)
+
+
+def assemble(manifest: Manifest, flat: bytearray) -> dict:
+    """The state a manifest's skeleton and its flat bytes (``manifest.size`` of them) stand for."""
+    if len(flat) != manifest.size:
+        raise ProtocolError(f"{len(flat)} bytes for a state of {manifest.size}")
     offset = 0
 
     def fill(p: torch.Tensor) -> torch.Tensor:
@@ -164,4 +210,4 @@ def assemble(manifest: Manifest, flat: bytearray) -> dict:
         offset += n * p.element_size()
         return t
 
-    return _replace(skeleton, fill)
+    return _replace(manifest.skeleton, fill)

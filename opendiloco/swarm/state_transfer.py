@@ -13,9 +13,11 @@ The state returned names its donor (``donor``, set here, never by the donor).
 
 A joiner may instead take the state in parts from several donors (``multi_donor.py``): it asks each
 for a manifest at one outer step (a turn, as a download is), and the donor keeps that cut
-(``state_layout.Snapshot``) to serve parts of it, at most ``PART_STREAMS_PER_PEER`` at a time to one
-peer and ``PART_BYTES_PER_WINDOW`` times the state's size per peer per window. A part request never
-makes a donor cut its state again; a cut nobody used for ``SNAPSHOT_KEEP_S`` is dropped.
+(``state_layout.Snapshot``; the last ``KEPT_CUTS``) to serve parts of it, named by their digest, at
+most ``PART_STREAMS_PER_PEER`` at a time to one peer (more wait for one of
+``MAX_CONCURRENT_PART_SERVES`` sends) and ``PART_BYTES_PER_WINDOW`` times the state's size per peer
+per window. A part request never makes a donor cut its state; cuts nobody used for
+``SNAPSHOT_KEEP_S`` are dropped.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from ..comm.wire import ByteStream, Code
 from ..comm.wire import field as meta_field
 from ..errors import ProtocolError
 from ..fingerprint import new_hasher
-from .state_layout import MAX_PART_BYTES, MIN_PART_BYTES, Snapshot, part_count, snapshot
+from .state_layout import MAX_PART_BYTES, MIN_PART_BYTES, Snapshot, snapshot
 from .streams import P2PStreams
 
 log = logging.getLogger(__name__)
@@ -57,6 +59,9 @@ MAX_CONCURRENT_PART_SERVES = 8
 PART_BYTES_PER_WINDOW = 3
 """A peer may take at most this many times the state's size in parts per ``SERVE_WINDOW_S``."""
 SNAPSHOT_KEEP_S = 120.0
+SNAPSHOT_FRESH_S = 2.0
+KEPT_CUTS = 2
+"""A new cut does not end downloads of the one before it: their parts are still served."""
 
 
 def _digest(payload) -> str:
@@ -73,9 +78,11 @@ class StateServer:
         self._serving: set[str] = set()
         self._served: dict[str, collections.deque] = {}
         """Recent serve times by peer (monotonic), for the per-peer rate limit."""
-        self._snapshot: Snapshot | None = None
+        self._cuts: list[Snapshot] = []
+        """The newest cuts of this worker's state (at most ``KEPT_CUTS``), oldest first."""
         self._snapshot_used = 0.0
         self._snapshot_lock: asyncio.Lock | None = None
+        self._part_slots: asyncio.Semaphore | None = None
         self._part_streams: collections.Counter[str] = collections.Counter()
         self._part_bytes: dict[str, collections.deque] = {}
         """Recent (monotonic time, bytes) of parts served, by peer."""
@@ -108,6 +115,7 @@ class StateServer:
     async def listen(self) -> None:
         self._slots = asyncio.Semaphore(MAX_CONCURRENT_SERVES)
         self._snapshot_lock = asyncio.Lock()
+        self._part_slots = asyncio.Semaphore(MAX_CONCURRENT_PART_SERVES)
         await self.streams.listen(self._serve)
 
     async def _serve(self, stream: ByteStream) -> None:
@@ -158,7 +166,9 @@ class StateServer:
             stream.close()
 
     async def _serve_manifest(self, stream: ByteStream, meta: dict) -> None:
-        """Cuts the state at the asked outer step (or keeps the cut already made there) and sends its manifest."""
+        """Sends the manifest of this worker's state at the asked outer step: of its newest cut if that is
+        at this step and fresh, else of a new cut (``SNAPSHOT_FRESH_S``: a later joiner gets this
+        worker's position in the round as it is now, not as it was when an earlier joiner asked)."""
         try:
             outer_step = meta_field(meta, "outer_step", int)
             part_bytes = meta_field(meta, "part_bytes", int)
@@ -168,13 +178,16 @@ class StateServer:
                 raise ProtocolError("this worker has no state to share yet")
             self._take_turn(stream.remote)
             async with self._snapshot_lock:
-                snap = self._snapshot
-                if snap is None or snap.part_bytes != part_bytes or snap.outer_step < outer_step:
+                snap = self._cuts[-1] if self._cuts else None
+                if snap is not None and snap.outer_step > outer_step:
+                    raise ProtocolError(f"at outer step {snap.outer_step}, not {outer_step}")
+                if (snap is None or (snap.outer_step, snap.part_bytes) != (outer_step, part_bytes)
+                        or time.monotonic() - snap.made > SNAPSHOT_FRESH_S):
                     provider = self.provider
                     snap = await asyncio.get_running_loop().run_in_executor(
                         None, lambda: snapshot(provider(), part_bytes))
-                    self._snapshot = snap
-                    self._keep_snapshot()
+                    self._cuts = [*self._cuts[-(KEPT_CUTS - 1):], snap]
+                self._keep_snapshot()
             if snap.outer_step != outer_step:
                 raise ProtocolError(f"at outer step {snap.outer_step}, not {outer_step}")
             self.joiners[stream.remote] = (outer_step, time.monotonic())
@@ -186,21 +199,24 @@ class StateServer:
         finally:
             stream.close()
 
+    def _cut_holding(self, outer_step: int, part_bytes: int, index: int, digest: str) -> Snapshot:
+        """A kept cut whose part ``index`` is the asked one (by its digest), or ``ProtocolError``."""
+        for snap in reversed(self._cuts):
+            if (snap.outer_step, snap.part_bytes) == (outer_step, part_bytes):
+                if not 0 <= index < len(snap.digests):
+                    raise ProtocolError(f"no part {index}")
+                if snap.digests[index].hex() == digest:
+                    return snap
+        raise ProtocolError(f"no cut of outer step {outer_step} with that part {index} here (ask for its manifest)")
+
     async def _serve_part(self, stream: ByteStream, meta: dict) -> None:
-        """Sends one part of the cut a manifest named; never cuts the state again."""
+        """Sends one part of a kept cut (never a new cut); waits for one of ``MAX_CONCURRENT_PART_SERVES``."""
         peer, counted = stream.remote, False
         try:
-            outer_step = meta_field(meta, "outer_step", int)
-            part_bytes = meta_field(meta, "part_bytes", int)
-            index = meta_field(meta, "index", int)
-            snap = self._snapshot
-            if snap is None or (snap.outer_step, snap.part_bytes) != (outer_step, part_bytes):
-                raise ProtocolError(f"no cut of outer step {outer_step} here (ask for its manifest)")
-            if not 0 <= index < part_count(snap.size, part_bytes):
-                raise ProtocolError(f"no part {index}")
-            total = sum(self._part_streams.values())
-            if self._part_streams[peer] >= PART_STREAMS_PER_PEER or total >= MAX_CONCURRENT_PART_SERVES:
-                raise ProtocolError(f"busy: at most {PART_STREAMS_PER_PEER} parts at a time per peer")
+            snap = self._cut_holding(meta_field(meta, "outer_step", int), meta_field(meta, "part_bytes", int),
+                                     index := meta_field(meta, "index", int), meta_field(meta, "digest", str))
+            if self._part_streams[peer] >= PART_STREAMS_PER_PEER:
+                raise ProtocolError(f"at most {PART_STREAMS_PER_PEER} parts at a time per peer")
             data = snap.part(index)
             self._take_bytes(peer, data.nbytes, snap.size)
             self._part_streams[peer] += 1
@@ -208,10 +224,11 @@ class StateServer:
             self._keep_snapshot()
 
             async def send():
-                for i in range(0, data.nbytes, CHUNK_BYTES):
-                    await stream.send(Code.STATE_PART, None, data[i : i + CHUNK_BYTES])
+                async with self._part_slots:
+                    for i in range(0, data.nbytes, CHUNK_BYTES):
+                        await stream.send(Code.STATE_PART, None, data[i : i + CHUNK_BYTES])
 
-            await asyncio.wait_for(send(), SEND_TIMEOUT_BASE + data.nbytes / MIN_RATE_BYTES_PER_S)
+            await asyncio.wait_for(send(), 2 * SEND_TIMEOUT_BASE + data.nbytes / MIN_RATE_BYTES_PER_S)
         except Exception as e:
             await stream.refuse(str(e) if isinstance(e, ProtocolError) else type(e).__name__)
         finally:
@@ -240,8 +257,8 @@ class StateServer:
         asyncio.get_running_loop().call_later(SNAPSHOT_KEEP_S + 1, self._drop_idle_snapshot)
 
     def _drop_idle_snapshot(self) -> None:
-        if self._snapshot is not None and time.monotonic() - self._snapshot_used >= SNAPSHOT_KEEP_S:
-            self._snapshot = None
+        if self._cuts and time.monotonic() - self._snapshot_used >= SNAPSHOT_KEEP_S:
+            self._cuts = []
 
     def _serialize(self) -> tuple[int, memoryview, str]:
         """The provider's state as bytes with its digest (runs on an executor thread, off the event loop)."""

@@ -73,6 +73,10 @@ async def serve(args, stream) -> None:
         await stream.send(Code.STATE_MANIFEST, {"outer_step": args.outer_step, "size": fake.size},
                           fake.manifest_payload())
         return
+    if request.code == Code.STATE_PART_REQUEST:  # the first MiB of the part, then gone
+        await stream.send(Code.STATE_PART, None, b"\0" * (1 << 20))
+        await asyncio.sleep(0.2)
+        os._exit(0)
     size = 4 << 20
     await stream.send(Code.STATE, {"size": size, "outer_step": args.outer_step, "digest": "0" * 64})
     await stream.send(Code.STATE_PART, None, b"\0" * (1 << 20))

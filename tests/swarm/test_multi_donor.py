@@ -103,7 +103,7 @@ def test_a_donor_killed_mid_part_leaves_its_parts_to_the_others(caplog):
         victim = donors[2]
 
         async def die_mid_part(stream, meta):
-            snap = servers[2]._snapshot
+            snap = servers[2]._cuts[-1]
             await stream.send(Code.STATE_PART, None, snap.part(meta["index"])[:CHUNK_BYTES])
             await asyncio.sleep(0.1)
             killed.append(victim._child.pid)
@@ -129,7 +129,7 @@ def test_a_donor_whose_part_does_not_match_its_digest_is_dropped_and_named(caplo
         liar = servers[1]
 
         async def lie(stream, meta):
-            data = bytearray(liar._snapshot.part(meta["index"]))
+            data = bytearray(liar._cuts[-1].part(meta["index"]))
             data[12345] ^= 1
             for i in range(0, len(data), CHUNK_BYTES):
                 await stream.send(Code.STATE_PART, None, bytes(data[i : i + CHUNK_BYTES]))
@@ -197,10 +197,11 @@ def test_parts_are_served_only_of_a_cut_a_manifest_made_and_within_a_peers_budge
     """An attacker's joiner: part requests before any manifest, then the same part over and over."""
     state = make_state()
 
-    async def ask(streams, donor, index):
+    async def ask(streams, donor, index, digest="00"):
         stream = await streams.connect(donor)
         try:
-            await stream.send(Code.STATE_PART_REQUEST, {"outer_step": 4, "part_bytes": PARTS, "index": index})
+            await stream.send(Code.STATE_PART_REQUEST, {"outer_step": 4, "part_bytes": PARTS, "index": index,
+                                                        "digest": digest})
             got = 0
             while got < PARTS:
                 got += len((await stream.recv(max_payload=CHUNK_BYTES, expect=Code.STATE_PART)).payload)
@@ -211,16 +212,18 @@ def test_parts_are_served_only_of_a_cut_a_manifest_made_and_within_a_peers_budge
     async def scenario(donors, streams):
         server = await serve(donors[0], state)
         donor = ids(donors)[0]
-        with pytest.raises(ProtocolError, match="no cut of outer step 4 here"):
+        with pytest.raises(ProtocolError, match="no cut of outer step 4 with that part 0 here"):
             await ask(streams, donor, 0)
-        assert server._snapshot is None  # a part request never cuts the state
+        assert not server._cuts  # a part request never cuts the state
         manifest = await fetch_manifest(streams, donor, 4, PARTS, MAX_BYTES)
         with pytest.raises(ProtocolError, match="no part 99"):
             await ask(streams, donor, 99)
+        with pytest.raises(ProtocolError, match="no cut of outer step 4 with that part 0 here"):
+            await ask(streams, donor, 0, digest=manifest.digests[1].hex())  # another part's digest
         served = 0
         with pytest.raises(ProtocolError, match="at most 3x the state in parts per peer"):
             while True:
-                served += await ask(streams, donor, 0)
+                served += await ask(streams, donor, 0, digest=manifest.digests[0].hex())
         return served, manifest.size
 
     served, size = with_donors(1, scenario)
@@ -246,3 +249,28 @@ def test_an_idle_donor_races_a_slow_one_for_its_parts_instead_of_waiting_it_out(
     assert same({k: v for k, v in got.items() if k != "donor"}, state)
     assert slow not in rates
     assert "dropped donor" not in caplog.text  # raced, not timed out (20 s) and dropped
+
+
+def test_a_later_joiner_gets_a_fresh_cut_and_an_earlier_ones_parts_are_still_served(monkeypatch):
+    """The donor moves on within the outer step (its position in the round, its Adam moments): a manifest
+    asked for later is of the state as it is then, and a download of the cut before goes on."""
+    from opendiloco.swarm import state_transfer
+
+    monkeypatch.setattr(state_transfer, "SNAPSHOT_FRESH_S", 0.0)
+    states = [make_state(tail=0), make_state(tail=1)]
+    states[1]["local_step"] = 7
+
+    async def scenario(donors, streams):
+        server = await serve(donors[0], states[0])
+        donor = ids(donors)[0]
+        first = await fetch_manifest(streams, donor, 4, PARTS, MAX_BYTES)
+        server.provider = lambda: states[1]
+        second = await fetch_manifest(streams, donor, 4, PARTS, MAX_BYTES)
+        old_tail = await multi_donor.fetch_part(streams, donor, first, len(first.digests) - 1)
+        return first, second, old_tail, len(server._cuts)
+
+    first, second, old_tail, kept = with_donors(1, scenario)
+    assert (first.skeleton["local_step"], second.skeleton["local_step"]) == (0, 7)
+    differ = [i for i, d in enumerate(first.digests) if second.digests[i] != d]
+    assert differ and differ == list(range(differ[0], len(first.digests)))  # the tail only: the moments
+    assert len(old_tail) == first.part_size(len(first.digests) - 1) and kept == 2
