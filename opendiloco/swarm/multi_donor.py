@@ -48,6 +48,22 @@ class PartMismatch(ProtocolError):
     """A donor sent bytes that do not match the digest the download builds on."""
 
 
+class DonorAhead(ProtocolError):
+    """A donor is past the asked outer step (the run moved on while the joiner read its records)."""
+
+    def __init__(self, donor: str, outer_step: int):
+        super().__init__(f"{donor[-8:]} is at outer step {outer_step}")
+        self.outer_step = outer_step
+
+
+class DonorsAhead(ProtocolError):
+    """Every donor is past the asked outer step: ask again at ``outer_step`` once the run confirms it."""
+
+    def __init__(self, outer_step: int):
+        super().__init__(f"the donors moved on to outer step {outer_step}")
+        self.outer_step = outer_step
+
+
 def part_bytes_for(max_bytes: int) -> int:
     """Parts of ``PART_BYTES``, larger for a model whose bound would need more than ``MAX_PARTS_WANTED``
     (whole MiB, so that joiners of one model cut alike and a donor keeps one cut for all of them)."""
@@ -80,6 +96,9 @@ async def fetch_manifest(streams: P2PStreams, donor: str, outer_step: int, part_
         raise ProtocolError(f"{donor[-8:]} sent no manifest within {MANIFEST_TIMEOUT:.0f}s") from None
     finally:
         stream.close()
+    served = frame.meta.get("outer_step")
+    if type(served) is int and served > outer_step:
+        raise DonorAhead(donor, served)
     manifest = read_manifest(frame.meta, frame.payload, part_bytes=part_bytes, max_bytes=max_bytes)
     if manifest.outer_step != outer_step:
         raise ProtocolError(f"{donor[-8:]} sent a manifest of outer step {manifest.outer_step}, not {outer_step}")
@@ -221,8 +240,8 @@ async def fetch_from_donors(streams: P2PStreams, donors: list[str], outer_step: 
                             min_outer_step: int | None = None) -> tuple[dict, dict[str, float]]:
     """The state of ``outer_step`` taken in parts from ``donors`` (fastest first), checked as
     ``fetch_state`` checks a whole one; also each donor's rate in bytes per second of its own time
-    (for the caller to order donors by next time). ``ProtocolError`` when the donors cannot deliver
-    every part (the message names what each did wrong)."""
+    (for the caller to order donors by next time). ``DonorsAhead`` when every donor is past that step;
+    ``ProtocolError`` when the donors cannot deliver every part (the message names what each did wrong)."""
     part_bytes = part_bytes_for(max_bytes)
     t0 = time.monotonic()
     answers = await asyncio.gather(*(fetch_manifest(streams, d, outer_step, part_bytes, max_bytes) for d in donors),
@@ -230,6 +249,8 @@ async def fetch_from_donors(streams: P2PStreams, donors: list[str], outer_step: 
     errors = {d[-8:]: str(a) or type(a).__name__ for d, a in zip(donors, answers) if isinstance(a, BaseException)}
     answered = [(d, a) for d, a in zip(donors, answers) if isinstance(a, Manifest)]
     if not answered:
+        if answers and all(isinstance(a, DonorAhead) for a in answers):
+            raise DonorsAhead(min(a.outer_step for a in answers))
         raise ProtocolError(f"no donor sent a manifest of outer step {outer_step}: {errors}")
     head, manifest = answered[0]  # the first in the caller's order: the fastest known
     sources = {d: {i for i, digest in enumerate(manifest.digests) if i < len(m.digests) and m.digests[i] == digest}

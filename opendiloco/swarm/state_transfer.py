@@ -180,7 +180,8 @@ class StateServer:
             async with self._snapshot_lock:
                 snap = self._cuts[-1] if self._cuts else None
                 if snap is not None and snap.outer_step > outer_step:
-                    raise ProtocolError(f"at outer step {snap.outer_step}, not {outer_step}")
+                    await stream.send(Code.STATE_MANIFEST, {"outer_step": snap.outer_step, "size": 0})  # moved on
+                    return
                 if (snap is None or (snap.outer_step, snap.part_bytes) != (outer_step, part_bytes)
                         or time.monotonic() - snap.made > SNAPSHOT_FRESH_S):
                     provider = self.provider
@@ -188,8 +189,11 @@ class StateServer:
                         None, lambda: snapshot(provider(), part_bytes))
                     self._cuts = [*self._cuts[-(KEPT_CUTS - 1):], snap]
                 self._keep_snapshot()
-            if snap.outer_step != outer_step:
-                raise ProtocolError(f"at outer step {snap.outer_step}, not {outer_step}")
+            if snap.outer_step < outer_step:
+                raise ProtocolError(f"at outer step {snap.outer_step}, not yet {outer_step}")
+            if snap.outer_step > outer_step:  # it moved on: the joiner may ask again once the run confirms this step
+                await stream.send(Code.STATE_MANIFEST, {"outer_step": snap.outer_step, "size": 0})
+                return
             self.joiners[stream.remote] = (outer_step, time.monotonic())
             payload = snap.manifest_payload()
             await asyncio.wait_for(stream.send(Code.STATE_MANIFEST, {"outer_step": outer_step, "size": snap.size},

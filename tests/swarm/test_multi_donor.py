@@ -182,15 +182,23 @@ def test_donors_that_cannot_deliver_every_part_fail_the_download_naming_them(mon
     assert "sent nothing for 1s" in message
 
 
-def test_a_donor_past_the_asked_step_refuses_its_manifest():
-    state = make_state()
+def test_donors_past_the_asked_step_say_where_they_are_and_one_behind_it_refuses():
+    """The run moved on while the joiner read its records: the donors say which step they are at (the
+    joiner asks again once the run confirms it, ``download_state``); one not there yet refuses."""
+    ahead, behind = make_state(), {**make_state(), "outer_step": 2}
 
     async def scenario(donors, streams):
-        await serve(donors[0], state)
-        with pytest.raises(ProtocolError, match="no donor sent a manifest of outer step 3.*at outer step 4, not 3"):
+        await serve(donors[0], ahead)
+        with pytest.raises(multi_donor.DonorsAhead) as moved:
+            await fetch_from_donors(streams, ids(donors)[:1], 3, MAX_BYTES)
+        await serve(donors[1], behind)
+        with pytest.raises(ProtocolError, match="no donor sent a manifest of outer step 3") as mixed:
             await fetch_from_donors(streams, ids(donors), 3, MAX_BYTES)
+        return moved.value.outer_step, str(mixed.value)
 
-    with_donors(1, scenario)
+    step, message = with_donors(2, scenario)
+    assert step == 4
+    assert "is at outer step 4" in message and "at outer step 2, not yet 3" in message
 
 
 def test_parts_are_served_only_of_a_cut_a_manifest_made_and_within_a_peers_budget():
