@@ -18,6 +18,7 @@ from opendiloco.swarm.state_layout import (
     read_manifest,
     snapshot,
 )
+from tests.nested import same
 
 PART = MIN_PART_BYTES
 
@@ -31,16 +32,6 @@ def odd_state() -> dict:
             "flags": torch.tensor([True, False, True]),  # 3 bytes: what follows is not aligned
             "half": torch.randn(5, generator=g).half(), "empty": torch.empty(0, 3), "step": torch.tensor(3.0),
             "pair": (1, torch.arange(3)), "strided": torch.arange(12.0).reshape(3, 4).t()}
-
-
-def same(a, b) -> bool:
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
-    if isinstance(a, list | tuple):
-        return type(a) is type(b) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
-    return a == b
 
 
 def roundtrip(state: dict) -> dict:

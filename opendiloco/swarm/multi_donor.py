@@ -28,7 +28,7 @@ from collections.abc import Callable
 from ..comm.wire import Code
 from ..errors import ProtocolError
 from .state_layout import MAX_PART_BYTES, Manifest, assemble, part_digest, read_manifest
-from .state_transfer import CHUNK_BYTES, CONNECT_TIMEOUT, STALL_TIMEOUT, checked_state
+from .state_transfer import CHUNK_BYTES, STALL_TIMEOUT, checked_state, connect_to, within
 from .streams import P2PStreams
 
 log = logging.getLogger(__name__)
@@ -71,23 +71,9 @@ def part_bytes_for(max_bytes: int) -> int:
     return min(MAX_PART_BYTES, max(PART_BYTES, wanted))
 
 
-async def _connect(streams: P2PStreams, donor: str):
-    try:
-        return await asyncio.wait_for(streams.connect(donor), CONNECT_TIMEOUT)
-    except asyncio.TimeoutError:
-        raise ProtocolError(f"could not reach {donor[-8:]} within {CONNECT_TIMEOUT:.0f}s") from None
-
-
-async def _within(awaitable, donor: str):
-    try:
-        return await asyncio.wait_for(awaitable, STALL_TIMEOUT)
-    except asyncio.TimeoutError:
-        raise ProtocolError(f"{donor[-8:]} sent nothing for {STALL_TIMEOUT:.0f}s") from None
-
-
 async def fetch_manifest(streams: P2PStreams, donor: str, outer_step: int, part_bytes: int,
                          max_bytes: int) -> Manifest:
-    stream = await _connect(streams, donor)
+    stream = await connect_to(streams, donor)
     try:
         await stream.send(Code.STATE_MANIFEST_REQUEST, {"outer_step": outer_step, "part_bytes": part_bytes})
         frame = await asyncio.wait_for(stream.recv(max_payload=MAX_MANIFEST_BYTES, expect=Code.STATE_MANIFEST),
@@ -108,15 +94,15 @@ async def fetch_manifest(streams: P2PStreams, donor: str, outer_step: int, part_
 async def fetch_part(streams: P2PStreams, donor: str, manifest: Manifest, index: int) -> bytearray:
     """Part ``index`` from ``donor``, checked against the manifest's digest."""
     size = manifest.part_size(index)
-    stream = await _connect(streams, donor)
+    stream = await connect_to(streams, donor)
     try:
         await stream.send(Code.STATE_PART_REQUEST, {
             "outer_step": manifest.outer_step, "part_bytes": manifest.part_bytes, "index": index,
             "digest": manifest.digests[index].hex()})
         data = bytearray()
         while len(data) < size:
-            frame = await _within(stream.recv(max_payload=min(CHUNK_BYTES, size - len(data)),
-                                              expect=Code.STATE_PART), donor)
+            frame = await within(stream.recv(max_payload=min(CHUNK_BYTES, size - len(data)),
+                                             expect=Code.STATE_PART), donor, STALL_TIMEOUT)
             if not frame.payload:
                 raise ProtocolError("empty state part")
             data += frame.payload

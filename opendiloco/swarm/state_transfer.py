@@ -294,10 +294,7 @@ async def fetch_state(streams: P2PStreams, peer: str, min_outer_step: int | None
                       check: Callable[[dict, int | None], None] | None = None) -> dict:
     """Downloads, checks (size, digest, type; then ``check(state, min_outer_step)``, which raises
     ``ValueError`` for a state this worker would refuse) and loads a peer's state."""
-    try:
-        stream = await asyncio.wait_for(streams.connect(peer), CONNECT_TIMEOUT)
-    except asyncio.TimeoutError:
-        raise ProtocolError(f"could not reach {peer[-8:]} within {CONNECT_TIMEOUT:.0f}s") from None
+    stream = await connect_to(streams, peer)
     try:
         await stream.send(Code.STATE_REQUEST, {"min_outer_step": min_outer_step})
         # The head may wait while the donor serves others (its slots are few); the parts may not stall.
@@ -307,7 +304,7 @@ async def fetch_state(streams: P2PStreams, peer: str, min_outer_step: int | None
             raise ProtocolError(f"state of {size} bytes announced; at most {max_bytes} accepted")
         payload = bytearray()
         while len(payload) < size:
-            frame = await _within(stream.recv(max_payload=min(CHUNK_BYTES, size - len(payload)),
+            frame = await within(stream.recv(max_payload=min(CHUNK_BYTES, size - len(payload)),
                                               expect=Code.STATE_PART), peer)
             if not frame.payload:
                 raise ProtocolError("empty state part")
@@ -336,11 +333,20 @@ async def checked_state(state, donor: str, check: Callable[[dict, int | None], N
     return state
 
 
-async def _within(awaitable, peer: str):
+async def connect_to(streams: P2PStreams, peer: str) -> ByteStream:
+    """A stream to a donor, or ``ProtocolError`` if it cannot be reached within ``CONNECT_TIMEOUT``."""
     try:
-        return await asyncio.wait_for(awaitable, STALL_TIMEOUT)
+        return await asyncio.wait_for(streams.connect(peer), CONNECT_TIMEOUT)
     except asyncio.TimeoutError:
-        raise ProtocolError(f"{peer[-8:]} sent nothing for {STALL_TIMEOUT:.0f}s") from None
+        raise ProtocolError(f"could not reach {peer[-8:]} within {CONNECT_TIMEOUT:.0f}s") from None
+
+
+async def within(awaitable, peer: str, timeout: float = STALL_TIMEOUT):
+    """The donor's next frame, or ``ProtocolError`` if it sends nothing for ``timeout`` seconds."""
+    try:
+        return await asyncio.wait_for(awaitable, timeout)
+    except asyncio.TimeoutError:
+        raise ProtocolError(f"{peer[-8:]} sent nothing for {timeout:.0f}s") from None
 
 
 def _load(payload: bytearray):

@@ -18,6 +18,7 @@ from opendiloco.swarm import multi_donor
 from opendiloco.swarm.multi_donor import fetch_from_donors, fetch_manifest, part_bytes_for
 from opendiloco.swarm.state_transfer import CHUNK_BYTES, StateServer
 from opendiloco.swarm.streams import P2PStreams
+from tests.nested import same
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(120)]
 
@@ -36,16 +37,6 @@ def make_state(seed: int = 0, tail: int | None = None) -> dict:
     if tail is not None:
         state["inner"] = {"exp_avg": torch.full((PARTS // 4,), float(tail))}
     return state
-
-
-def same(a, b) -> bool:
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
-    if isinstance(a, list | tuple):
-        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
-    return a == b
 
 
 def with_donors(count: int, scenario):
