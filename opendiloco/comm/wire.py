@@ -65,6 +65,9 @@ class Code(enum.IntEnum):
     STATE_PART_REQUEST = 23
     """A joiner asks for part ``index`` of a manifest it holds (``outer_step``, ``part_bytes``); the
     answer is the part's bytes in STATE_PART frames."""
+    STATE_DONE = 24
+    """A joiner has taken (and checked) the state of ``outer_step`` it asked this donor for: it is on its
+    way to that round now. No answer."""
     # reachability (swarm/reachability.py)
     REACH = 19
     """A node asks a peer to dial it back on its listening ports (meta: ``ports``)."""

@@ -54,7 +54,7 @@ from .exclusion import EXCLUDE_ROUNDS, Offenders
 from .hooks import RoundHooks
 from .matchmaking import Doorbell, Matchmaker, MatchmakingSettings
 from .membership import SECRET_FILE_ENV, Membership, RunSecret
-from .multi_donor import MAX_DONORS, DonorsAhead, fetch_from_donors
+from .multi_donor import MAX_DONORS, DonorsAhead, Download, fetch_from_donors, tell_done
 from .node import start_dht, visible_maddrs
 from .presence import OtherSettings, Presence
 from .quorum import confirmed
@@ -637,22 +637,22 @@ class SwarmCommunicator(Communicator):
             return None
         t0 = time.perf_counter()
 
-        def fetch(step: int):
+        def fetch(step: int) -> Download:
             return self._call(fetch_from_donors(self.state_streams, donors, step, max_bytes, check, min_outer_step),
                               max(1.0, deadline - time.monotonic()), interruptible=True)
 
         try:
             try:
-                state, rates = fetch(wanted_step)
+                got = fetch(wanted_step)
             except DonorsAhead as ahead:  # the run moved on while we read its records: its next state, once confirmed
                 wanted_hash = self._confirmed_hash_at(ahead.outer_step, min_outer_step is not None,
                                                       min(10.0, max(0.0, deadline - time.monotonic())))
                 if wanted_hash is None:
                     raise
                 wanted_step = ahead.outer_step
-                state, rates = fetch(wanted_step)
+                got = fetch(wanted_step)
             if check is not None:  # θ_global itself, against the hash the run confirms
-                check(state, min_outer_step, expected_hash=wanted_hash)
+                check(got.state, min_outer_step, expected_hash=wanted_hash)
         except Interrupted:
             raise
         except Exception as e:
@@ -660,11 +660,12 @@ class SwarmCommunicator(Communicator):
             log.info("state of outer step %s in parts failed (%s); asking donors one at a time", wanted_step,
                      errors["in parts"])
             return None
-        self._donor_rates.update(rates)
-        state["confirmed_hash"] = wanted_hash
+        self._donor_rates.update(got.rates)
+        self._call(tell_done(self.state_streams, got.donors, wanted_step), 10)
+        got.state["confirmed_hash"] = wanted_hash
         log.info("downloaded state of outer step %s in parts from %d of %d donor(s) in %.2fs", wanted_step,
-                 len(rates), len(donors), time.perf_counter() - t0)
-        return state
+                 len(got.rates), len(donors), time.perf_counter() - t0)
+        return got.state
 
     def _voters(self, workers: dict, mine) -> dict:
         """The records that vote on a state to download: a joiner's (``mine`` None) counts every worker,

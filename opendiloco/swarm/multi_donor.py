@@ -13,7 +13,8 @@
    empty, an idle donor also asks for a part that has been in flight elsewhere for longer than its
    own parts take (a slow or dying donor at the tail), and the first copy to arrive wins.
 3. The whole state then goes through the same checks as a download from one donor
-   (``state_transfer.checked_state``), and the caller checks θ_global against the run's hash.
+   (``state_transfer.checked_state``), and the caller checks θ_global against the run's hash, then
+   tells the donors it has it (``tell_done``): from then on their rounds wait for it, not before.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import logging
 import math
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from ..comm.wire import Code
 from ..errors import ProtocolError
@@ -221,13 +223,37 @@ async def _serve_donor(streams: P2PStreams, donor: str, parts: _Parts) -> None:
             rival.cancel()
 
 
+@dataclass(frozen=True)
+class Download:
+    state: dict
+    rates: dict[str, float]
+    """Bytes per second of its own time each donor that served parts served them at."""
+    donors: tuple[str, ...]
+    """Every donor whose manifest the state was built with (they are told when it is taken: ``tell_done``)."""
+
+
+async def tell_done(streams: P2PStreams, donors: tuple[str, ...], outer_step: int, timeout: float = 5.0) -> None:
+    """Tells the donors this worker has taken their state of ``outer_step``: their next round waits for it
+    (before, while it downloaded, it did not). Best effort: a donor that is not told does not wait."""
+    async def tell(donor: str) -> None:
+        stream = await connect_to(streams, donor)
+        try:
+            await stream.send(Code.STATE_DONE, {"outer_step": outer_step})
+        finally:
+            stream.close()
+
+    await asyncio.wait([asyncio.ensure_future(asyncio.wait_for(tell(d), timeout)) for d in donors] or
+                       [asyncio.ensure_future(asyncio.sleep(0))])
+
+
 async def fetch_from_donors(streams: P2PStreams, donors: list[str], outer_step: int, max_bytes: int,
                             check: Callable[[dict, int | None], None] | None = None,
-                            min_outer_step: int | None = None) -> tuple[dict, dict[str, float]]:
+                            min_outer_step: int | None = None) -> Download:
     """The state of ``outer_step`` taken in parts from ``donors`` (fastest first), checked as
     ``fetch_state`` checks a whole one; also each donor's rate in bytes per second of its own time
-    (for the caller to order donors by next time). ``DonorsAhead`` when every donor is past that step;
-    ``ProtocolError`` when the donors cannot deliver every part (the message names what each did wrong)."""
+    (for the caller to order donors by next time) and the donors it was built with. ``DonorsAhead``
+    when every donor is past that step; ``ProtocolError`` when the donors cannot deliver every part
+    (the message names what each did wrong)."""
     part_bytes = part_bytes_for(max_bytes)
     t0 = time.monotonic()
     answers = await asyncio.gather(*(fetch_manifest(streams, d, outer_step, part_bytes, max_bytes) for d in donors),
@@ -261,4 +287,5 @@ async def fetch_from_donors(streams: P2PStreams, donors: list[str], outer_step: 
     log.info("state of outer step %d: %d parts from %s (manifests %.2fs, parts %.2fs, assembly %.2fs)", outer_step,
              len(manifest.digests), ", ".join(f"{d[-8:]} {parts.served[d] / 2**20:.1f} MiB" for d in parts.served),
              t1 - t0, t2 - t1, time.monotonic() - t2)
-    return await checked_state(state, head, check, min_outer_step), rates
+    state = await checked_state(state, head, check, min_outer_step)
+    return Download(state, rates, tuple(d for d, _ in answered))

@@ -86,10 +86,13 @@ class StateServer:
         self._part_streams: collections.Counter[str] = collections.Counter()
         self._part_bytes: dict[str, collections.deque] = {}
         """Recent (monotonic time, bytes) of parts served, by peer."""
+        self._asked: dict[str, tuple[int, float]] = {}
+        """Peers that asked for a manifest: (its outer step, monotonic time), until they say they have it."""
         self.joiners: dict[str, tuple[int, float]] = {}
-        """Peers this worker is serving or served its state to: (its outer step, monotonic time). They continue
-        from it, so this worker's next round waits for them (``recent_joiners``) even before their
-        own progress record reaches it through the DHT."""
+        """Peers that have this worker's state (a whole download sent, or a joiner in parts that said so):
+        (its outer step, monotonic time). They continue from it, so this worker's next round waits for
+        them (``recent_joiners``) even before their own progress record reaches it through the DHT. A
+        joiner still downloading is not waited for: a round due meanwhile goes ahead without it."""
 
     def recent_joiners(self, outer_step: int, within: float) -> set[str]:
         """Peers served the state of ``outer_step`` in the last ``within`` seconds."""
@@ -121,7 +124,7 @@ class StateServer:
     async def _serve(self, stream: ByteStream) -> None:
         try:
             request = await asyncio.wait_for(stream.recv(max_payload=0, expect=(
-                Code.STATE_REQUEST, Code.STATE_MANIFEST_REQUEST, Code.STATE_PART_REQUEST)), 10)
+                Code.STATE_REQUEST, Code.STATE_MANIFEST_REQUEST, Code.STATE_PART_REQUEST, Code.STATE_DONE)), 10)
         except Exception as e:
             await stream.refuse(str(e) if isinstance(e, ProtocolError) else type(e).__name__)
             stream.close()
@@ -130,6 +133,9 @@ class StateServer:
             await self._serve_manifest(stream, request.meta)
         elif request.code == Code.STATE_PART_REQUEST:
             await self._serve_part(stream, request.meta)
+        elif request.code == Code.STATE_DONE:
+            self._note_done(stream.remote, request.meta)
+            stream.close()
         else:
             await self._serve_whole(stream, request)
 
@@ -155,9 +161,9 @@ class StateServer:
                         await stream.send(Code.STATE_PART, None, payload[i : i + CHUNK_BYTES])
 
                 # A requester that stops reading must not hold a slot for ever.
-                # Noted before it is sent: a round this worker starts meanwhile already waits for it.
-                self.joiners[stream.remote] = (outer_step, time.monotonic())
                 await asyncio.wait_for(send(), SEND_TIMEOUT_BASE + payload.nbytes / MIN_RATE_BYTES_PER_S)
+                # Noted once it has it all: a round due while it downloads goes ahead without it.
+                self.joiners[stream.remote] = (outer_step, time.monotonic())
         except Exception as e:
             await stream.refuse(str(e) if isinstance(e, ProtocolError) else type(e).__name__)
         finally:
@@ -194,7 +200,7 @@ class StateServer:
             if snap.outer_step > outer_step:  # it moved on: the joiner may ask again once the run confirms this step
                 await stream.send(Code.STATE_MANIFEST, {"outer_step": snap.outer_step, "size": 0})
                 return
-            self.joiners[stream.remote] = (outer_step, time.monotonic())
+            self._note_asked(stream.remote, outer_step)
             payload = snap.manifest_payload()
             await asyncio.wait_for(stream.send(Code.STATE_MANIFEST, {"outer_step": outer_step, "size": snap.size},
                                                payload), SEND_TIMEOUT_BASE + len(payload) / MIN_RATE_BYTES_PER_S)
@@ -202,6 +208,20 @@ class StateServer:
             await stream.refuse(str(e) if isinstance(e, ProtocolError) else type(e).__name__)
         finally:
             stream.close()
+
+    def _note_asked(self, peer: str, outer_step: int) -> None:
+        now = time.monotonic()
+        for other in [p for p, (_, t) in self._asked.items() if now - t > SNAPSHOT_KEEP_S]:
+            del self._asked[other]
+        self._asked[peer] = (outer_step, now)
+
+    def _note_done(self, peer: str, meta: dict) -> None:
+        """A joiner that asked for this worker's manifest says it has the state: the next round waits for it
+        (``recent_joiners``). Only the step it asked for, recently: nobody else is waited for on their word."""
+        asked = self._asked.get(peer)
+        if asked is not None and meta.get("outer_step") == asked[0] and time.monotonic() - asked[1] <= SNAPSHOT_KEEP_S:
+            del self._asked[peer]
+            self.joiners[peer] = (asked[0], time.monotonic())
 
     def _cut_holding(self, outer_step: int, part_bytes: int, index: int, digest: str) -> Snapshot:
         """A kept cut whose part ``index`` is the asked one (by its digest), or ``ProtocolError``."""

@@ -16,7 +16,7 @@ from opendiloco.comm.wire import Code
 from opendiloco.errors import ProtocolError
 from opendiloco.swarm import multi_donor
 from opendiloco.swarm.multi_donor import fetch_from_donors, fetch_manifest, part_bytes_for
-from opendiloco.swarm.state_transfer import CHUNK_BYTES, StateServer
+from opendiloco.swarm.state_transfer import CHUNK_BYTES, StateServer, fetch_state
 from opendiloco.swarm.streams import P2PStreams
 from tests.nested import same
 
@@ -79,9 +79,11 @@ def test_a_state_in_parts_from_three_donors_matches_and_each_served_some():
             await serve(d, state)
         return await fetch_from_donors(streams, ids(donors), 4, MAX_BYTES)
 
-    got, rates = with_donors(3, scenario)
+    download = with_donors(3, scenario)
+    got, rates = download.state, download.rates
     assert same({k: v for k, v in got.items() if k != "donor"}, state)
     assert len(rates) == 3 and all(r > 0 for r in rates.values())
+    assert sorted(download.donors) == sorted(rates)
 
 
 def test_a_donor_killed_mid_part_leaves_its_parts_to_the_others(caplog):
@@ -104,7 +106,8 @@ def test_a_donor_killed_mid_part_leaves_its_parts_to_the_others(caplog):
         return await fetch_from_donors(streams, ids(donors), 4, MAX_BYTES), ids(donors)[2]
 
     with caplog.at_level(logging.WARNING, logger="opendiloco.swarm.multi_donor"):
-        (got, rates), victim = with_donors(3, scenario)
+        download, victim = with_donors(3, scenario)
+    got, rates = download.state, download.rates
     assert killed, "the victim never got a part request"
     assert same({k: v for k, v in got.items() if k != "donor"}, state)
     assert victim not in rates and len(rates) == 2  # its parts came from the two others
@@ -129,7 +132,8 @@ def test_a_donor_whose_part_does_not_match_its_digest_is_dropped_and_named(caplo
         return await fetch_from_donors(streams, ids(donors), 4, MAX_BYTES), ids(donors)[1]
 
     with caplog.at_level(logging.WARNING, logger="opendiloco.swarm.multi_donor"):
-        (got, rates), liar = with_donors(3, scenario)
+        download, liar = with_donors(3, scenario)
+    got, rates = download.state, download.rates
     assert same({k: v for k, v in got.items() if k != "donor"}, state)
     assert liar not in rates
     assert f"dropped donor {liar[-8:]} ({liar[-8:]} sent part" in caplog.text
@@ -147,7 +151,8 @@ def test_parts_only_the_head_has_come_from_the_head():
         got = await fetch_from_donors(streams, ids(donors), 4, MAX_BYTES)
         return manifests, got
 
-    manifests, (got, _) = with_donors(3, scenario)
+    manifests, download = with_donors(3, scenario)
+    got = download.state
     differ = [i for i, d in enumerate(manifests[0].digests) if manifests[1].digests[i] != d]
     assert differ and differ[-1] == len(manifests[0].digests) - 1  # the tail is the donors' own
     assert same({k: v for k, v in got.items() if k != "donor"}, states[0])
@@ -244,7 +249,8 @@ def test_an_idle_donor_races_a_slow_one_for_its_parts_instead_of_waiting_it_out(
         return await fetch_from_donors(streams, ids(donors), 4, MAX_BYTES), ids(donors)[1]
 
     with caplog.at_level(logging.WARNING, logger="opendiloco.swarm.multi_donor"):
-        (got, rates), slow = with_donors(2, scenario)
+        download, slow = with_donors(2, scenario)
+    got, rates = download.state, download.rates
     assert same({k: v for k, v in got.items() if k != "donor"}, state)
     assert slow not in rates
     assert "dropped donor" not in caplog.text  # raced, not timed out (20 s) and dropped
@@ -273,3 +279,52 @@ def test_a_later_joiner_gets_a_fresh_cut_and_an_earlier_ones_parts_are_still_ser
     differ = [i for i, d in enumerate(first.digests) if second.digests[i] != d]
     assert differ and differ == list(range(differ[0], len(first.digests)))  # the tail only: the moments
     assert len(old_tail) == first.part_size(len(first.digests) - 1) and kept == 2
+
+
+def test_a_donors_rounds_wait_for_a_joiner_only_once_it_has_the_state():
+    """While a joiner downloads, a round due at its donors goes ahead without it; once it says it has the
+    state (``tell_done``), their next round waits for it. Only a joiner that asked for that state counts."""
+    state = make_state()
+
+    async def scenario(donors, streams):
+        servers = [await serve(d, state) for d in donors]
+        peers = ids(donors)
+        me = streams.p2p.peer_id.to_base58()
+        expected = []
+
+        async def waited_for(until=None):
+            """Whether each donor waits for this joiner, once ``until`` holds (a donor takes the word when
+            its stream arrives) or after a second."""
+            for _ in range(100):
+                now = [me in s.recent_joiners(4, within=60) for s in servers]
+                if now == until:
+                    break
+                await asyncio.sleep(0.01)
+            expected.append(now)
+
+        download = await fetch_from_donors(streams, peers, 4, MAX_BYTES)
+        await waited_for()  # downloaded, not yet said so
+        await multi_donor.tell_done(streams, (peers[0],), 3)  # another step than it asked for
+        await waited_for()
+        await multi_donor.tell_done(streams, download.donors, 4)
+        await waited_for(until=[True, True])
+        return expected
+
+    assert with_donors(2, scenario) == [[False, False], [False, False], [True, True]]
+
+
+def test_a_whole_download_counts_its_joiner_once_it_is_sent():
+    state = make_state()
+
+    async def scenario(donors, streams):
+        server = await serve(donors[0], state)
+        me = streams.p2p.peer_id.to_base58()
+        before = me in server.recent_joiners(4, within=60)
+        await fetch_state(streams, ids(donors)[0], None, MAX_BYTES)
+        for _ in range(100):  # the donor notes it once its last frame is out
+            if me in server.recent_joiners(4, within=60):
+                break
+            await asyncio.sleep(0.01)
+        return before, me in server.recent_joiners(4, within=60)
+
+    assert with_donors(1, scenario) == (False, True)
