@@ -30,6 +30,7 @@ import argparse
 import asyncio
 import json
 import logging
+import math
 import statistics
 import subprocess
 import sys
@@ -216,10 +217,25 @@ def held(args) -> None:
 
 def report_held(work: Path) -> dict:
     """The old workers' rounds around the join of a run ``held`` played in ``work``."""
-    olds, joiner_dir = [work / f"worker-{i}" for i in range(3)], work / "joiner"
-    joined_at = float((work / "joined_at").read_text())
-    first_round = min((r for r in _metrics(joiner_dir) if r["ok"] and r["group_size"] == 4), key=lambda r: r["time"])
-    first, first_step = first_round["time"], first_round["outer_step"]
+    return join_rounds([work / f"worker-{i}" for i in range(3)], work / "joiner",
+                       float((work / "joined_at").read_text()), work / "logs/joiner.log")
+
+
+def report_world(run: Path, joiner: str = "joiner") -> dict:
+    """The same table for a world scenario's run (``benchmarks.world``) in which ``joiner`` joins."""
+    launched = [e["time"] for e in map(json.loads, (run / "events.jsonl").read_text().splitlines())
+                if e.get("kind") == "launch" and e.get("worker") == joiner]
+    olds = sorted(d for d in (run / "workers").iterdir() if d.name != joiner)
+    return join_rounds(olds, run / "workers" / joiner, launched[0], run / "logs" / f"{joiner}.log")
+
+
+def join_rounds(olds: list[Path], joiner_dir: Path, joined_at: float, joiner_log: Path) -> dict:
+    """The old workers' rounds before the joiner was launched, while it started and downloaded, the first
+    with it, and after: seconds between outer steps and in matchmaking."""
+    size = len(olds) + 1
+    joined = [r for r in _metrics(joiner_dir) if r["ok"] and r["group_size"] == size]
+    first_round = min(joined, key=lambda r: r["time"]) if joined else None  # None: it never made one
+    first, first_step = (first_round["time"], first_round["outer_step"]) if first_round else (math.inf, math.inf)
     rows = []
     for d in olds:
         records = [r for r in _metrics(d) if r["ok"]]
@@ -246,9 +262,10 @@ def report_held(work: Path) -> dict:
     starts = _metrics(joiner_dir, "start")
     if starts:
         print(f"joiner: training from outer step {starts[0]['outer_step']} {starts[0]['time'] - joined_at:.1f} s "
-              f"after its launch; first round with the old workers {first - joined_at:.1f} s after it")
-    for line in (work / "logs/joiner.log").read_text().splitlines():
-        if "downloaded state" in line:
+              f"after its launch; " + (f"first round with the old workers {first - joined_at:.1f} s after it"
+                                       if first_round else "no round with the old workers"))
+    for line in joiner_log.read_text().splitlines():
+        if "downloaded state" in line or "in parts failed" in line:
             print("joiner:", line.split(": ", 1)[-1])
     return {"rows": rows, "joined_at": joined_at, "first_round": first}
 
@@ -263,6 +280,7 @@ def main() -> None:
     p.add_argument("--held", action="store_true", help="measure the old workers' rounds during a join instead")
     p.add_argument("--held-dir", default="runs/bench_join_held")
     p.add_argument("--report-only", action="store_true", help="--held: the table of a run already in --held-dir")
+    p.add_argument("--world-run", help="the same table for a world run (benchmarks/scenarios/slowjoin.toml)")
     p.add_argument("--held-config", default="configs/tiny.toml")
     p.add_argument("--before", type=int, default=6, help="--held: outer steps each old worker applies first")
     p.add_argument("--after", type=int, default=3, help="--held: rounds the joiner makes with the old workers")
@@ -276,6 +294,8 @@ def main() -> None:
     elif args.role == "joiner":
         asyncio.run(joiner(args.ip, json.loads(Path(args.donors).read_text()), args.params, args.repeats,
                            Path(args.out)))
+    elif args.world_run:
+        report_world(Path(args.world_run))
     elif args.held and args.report_only:
         report_held(Path(args.held_dir))
     elif args.held:
