@@ -16,6 +16,7 @@ from .comm.base import Communicator, CompletedWork, RoundKey, SharedState, Work
 from .comm.buffers import FlatBuffer, all_finite, unflatten
 from .comm.local import SingleWorker
 from .comm.subset import carry_unsent, start_subset
+from .comm.topk import TopK
 from .errors import AveragingError, BehindError, DriftError, LocalRankFailure, RoundCounted
 from .fragment import Fragment, make_fragments
 from .optimizer_state import SavedRound, check_checkpoint, joiner_position, settings_of
@@ -172,6 +173,15 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         if self.subset is not None and not self.error_feedback:
             raise ValueError(f"the communicator's wire format sends 1/{self.subset.every} of the values a round: "
                              "it needs error_feedback=True, which owes what is not sent to later rounds")
+        codec = self.communicator.wire_format
+        if isinstance(codec, TopK):
+            if not self.error_feedback:
+                raise ValueError(f"the communicator's wire format ({codec.label}) sends the largest 1/{codec.every} "
+                                 "of the values a round: it needs error_feedback=True, which owes the rest to later "
+                                 "rounds")
+            if self.outer.buffers:
+                raise ValueError(f"{codec.label} averages updates, not values: this module's buffers (e.g. BatchNorm "
+                                 "statistics) need a dense or subsetN+ format")
         self.weight_by_samples = weight_by_samples or pace == "swarm"
         self.pace = pace
         self.catch_up_timeout = catch_up_timeout

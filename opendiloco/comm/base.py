@@ -223,6 +223,12 @@ class Communicator(ABC):
         """
 
     @property
+    def wire_format(self):
+        """The codec this communicator's contributions travel in (``opendiloco.comm.compression``), if it
+        has one: the optimizer checks what a format needs of it (a top-k format: error feedback)."""
+        return getattr(self, "codec", None)
+
+    @property
     def subset(self):
         """The shared-seed subset (``opendiloco.comm.subset.Subset``) that this communicator's wire format
         names, e.g. ``subset32+int4``; None: whole contributions. The caller (``DiLoCoOptimizer``, which

@@ -44,6 +44,12 @@ class Codec(ABC):
     def label(self) -> str:
         return self.name if self.revision == 1 else f"{self.name}.v{self.revision}"
 
+    @property
+    def averages(self) -> Codec:
+        """The format the averages travel back in unless ``result_compression`` names one: this one
+        (a top-k format's: its value format, ``opendiloco.comm.topk``)."""
+        return self
+
     @abstractmethod
     def encode(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
         """Encode a flat fp32 CPU tensor."""
@@ -575,15 +581,22 @@ QUANTIZED = frozenset({"int8", "int4", "e2m1", "e3m0"})
 
 def get_codec(name: str) -> Codec:
     """The codec ``name``. ``subsetN+name`` is that codec with ``subset`` set (``opendiloco.comm.subset``):
-    the optimizer sends the round's subset through it, and the group label names it."""
+    the optimizer sends the round's subset through it, and the group label names it. ``topkN+name``
+    sends the largest 1/N of every chunk with their indices, in that value format (``opendiloco.comm.topk``)."""
     from .subset import parse_subset  # here, not at the top: the codecs' part of this file stays as it is
+    from .topk import parse_topk, topk_codec
 
     subset, base = parse_subset(name)
+    every, values = parse_topk(base)
+    if every is not None and subset is not None:
+        raise ValueError(f"{name!r}: a subset and top-k do not combine; choose one")
     try:
-        codec = CODECS[base]()
+        codec = CODECS[values]()
     except KeyError:
         raise ValueError(f"unknown compression {name!r}; choose one of {sorted(CODECS)}, "
-                         "or subsetN+ one of them") from None
+                         "or subsetN+ or topkN+ one of them") from None
+    if every is not None:
+        codec = topk_codec(every, codec)
     codec.subset = subset
     return codec
 

@@ -61,7 +61,7 @@ class InProcessGroup:
             raise ValueError("group size must be >= 1")
         self.size = size
         self.codec = get_codec(compression)
-        self.result_codec = get_codec(result_compression) if result_compression else self.codec
+        self.result_codec = get_codec(result_compression) if result_compression else self.codec.averages
         self.timeout = timeout
         self._cond = threading.Condition()
         self._pending: dict[RoundKey, dict[int, tuple[torch.Tensor, float]]] = {}
@@ -116,6 +116,10 @@ class _GroupMember(Communicator):
     @property
     def subset(self):
         return getattr(self.group.codec, "subset", None)
+
+    @property
+    def wire_format(self):
+        return self.group.codec
 
     def start(self, flat, *, weight, key, out=None, error_out=None) -> Work:
         flat = flat.detach().to(torch.float32)

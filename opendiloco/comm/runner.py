@@ -144,7 +144,7 @@ class ShardReducer:
         Merkle root and norm (``manifests``), and the declared weights, all under its digest."""
         self.codec, self.numel, self.members = codec, numel, tuple(members)
         self.committed = committed
-        self.result_codec = result_codec or codec
+        self.result_codec = result_codec or codec.averages
         self.aggregation = aggregation or Aggregation()
         self.used_weights: list[float] = []
         """The weights the averages use (claims capped), in member order."""
@@ -278,7 +278,7 @@ class RoundRunner:
         if not isinstance(part_numel, int) or part_numel < 1:
             raise ValueError(f"part_numel must be a positive int, got {part_numel!r}")
         self.group, self.me, self.codec = group, me, codec
-        self.result_codec = result_codec or codec
+        self.result_codec = result_codec or codec.averages
         self.error_out = error_out
         self.members = group.members
         self.my_index = self.members.index(me)

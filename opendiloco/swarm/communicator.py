@@ -208,7 +208,7 @@ class SwarmCommunicator(Communicator):
         if not isinstance(s.part_numel, int) or s.part_numel < 1024 or s.part_numel % 1024:
             raise ValueError("part_numel must be a positive multiple of 1024 (every codec's block)")
         self.codec = get_codec(s.compression)
-        self.result_codec = get_codec(s.result_compression) if s.result_compression else self.codec
+        self.result_codec = get_codec(s.result_compression) if s.result_compression else self.codec.averages
         self._own_dht = own_dht
         self._peer_id = dht.peer_id.to_base58()
         self._closed = False

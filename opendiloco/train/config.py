@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError,
 
 from opendiloco.comm.compression import CODECS, QUANTIZED
 from opendiloco.comm.subset import parse_subset
+from opendiloco.comm.topk import parse_topk
 from opendiloco.streaming import check_schedule
 
 if sys.version_info >= (3, 11):
@@ -348,18 +349,22 @@ class SwarmConfig(Section):
     def _codec(cls, v, info):
         if v is None:
             return v
-        subset, base = parse_subset(v)  # a malformed subsetN+ name: ValueError, one line
-        if subset is not None and info.field_name == "result_compression":
-            raise ValueError(f"{v!r}: the averages are of the contributions' subset; name a format without "
-                             "subsetN+ (e.g. int8)")
+        subset, base = parse_subset(v)  # a malformed subsetN+ or topkN+ name: ValueError, one line
+        every, base = parse_topk(base)
+        if (subset is not None or every is not None) and info.field_name == "result_compression":
+            raise ValueError(f"{v!r}: the averages are dense, of the contributions' values; name a format without "
+                             "subsetN+ or topkN+ (e.g. int8)")
+        if subset is not None and every is not None:
+            raise ValueError(f"{v!r}: a subset and top-k do not combine; choose one")
         if base not in CODECS:
-            raise ValueError(f"unknown format {v!r}; choose one of {', '.join(CODECS)}, or subsetN+ one of them "
-                             "(e.g. subset32+int4)")
+            raise ValueError(f"unknown format {v!r}; choose one of {', '.join(CODECS)}, or subsetN+ or topkN+ one "
+                             "of them (e.g. subset32+int4, topk64+e2m1)")
         return v
 
     @model_validator(mode="after")
     def _subset_feedback(self):
-        if self.error_feedback is False and parse_subset(self.compression)[0] is not None:
+        sparse = parse_subset(self.compression)[0] is not None or parse_topk(self.compression)[0] is not None
+        if self.error_feedback is False and sparse:
             raise ValueError(f"error_feedback: {self.compression} owes what a round does not send to later rounds; "
                              "it needs error feedback (leave error_feedback unset)")
         return self
@@ -368,7 +373,8 @@ class SwarmConfig(Section):
     def uses_error_feedback(self) -> bool:
         if self.error_feedback is not None:
             return self.error_feedback
-        return self.compression in QUANTIZED or parse_subset(self.compression)[0] is not None
+        return (self.compression in QUANTIZED or parse_subset(self.compression)[0] is not None
+                or parse_topk(self.compression)[0] is not None)
 
     @field_validator("initial_peers")
     @classmethod

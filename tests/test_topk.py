@@ -1,0 +1,180 @@
+"""Top-k contributions (``topkN+F``): the largest 1/N of every chunk with their indices, the rest owed
+by error feedback; averages travel back dense in F; a payload with forged indices names its sender."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from opendiloco import DiLoCoOptimizer, InProcessGroup
+from opendiloco.comm.aggregation import Aggregation
+from opendiloco.comm.compression import codec_label, get_codec
+from opendiloco.comm.topk import CHUNK, parse_topk
+from opendiloco.comm.wire import Code, Refused
+from opendiloco.errors import PeerFailure, ProtocolError
+from opendiloco.fingerprint import new_hasher
+from opendiloco.train.config import SwarmConfig
+from tests.test_runner import OPENING, PART, attack, honest_round, read_refusal
+
+NAME = "topk64+e2m1"
+
+
+def test_a_payload_holds_the_largest_of_each_chunk_in_the_value_format_and_zeros_elsewhere():
+    codec, values = get_codec(NAME), get_codec("e2m1")
+    x = torch.randn(3 * CHUNK + 1000, generator=torch.Generator().manual_seed(0))
+    got = codec.from_bytes(codec.to_bytes(x), x.numel())
+    for a in range(0, x.numel(), CHUNK):
+        chunk, kept = x[a : a + CHUNK], got[a : a + CHUNK] != 0
+        assert int(kept.sum()) == max(1, chunk.numel() // 64)
+        assert chunk.abs()[kept].min() >= chunk.abs()[~kept].max()
+    positions = got.nonzero().squeeze(1)
+    torch.testing.assert_close(got[positions], values.roundtrip(x[positions]), rtol=0, atol=0)
+    # 16-bit indices and 4-bit values: 1/50 of fp16's bytes
+    assert codec.wire_bytes(1 << 20) == pytest.approx(2 * (1 << 20) / 50, rel=0.05)
+
+
+def test_what_is_not_sent_is_owed_exactly_and_error_feedback_adds_up_over_rounds():
+    codec = get_codec(NAME)
+    g = torch.Generator().manual_seed(1)
+    residual, sent_total, meant_total = torch.zeros(2 * CHUNK), torch.zeros(2 * CHUNK), torch.zeros(2 * CHUNK)
+    for _ in range(20):
+        delta = torch.randn(2 * CHUNK, generator=g)
+        contribution = delta + residual
+        error = torch.empty_like(contribution)
+        sent = codec.from_bytes(codec.to_bytes_with_error(contribution, error), contribution.numel())
+        assert torch.equal(sent + error, contribution)  # the residual is exactly what did not go out
+        residual = error
+        sent_total += sent
+        meant_total += delta
+    torch.testing.assert_close(sent_total + residual, meant_total, rtol=0, atol=1e-4)
+    assert residual.abs().max() < meant_total.abs().max()  # owed, then sent: it does not pile up
+
+
+def forged(kind: str) -> bytes:
+    codec = get_codec(NAME)
+    fields = codec.encode(torch.randn(CHUNK, generator=torch.Generator().manual_seed(2)))
+    index = fields["index"].clone()
+    if kind == "outside":
+        index[-1] = CHUNK  # past the chunk
+    elif kind == "negative":
+        index[0] = -1
+    elif kind == "repeated":
+        index[5] = index[4]  # one value counted twice
+    else:  # "unsorted"
+        index[[3, 4]] = index[[4, 3]]
+    fields["index"] = index
+    return b"".join(fields[n].numpy().tobytes() for n in sorted(fields))
+
+
+@pytest.mark.parametrize("kind", ["outside", "negative", "repeated", "unsorted"])
+def test_forged_indices_are_refused(kind):
+    with pytest.raises(ProtocolError, match="top-k ind"):
+        get_codec(NAME).from_bytes(forged(kind), CHUNK)
+
+
+def test_a_member_that_sends_forged_indices_is_refused_and_named():
+    """An attacker script as member b: a top-k part whose indices repeat a value."""
+    name = "topk8+e2m1"
+    codec = get_codec(name)
+
+    async def script(stream):
+        fields = codec.encode(torch.randn(PART))
+        fields["index"][7] = fields["index"][6]
+        await stream.send(Code.CONTRIBUTE, {**OPENING, "codec": f"{codec_label(codec, codec.averages)}|"
+                                                               f"{Aggregation().label}"})
+        await stream.send(Code.PART, {"i": 0}, b"".join(fields[n].numpy().tobytes() for n in sorted(fields)))
+        return await read_refusal(stream)
+
+    outcome, refusal = attack(script, codec=name)
+    assert isinstance(refusal, Refused) and "top-k indices" in str(refusal)
+    assert isinstance(outcome, PeerFailure) and outcome.peers == {"b"}
+
+
+def test_a_round_in_the_runner_ends_with_the_same_average_on_every_member():
+    flats = [torch.randn(4 * PART, generator=torch.Generator().manual_seed(s)) for s in range(3)]
+    outcomes = asyncio_run(honest_round(["a", "b", "c"], flats, [1.0, 1.0, 1.0], codec="topk8+e2m1"))
+    digests = {o.digest for o in outcomes}
+    assert len(digests) == 1, outcomes
+    average = outcomes[0].flat
+    # The union of the members' entries: more values than one member sent, fewer than all.
+    assert 4 * PART // 8 < int((average != 0).sum()) < 4 * PART
+
+
+def asyncio_run(coro):
+    import asyncio
+
+    return asyncio.run(asyncio.wait_for(coro, 30))
+
+
+def test_every_machine_decodes_the_same_bytes_to_the_same_values():
+    payload = get_codec(NAME).to_bytes(torch.randn(2 * CHUNK + 77, generator=torch.Generator().manual_seed(3)))
+    here = new_hasher()
+    here.update(get_codec(NAME).from_bytes(payload, 2 * CHUNK + 77).numpy().tobytes())
+    code = ("import sys, torch; from opendiloco.comm.compression import get_codec; "
+            "from opendiloco.fingerprint import new_hasher; p = sys.stdin.buffer.read(); h = new_hasher(); "
+            f"h.update(get_codec({NAME!r}).from_bytes(p, {2 * CHUNK + 77}).numpy().tobytes()); print(h.hexdigest())")
+    there = subprocess.run([sys.executable, "-c", code], input=bytes(payload), capture_output=True, timeout=120)
+    assert there.stdout.decode().strip() == here.hexdigest(), there.stderr.decode()[-2000:]
+
+
+def test_top_k_formats_are_named_apart_and_their_averages_travel_dense():
+    codec = get_codec(NAME)
+    assert codec.averages.label == "e2m1"
+    labels = {codec_label(get_codec(n), get_codec(n).averages) for n in (NAME, "topk32+e2m1", "topk64+int4", "e2m1")}
+    assert len(labels) == 4  # workers with other top-k settings never average together
+    assert parse_topk("topk64+e2m1") == (64, "e2m1") and parse_topk("e2m1") == (None, "e2m1")
+    for bad in ("topk3+e2m1", "topk8192+e2m1"):
+        with pytest.raises(ValueError, match="must divide 4096"):
+            get_codec(bad)
+    with pytest.raises(ValueError, match="do not combine"):
+        get_codec("subset8+topk64+e2m1")
+
+
+def test_the_config_takes_top_k_with_error_feedback_only():
+    assert SwarmConfig(compression=NAME).uses_error_feedback
+    with pytest.raises(ValueError, match="needs error feedback"):
+        SwarmConfig(compression=NAME, error_feedback=False)
+    with pytest.raises(ValueError, match="averages are dense"):
+        SwarmConfig(result_compression=NAME)
+    with pytest.raises(ValueError, match="unknown format"):
+        SwarmConfig(compression="topk64+nope")
+
+
+def test_the_optimizer_refuses_top_k_without_error_feedback_or_with_module_buffers():
+    model = torch.nn.Linear(4, 4)
+    group = InProcessGroup(1, compression=NAME)
+    with pytest.raises(ValueError, match="needs error_feedback=True"):
+        DiLoCoOptimizer(model.parameters(), local_steps=2, communicator=group.members[0])
+    bn = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+    with pytest.raises(ValueError, match="averages updates, not values"):
+        DiLoCoOptimizer(bn.parameters(), local_steps=2, communicator=InProcessGroup(1, compression=NAME).members[0],
+                        module=bn, error_feedback=True)
+
+
+def test_replicas_training_through_top_k_stay_bit_identical():
+    n = 3
+    group = InProcessGroup(n, compression="topk16+e2m1")
+    models = [torch.nn.Linear(256, 64) for _ in range(n)]
+    for m in models[1:]:
+        m.load_state_dict(models[0].state_dict())
+    opts = [DiLoCoOptimizer(m.parameters(), local_steps=3, communicator=c, error_feedback=True)
+            for m, c in zip(models, group.members)]
+    import threading
+
+    def train(rank):
+        g = torch.Generator().manual_seed(rank)
+        for _ in range(9):
+            models[rank](torch.randn(8, 256, generator=g)).pow(2).mean().backward()
+            opts[rank].step()
+            opts[rank].zero_grad()
+
+    threads = [threading.Thread(target=train, args=(r,)) for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert len({o.global_hash() for o in opts}) == 1
+    assert opts[0].outer_step == 3
