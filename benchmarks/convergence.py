@@ -38,7 +38,8 @@ MODEL = ["--model.hidden-size", "64", "--model.num-layers", "2", "--model.num-he
 
 
 def config(run_dir: Path, worker: str, *, h: int, outer_lr: float, batch: int, warmup: int, total: int,
-           eval_batches: int, inner: str = "adamw", seed: int = 0, compression: str = "fp16"):
+           eval_batches: int, inner: str = "adamw", seed: int = 0, compression: str = "fp16",
+           outer_momentum: float | None = None):
     from opendiloco.train.config import load_config
 
     return load_config(ROOT / "configs" / "tiny.toml", [
@@ -47,7 +48,8 @@ def config(run_dir: Path, worker: str, *, h: int, outer_lr: float, batch: int, w
         "--train.eval-batches", str(eval_batches), "--train.total-steps", str(total),
         "--optim.local-steps", str(h), "--optim.outer-lr", str(outer_lr), "--optim.warmup-steps", str(warmup),
         "--optim.min-lr-ratio", "1.0", "--optim.pace", "fixed", "--run.worker", worker,
-        "--run.dir", str(run_dir / worker), "--run.progress", "false", "--swarm.compression", compression])
+        "--run.dir", str(run_dir / worker), "--run.progress", "false", "--swarm.compression", compression,
+        *([] if outer_momentum is None else ["--optim.outer-momentum", str(outer_momentum)])])
 
 
 def trainers(n: int, run_dir: Path, communicators, **kw):
@@ -104,6 +106,7 @@ def job(spec: dict) -> dict:
         compression = spec.get("compression", "fp16")  # error feedback as the trainer sets it for the format
         group = InProcessGroup(n, compression=compression, timeout=600)
         ts = trainers(n, run_dir, group.members, h=spec["H"], outer_lr=spec["outer_lr"], compression=compression,
+                      outer_momentum=spec.get("outer_momentum"),
                       **common)
 
         local_losses: dict[int, float] = {}
@@ -183,9 +186,11 @@ def plan(args) -> list[dict]:
                 needed |= set(at)
                 for lr in args.outer_lrs:
                     for wire in args.compressions:  # the baselines below send nothing: one of each
-                        name = f"H{h}-lr{lr:g}{tag}" + ("" if wire == "fp16" else f"-{wire}")
+                        name = (f"H{h}-lr{lr:g}{tag}" + ("" if wire == "fp16" else f"-{wire}")
+                                + ("" if args.outer_momentum is None else f"-m{args.outer_momentum:g}"))
                         specs.append({**base, "name": f"diloco-{name}", "method": "diloco", "H": h,
-                                      "outer_lr": lr, "at": at, "compression": wire})
+                                      "outer_lr": lr, "at": at, "compression": wire,
+                                      "outer_momentum": args.outer_momentum})
                         if h in args.one_worker_hs:
                             specs.append({**base, "name": f"diloco1-{name}", "method": "diloco", "H": h,
                                           "outer_lr": lr, "at": at, "workers": 1, "compression": wire})
@@ -214,6 +219,9 @@ def main(argv=None) -> int:
     p.add_argument("--inners", type=lambda s: s.split(","), default=["adamw"], help="inner optimizers: adamw,muon")
     p.add_argument("--compressions", type=lambda s: s.split(","), default=["fp16"],
                    help="DiLoCo's wire formats, e.g. fp16,subset32+int4 ([swarm] compression)")
+    p.add_argument("--outer-momentum", type=float, default=None,
+                   help="the outer Nesterov momentum of every DiLoCo run (unset: the config's, 0.9; 0 with "
+                        "--outer-lrs 1: plain averaging)")
     p.add_argument("--seeds", type=lambda s: [int(x) for x in s.split(",")], default=[0],
                    help="initial weights (model.init_seed, train.seed) to repeat every run with")
     p.add_argument("--role", default="main", help=argparse.SUPPRESS)

@@ -174,6 +174,8 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
             raise ValueError(f"the communicator's wire format sends 1/{self.subset.every} of the values a round: "
                              "it needs error_feedback=True, which owes what is not sent to later rounds")
         codec = self.communicator.wire_format
+        self.topk = codec if isinstance(codec, TopK) else None
+        """The top-k format a round sends (``opendiloco.comm.topk``); None: another."""
         if isinstance(codec, TopK):
             if not self.error_feedback:
                 raise ValueError(f"the communicator's wire format ({codec.label}) sends the largest 1/{codec.every} "
@@ -457,14 +459,21 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
             n = fragment.size
             views = unflatten(averaged, contribution.views)
             with self._state_lock:
-                # A subset round: the values it did not send keep their local work (owed to later rounds).
-                work = self._unsent_work(fragment) if self.subset is not None and round_.own_finite else None
+                # A subset or top-k round: the values it did not send keep their local work (owed to later
+                # rounds in the weights: owed in the residual, a value's displacement would be redone from
+                # the same θ_global every round it waits, and overshoot when it is sent).
+                sent = work = None
+                if round_.own_finite and (self.subset is not None or self.topk is not None):
+                    if self.topk is not None:  # the values the round sent: those it did not owe whole
+                        head = fragment.param_numel()
+                        sent = torch.ne(contribution.flat[:head], fragment.residuals()[1][:head]).nonzero().squeeze(1)
+                    work = self._unsent_work(fragment)
+                    if sent is None:
+                        sent = self.subset.indices(round_.key, work.numel(), self.num_fragments)
                 self.outer.apply(views[:n], views[n:] if fragment.carries_buffers else None, fragment.indices,
                                  mix=self.mix)
                 if work is not None:  # the averaged buffer is free once applied
-                    carry_unsent(*fragment.tensors(), work, self.subset.indices(round_.key, work.numel(),
-                                                                                self.num_fragments),
-                                 scratch=averaged[: work.numel()])
+                    carry_unsent(*fragment.tensors(), work, sent, scratch=averaged[: work.numel()])
                 self._outer_step += 1
                 self._pending = None
             report = SyncReport(self._outer_step, True, group_size=result.group_size, peers=result.peers,
@@ -475,6 +484,11 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
             fragment.work = 0.0
             if self.error_feedback and round_.own_finite and round_.weight > 0:  # its loss is owed to the next one
                 fragment.settle_residuals()
+                if self.topk is not None and sent is not None:  # what it did not send is owed in the weights now
+                    owed = fragment.residuals()[0]
+                    kept = owed[sent].clone()
+                    owed[: fragment.param_numel()].zero_()
+                    owed[sent] = kept
             self._global_changed(fragment)  # publishes the fresh pace with the new outer step
             report.global_hash = self.global_hash()
         if not report.ok:

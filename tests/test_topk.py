@@ -178,3 +178,27 @@ def test_replicas_training_through_top_k_stay_bit_identical():
         t.join(60)
     assert len({o.global_hash() for o in opts}) == 1
     assert opts[0].outer_step == 3
+
+
+def test_what_a_round_did_not_send_is_owed_in_the_weights_not_the_residual():
+    """After a top-k round's outer step, a value it sent restarts from θ_global (its rounding owed in
+    the residual); a value it did not send keeps its local progress (θ_local = θ_global - its whole
+    contribution) and owes nothing in the residual, so its displacement is not redone every round."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 64, bias=False)
+    opt = DiLoCoOptimizer(model.parameters(), local_steps=2, communicator=InProcessGroup(1, compression="topk16+e2m1")
+                          .members[0], error_feedback=True, outer_optimizer=lambda p: torch.optim.SGD(p, lr=1.0))
+    start = model.weight.detach().clone().reshape(-1)
+    for _ in range(2):
+        model(torch.randn(8, 64)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    assert opt.outer_step == 1
+    local = model.weight.detach().reshape(-1)
+    global_ = opt.outer.global_params[0].detach().reshape(-1)
+    residual = opt.error_residual()
+    moved = global_ != start  # the values the round sent (one worker: the average is its own)
+    assert 0 < int(moved.sum()) < local.numel() // 8
+    assert torch.equal(local[moved], global_[moved])
+    assert bool((local[~moved] != global_[~moved]).all())  # their local work, kept
+    assert torch.equal(residual[: local.numel()][~moved], torch.zeros(int((~moved).sum())))
