@@ -9,8 +9,10 @@ codec the averages go in unless ``result_compression`` names another). Measured 
 built (``benchmarks/topk_union.py``): the members' largest values overlap, so for 8-32 workers the
 all-reduce moves fewer bytes than an all-gather of everyone's entries would.
 
-What a member does not send is owed to its later rounds (error feedback, required): the
-residual is exactly the values it left out, plus what the value format rounded.
+What a member does not send is owed to its later rounds (error feedback, required). The codec's
+error is exactly the values it left out plus what the value format rounded; ``DiLoCoOptimizer``
+then owes the left-out values in the local weights (they keep their local progress) and only the
+rounding in the residual, as with a subset (``opendiloco.comm.subset``, ``carry_unsent``).
 
 A payload is checked before it is used: indices inside their chunk, strictly increasing (so no
 value is counted twice), and the value format's own checks. A member picks its entries with

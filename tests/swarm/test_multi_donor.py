@@ -86,56 +86,53 @@ def test_a_state_in_parts_from_three_donors_matches_and_each_served_some():
     assert sorted(download.donors) == sorted(rates)
 
 
-def test_a_donor_killed_mid_part_leaves_its_parts_to_the_others(caplog):
-    """The third donor's daemon is SIGKILLed after the first MiB of its first part."""
+def with_bad_donor(count: int, bad: int, behaviour, caplog):
+    """``count`` donors of one state, donor ``bad`` serving its parts by ``behaviour(server, node, stream,
+    meta)`` (an attacker script, or a fault); returns (the state, the download, the bad donor's id)."""
     state = make_state()
-    killed = []
 
     async def scenario(donors, streams):
         servers = [await serve(d, state) for d in donors]
-        victim = donors[2]
 
-        async def die_mid_part(stream, meta):
-            snap = servers[2]._cuts[-1]
-            await stream.send(Code.STATE_PART, None, snap.part(meta["index"])[:CHUNK_BYTES])
-            await asyncio.sleep(0.1)
-            killed.append(victim._child.pid)
-            os.kill(victim._child.pid, signal.SIGKILL)
+        async def part(stream, meta):
+            await behaviour(servers[bad], donors[bad], stream, meta)
 
-        servers[2]._serve_part = die_mid_part
-        return await fetch_from_donors(streams, ids(donors), 4, MAX_BYTES), ids(donors)[2]
+        servers[bad]._serve_part = part
+        return await fetch_from_donors(streams, ids(donors), 4, MAX_BYTES), ids(donors)[bad]
 
     with caplog.at_level(logging.WARNING, logger="opendiloco.swarm.multi_donor"):
-        download, victim = with_donors(3, scenario)
-    got, rates = download.state, download.rates
+        download, peer = with_donors(count, scenario)
+    assert same({k: v for k, v in download.state.items() if k != "donor"}, state)
+    return download, peer
+
+
+def test_a_donor_killed_mid_part_leaves_its_parts_to_the_others(caplog):
+    """The third donor's daemon is SIGKILLed after the first MiB of its first part."""
+    killed = []
+
+    async def die_mid_part(server, node, stream, meta):
+        await stream.send(Code.STATE_PART, None, server._cuts[-1].part(meta["index"])[:CHUNK_BYTES])
+        await asyncio.sleep(0.1)
+        killed.append(node._child.pid)
+        os.kill(node._child.pid, signal.SIGKILL)
+
+    download, victim = with_bad_donor(3, 2, die_mid_part, caplog)
     assert killed, "the victim never got a part request"
-    assert same({k: v for k, v in got.items() if k != "donor"}, state)
-    assert victim not in rates and len(rates) == 2  # its parts came from the two others
+    assert victim not in download.rates and len(download.rates) == 2  # its parts came from the two others
     assert f"dropped donor {victim[-8:]}" in caplog.text
 
 
 def test_a_donor_whose_part_does_not_match_its_digest_is_dropped_and_named(caplog):
     """An attacker's donor: its manifest is honest, the parts it sends are not."""
-    state = make_state()
 
-    async def scenario(donors, streams):
-        servers = [await serve(d, state) for d in donors]
-        liar = servers[1]
+    async def lie(server, node, stream, meta):
+        data = bytearray(server._cuts[-1].part(meta["index"]))
+        data[12345] ^= 1
+        for i in range(0, len(data), CHUNK_BYTES):
+            await stream.send(Code.STATE_PART, None, bytes(data[i : i + CHUNK_BYTES]))
 
-        async def lie(stream, meta):
-            data = bytearray(liar._cuts[-1].part(meta["index"]))
-            data[12345] ^= 1
-            for i in range(0, len(data), CHUNK_BYTES):
-                await stream.send(Code.STATE_PART, None, bytes(data[i : i + CHUNK_BYTES]))
-
-        liar._serve_part = lie
-        return await fetch_from_donors(streams, ids(donors), 4, MAX_BYTES), ids(donors)[1]
-
-    with caplog.at_level(logging.WARNING, logger="opendiloco.swarm.multi_donor"):
-        download, liar = with_donors(3, scenario)
-    got, rates = download.state, download.rates
-    assert same({k: v for k, v in got.items() if k != "donor"}, state)
-    assert liar not in rates
+    download, liar = with_bad_donor(3, 1, lie, caplog)
+    assert liar not in download.rates
     assert f"dropped donor {liar[-8:]} ({liar[-8:]} sent part" in caplog.text
 
 
@@ -234,28 +231,6 @@ def test_parts_are_served_only_of_a_cut_a_manifest_made_and_within_a_peers_budge
     assert 2 * size < served <= 3 * size
 
 
-def test_an_idle_donor_races_a_slow_one_for_its_parts_instead_of_waiting_it_out(caplog):
-    """The second donor takes each part request and then sends nothing for a minute (a dead-slow link,
-    not yet a stalled one): the first takes those parts over once they take longer than its own do."""
-    state = make_state()
-
-    async def scenario(donors, streams):
-        servers = [await serve(d, state) for d in donors]
-
-        async def crawl(stream, meta):
-            await asyncio.sleep(60)
-
-        servers[1]._serve_part = crawl
-        return await fetch_from_donors(streams, ids(donors), 4, MAX_BYTES), ids(donors)[1]
-
-    with caplog.at_level(logging.WARNING, logger="opendiloco.swarm.multi_donor"):
-        download, slow = with_donors(2, scenario)
-    got, rates = download.state, download.rates
-    assert same({k: v for k, v in got.items() if k != "donor"}, state)
-    assert slow not in rates
-    assert "dropped donor" not in caplog.text  # raced, not timed out (20 s) and dropped
-
-
 def test_a_later_joiner_gets_a_fresh_cut_and_an_earlier_ones_parts_are_still_served(monkeypatch):
     """The donor moves on within the outer step (its position in the round, its Adam moments): a manifest
     asked for later is of the state as it is then, and a download of the cut before goes on."""
@@ -279,6 +254,18 @@ def test_a_later_joiner_gets_a_fresh_cut_and_an_earlier_ones_parts_are_still_ser
     differ = [i for i, d in enumerate(first.digests) if second.digests[i] != d]
     assert differ and differ == list(range(differ[0], len(first.digests)))  # the tail only: the moments
     assert len(old_tail) == first.part_size(len(first.digests) - 1) and kept == 2
+
+
+def test_an_idle_donor_races_a_slow_one_for_its_parts_instead_of_waiting_it_out(caplog):
+    """The second donor takes each part request and then sends nothing for a minute (a dead-slow link,
+    not yet a stalled one): the first takes those parts over once they take longer than its own do."""
+
+    async def crawl(server, node, stream, meta):
+        await asyncio.sleep(60)
+
+    download, slow = with_bad_donor(2, 1, crawl, caplog)
+    assert slow not in download.rates
+    assert "dropped donor" not in caplog.text  # raced, not timed out (20 s) and dropped
 
 
 def test_a_donors_rounds_wait_for_a_joiner_only_once_it_has_the_state():
