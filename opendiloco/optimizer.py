@@ -464,7 +464,9 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
                 # the same θ_global every round it waits, and overshoot when it is sent).
                 sent = work = None
                 if round_.own_finite and (self.subset is not None or self.topk is not None):
-                    if self.topk is not None:  # the values the round sent: those it did not owe whole
+                    if round_.weight <= 0:  # nothing of it was counted: all of its work stays local
+                        sent = torch.empty(0, dtype=torch.long)
+                    elif self.topk is not None:  # the values the round sent: those it did not owe whole
                         head = fragment.param_numel()
                         sent = torch.ne(contribution.flat[:head], fragment.residuals()[1][:head]).nonzero().squeeze(1)
                     work = self._unsent_work(fragment)
@@ -489,6 +491,8 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
                     kept = owed[sent].clone()
                     owed[: fragment.param_numel()].zero_()
                     owed[sent] = kept
+            elif work is not None and self.error_feedback:  # a round of weight 0: what it owed is in the weights now
+                fragment.residuals()[0][: fragment.param_numel()].zero_()
             self._global_changed(fragment)  # publishes the fresh pace with the new outer step
             report.global_hash = self.global_hash()
         if not report.ok:

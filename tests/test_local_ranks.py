@@ -31,7 +31,8 @@ class _Scripted(SingleWorker):
 
     def __init__(self, scenario: str, peer_state: dict | None):
         # A lossy format where error feedback is tested: the residual is the leader's to hand over.
-        super().__init__(compression={"streamed": "int4", "subset": "subset4+int4"}.get(scenario, "none"))
+        super().__init__(compression={"streamed": "int4", "subset": "subset4+int4",
+                                      "topk": "topk16+e2m1"}.get(scenario, "none"))
         self.scenario, self.peer_state = scenario, peer_state
 
     def start(self, flat, *, weight, key, out=None, error_out=None):
@@ -73,14 +74,14 @@ def _rank_main(rank: int, store: str, out: str, scenario: str) -> None:
                             timeout=datetime.timedelta(seconds=120))
     try:
         torch.set_num_threads(1)
-        model = _model(256 if scenario == "subset" else 16)  # subset: 13 blocks of 256 values, 4 a round
+        model = _model(256 if scenario in ("subset", "topk") else 16)  # subset: 13 blocks of 256 values, 4 a round
         ddp = torch.nn.parallel.DistributedDataParallel(model)
         leader = _Scripted(scenario, _peer_state()) if rank == 0 else None
         comm = LocalRanks(leader)
         streamed = dict(fragments=2, overlap=1, error_feedback=True) if scenario == "streamed" else {}
         opt = DiLoCoOptimizer(model.parameters(), local_steps=H + 1 if streamed else H, communicator=comm,
                               pace="swarm" if scenario == "paced" else "fixed", **streamed,
-                              **({"error_feedback": True} if scenario == "subset" else {}))
+                              **({"error_feedback": True} if scenario in ("subset", "topk") else {}))
         gen = torch.Generator().manual_seed(100 + rank)  # each rank its own rows
         reports = []
         for step in range(4 * H):
@@ -98,6 +99,9 @@ def _rank_main(rank: int, store: str, out: str, scenario: str) -> None:
                  "peers": list(r.peers), "dropped": r.dropped_steps, "fragment": r.fragment} for r, h in reports]
         if opt.error_feedback:
             rows.append({"residuals": [float(opt.error_residual(f).abs().sum()) for f in range(opt.num_fragments)]})
+        if scenario == "topk":  # values the last round did not send keep their local work, on every rank
+            rows.append({"carried": sum(int((p != g).sum()) for p, g in zip(model.parameters(),
+                                                                             opt.outer.global_params))})
         Path(out, f"rank{rank}.json").write_text(json.dumps({"peer_id": comm.peer_id, "reports": rows}))
         comm.close()
     finally:
@@ -163,6 +167,15 @@ def test_streamed_rounds_with_error_feedback_agree_on_every_rank(tmp_path):
     assert [r["fragment"] for r in rounds] == [i % 2 for i in range(len(rounds))] and all(r["ok"] for r in rounds)
     assert len(rounds) >= 5
     assert all(v > 0 for v in residuals)  # int4 loses something of every fragment
+
+
+def test_a_top_k_round_carries_the_unsent_values_on_every_rank(tmp_path):
+    """topk16+e2m1: the follower learns the leader's format when ``LocalRanks`` starts, so every rank
+    keeps the local work of the values a round did not send, and ends as the leader does."""
+    reports = _same_on_both_ranks(_run(tmp_path, "topk"))
+    rounds, carried = reports[:-2], reports[-1]["carried"]
+    assert [r["outer_step"] for r in rounds] == [1, 2, 3, 4] and all(r["ok"] for r in rounds)
+    assert carried > 0
 
 
 def test_a_subset_round_agrees_on_every_rank(tmp_path):

@@ -202,3 +202,43 @@ def test_what_a_round_did_not_send_is_owed_in_the_weights_not_the_residual():
     assert torch.equal(local[moved], global_[moved])
     assert bool((local[~moved] != global_[~moved]).all())  # their local work, kept
     assert torch.equal(residual[: local.numel()][~moved], torch.zeros(int((~moved).sum())))
+
+
+def test_a_round_of_weight_zero_keeps_all_its_work_local_and_owes_nothing_twice():
+    """A worker that syncs again with no steps since its last round (weight 0 under ``weight_by_samples``)
+    still holds carried work: none of it was counted, so all of it stays in its weights and none in its
+    residual (before, the carried values were owed in both)."""
+    torch.manual_seed(0)
+    group = InProcessGroup(2, compression="topk16+e2m1")
+    models = [torch.nn.Linear(64, 64, bias=False) for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())
+    opts = [DiLoCoOptimizer(m.parameters(), local_steps=100, communicator=c, error_feedback=True,
+                            weight_by_samples=True, outer_optimizer=lambda p: torch.optim.SGD(p, lr=1.0))
+            for m, c in zip(models, group.members)]
+    import threading
+
+    def both(steps):
+        reports = [None, None]
+
+        def run(rank):
+            for _ in range(steps[rank]):
+                models[rank](torch.randn(8, 64)).pow(2).mean().backward()
+                opts[rank].step()
+                opts[rank].zero_grad()
+            reports[rank] = opts[rank].sync()
+
+        threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        return reports
+
+    assert all(r.ok for r in both([3, 3]))
+    work_before = (opts[0].outer.global_params[0] - models[0].weight).detach().reshape(-1).clone()
+    owed_before = opts[0].error_residual()[: work_before.numel()].clone()
+    first = both([0, 2])
+    assert all(r.ok for r in first) and first[0].weight == 0
+    local, global_ = models[0].weight.detach().reshape(-1), opts[0].outer.global_params[0].detach().reshape(-1)
+    torch.testing.assert_close(global_ - local, work_before + owed_before, rtol=0, atol=1e-6)  # all of it, local
+    assert not opts[0].error_residual()[: local.numel()].any()  # and owed once only

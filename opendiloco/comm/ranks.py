@@ -38,6 +38,7 @@ from ..errors import (
     RoundCounted,
 )
 from .base import AverageResult, Communicator, CompletedWork, RoundKey, Work
+from .compression import get_codec
 
 log = logging.getLogger(__name__)
 
@@ -113,8 +114,12 @@ class LocalRanks(Communicator):
         else:
             self.leader = None
         self._peer_id = self._broadcast_object(self.leader.peer_id if self.leader is not None else None)
-        # Every rank gathers the round's subset itself (the leader's wire format decides which).
+        # Every rank gathers the round's subset itself (the leader's wire format decides which), and knows
+        # the format (a top-k round's unsent values are carried in every rank's weights).
         self._subset = self._broadcast_object(self.leader.subset if self.leader is not None else None)
+        leader_format = self.leader.wire_format if self.leader is not None else None
+        name = self._broadcast_object(leader_format.name if leader_format is not None else None)
+        self._wire_format = None if name is None else (leader_format if self.leader is not None else get_codec(name))
 
     @property
     def is_leader(self) -> bool:
@@ -127,6 +132,10 @@ class LocalRanks(Communicator):
     @property
     def subset(self):
         return self._subset
+
+    @property
+    def wire_format(self):
+        return self._wire_format
 
     # -- collectives ------------------------------------------------------------------------
     def _broadcast_object(self, obj):
