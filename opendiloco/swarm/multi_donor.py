@@ -14,7 +14,7 @@
    own parts take (a slow or dying donor at the tail), and the first copy to arrive wins.
 3. The whole state then goes through the same checks as a download from one donor
    (``state_transfer.checked_state``), and the caller checks θ_global against the run's hash, then
-   tells the donors it has it (``tell_done``): from then on their rounds wait for it, not before.
+   tells the donors it has it (``tell_done``): they count it as coming from then on too.
 """
 
 from __future__ import annotations
@@ -233,8 +233,8 @@ class Download:
 
 
 async def tell_done(streams: P2PStreams, donors: tuple[str, ...], outer_step: int, timeout: float = 5.0) -> None:
-    """Tells the donors this worker has taken their state of ``outer_step``: their next round waits for it
-    (before, while it downloaded, it did not). Best effort: a donor that is not told does not wait."""
+    """Tells the donors this worker has taken their state of ``outer_step``: they count it as coming from
+    now (a long download would outlast the window they count it from its request). Best effort."""
     async def tell(donor: str) -> None:
         stream = await connect_to(streams, donor)
         try:

@@ -89,10 +89,11 @@ class StateServer:
         self._asked: dict[str, tuple[int, float]] = {}
         """Peers that asked for a manifest: (its outer step, monotonic time), until they say they have it."""
         self.joiners: dict[str, tuple[int, float]] = {}
-        """Peers that have this worker's state (a whole download sent, or a joiner in parts that said so):
-        (its outer step, monotonic time). They continue from it, so this worker's next round waits for
-        them (``recent_joiners``) even before their own progress record reaches it through the DHT. A
-        joiner still downloading is not waited for: a round due meanwhile goes ahead without it."""
+        """Peers downloading or that downloaded this worker's state: (its outer step, monotonic time), from
+        the request and again once a joiner in parts says it has it. They continue from it, so this
+        worker's next round waits for them (``recent_joiners``) even before their own progress record
+        reaches it through the DHT (not waiting for a peer that is catching up made it miss the round
+        it caught up for, and catch up again)."""
 
     def recent_joiners(self, outer_step: int, within: float) -> set[str]:
         """Peers served the state of ``outer_step`` in the last ``within`` seconds."""
@@ -161,9 +162,9 @@ class StateServer:
                         await stream.send(Code.STATE_PART, None, payload[i : i + CHUNK_BYTES])
 
                 # A requester that stops reading must not hold a slot for ever.
-                await asyncio.wait_for(send(), SEND_TIMEOUT_BASE + payload.nbytes / MIN_RATE_BYTES_PER_S)
-                # Noted once it has it all: a round due while it downloads goes ahead without it.
+                # Noted before it is sent: a round this worker starts meanwhile already waits for it.
                 self.joiners[stream.remote] = (outer_step, time.monotonic())
+                await asyncio.wait_for(send(), SEND_TIMEOUT_BASE + payload.nbytes / MIN_RATE_BYTES_PER_S)
         except Exception as e:
             await stream.refuse(str(e) if isinstance(e, ProtocolError) else type(e).__name__)
         finally:
@@ -201,6 +202,7 @@ class StateServer:
                 await stream.send(Code.STATE_MANIFEST, {"outer_step": snap.outer_step, "size": 0})
                 return
             self._note_asked(stream.remote, outer_step)
+            self.joiners[stream.remote] = (outer_step, time.monotonic())  # on its way: a round meanwhile waits
             payload = snap.manifest_payload()
             await asyncio.wait_for(stream.send(Code.STATE_MANIFEST, {"outer_step": outer_step, "size": snap.size},
                                                payload), SEND_TIMEOUT_BASE + len(payload) / MIN_RATE_BYTES_PER_S)
@@ -216,8 +218,8 @@ class StateServer:
         self._asked[peer] = (outer_step, now)
 
     def _note_done(self, peer: str, meta: dict) -> None:
-        """A joiner that asked for this worker's manifest says it has the state: the next round waits for it
-        (``recent_joiners``). Only the step it asked for, recently: nobody else is waited for on their word."""
+        """A joiner that asked for this worker's manifest says it has the state: it is counted as coming from
+        now (``recent_joiners``), however long its download took. Only the step it asked for, recently."""
         asked = self._asked.get(peer)
         if asked is not None and meta.get("outer_step") == asked[0] and time.monotonic() - asked[1] <= SNAPSHOT_KEEP_S:
             del self._asked[peer]

@@ -268,39 +268,35 @@ def test_an_idle_donor_races_a_slow_one_for_its_parts_instead_of_waiting_it_out(
     assert "dropped donor" not in caplog.text  # raced, not timed out (20 s) and dropped
 
 
-def test_a_donors_rounds_wait_for_a_joiner_only_once_it_has_the_state():
-    """While a joiner downloads, a round due at its donors goes ahead without it; once it says it has the
-    state (``tell_done``), their next round waits for it. Only a joiner that asked for that state counts."""
+def test_a_joiner_is_counted_as_coming_from_its_request_and_again_once_it_has_the_state():
+    """A donor's rounds wait for a joiner from its manifest request (a round due while it downloads waits
+    for it, or a worker catching up would miss the round it caught up for), and from its word that it has
+    the state (a long download outlasts the window counted from the request). Only for the step asked."""
     state = make_state()
 
     async def scenario(donors, streams):
-        servers = [await serve(d, state) for d in donors]
-        peers = ids(donors)
-        me = streams.p2p.peer_id.to_base58()
-        expected = []
+        server = await serve(donors[0], state)
+        donor, me = ids(donors)[0], streams.p2p.peer_id.to_base58()
+        seen = []
+        await fetch_manifest(streams, donor, 4, PARTS, MAX_BYTES)
+        seen.append(server.joiners[me])
+        await multi_donor.tell_done(streams, (donor,), 3)  # another step than it asked for: ignored
+        await asyncio.sleep(0.3)
+        seen.append(server.joiners[me])
+        await multi_donor.tell_done(streams, (donor,), 4)
+        for _ in range(100):  # the donor takes the word when its stream arrives
+            if server.joiners[me] != seen[-1]:
+                break
+            await asyncio.sleep(0.01)
+        seen.append(server.joiners[me])
+        return seen, me in server.recent_joiners(4, within=60)
 
-        async def waited_for(until=None):
-            """Whether each donor waits for this joiner, once ``until`` holds (a donor takes the word when
-            its stream arrives) or after a second."""
-            for _ in range(100):
-                now = [me in s.recent_joiners(4, within=60) for s in servers]
-                if now == until:
-                    break
-                await asyncio.sleep(0.01)
-            expected.append(now)
-
-        download = await fetch_from_donors(streams, peers, 4, MAX_BYTES)
-        await waited_for()  # downloaded, not yet said so
-        await multi_donor.tell_done(streams, (peers[0],), 3)  # another step than it asked for
-        await waited_for()
-        await multi_donor.tell_done(streams, download.donors, 4)
-        await waited_for(until=[True, True])
-        return expected
-
-    assert with_donors(2, scenario) == [[False, False], [False, False], [True, True]]
+    (asked, wrong_step, done), counted = with_donors(1, scenario)
+    assert asked[0] == wrong_step[0] == done[0] == 4 and counted
+    assert wrong_step[1] == asked[1] < done[1]
 
 
-def test_a_whole_download_counts_its_joiner_once_it_is_sent():
+def test_a_whole_download_counts_its_joiner_from_its_request():
     state = make_state()
 
     async def scenario(donors, streams):
@@ -308,10 +304,6 @@ def test_a_whole_download_counts_its_joiner_once_it_is_sent():
         me = streams.p2p.peer_id.to_base58()
         before = me in server.recent_joiners(4, within=60)
         await fetch_state(streams, ids(donors)[0], None, MAX_BYTES)
-        for _ in range(100):  # the donor notes it once its last frame is out
-            if me in server.recent_joiners(4, within=60):
-                break
-            await asyncio.sleep(0.01)
         return before, me in server.recent_joiners(4, within=60)
 
     assert with_donors(1, scenario) == (False, True)
