@@ -1,11 +1,13 @@
 """A joiner's download from several donors at once: one manifest each, then parts from whoever has them.
 
 1. Every donor is asked for its manifest at the same outer step (``state_layout.py``): its parts'
-   digests and its skeleton, checked whole before anything is downloaded. The first donor in the
-   caller's order (fast ones first) whose manifest passes is the *head*: the state is built on its
-   skeleton and digests. Another donor serves a part only
-   where its digest equals the head's, so every byte is the head's word, checked part by part as
-   it arrives; a part that does not match names its sender, who is dropped.
+   digests and its skeleton, checked whole before anything is downloaded. The download starts once
+   one manifest has passed and the others had a short grace (``MANIFEST_GRACE``: one stalled donor
+   must not hold it for ``MANIFEST_TIMEOUT``); a manifest that comes later adds its donor to the
+   download under way. The first donor in the caller's order (fast ones first) whose manifest
+   passed by then is the *head*: the state is built on its skeleton and digests. Another donor
+   serves a part only where its digest equals the head's, so every byte is the head's word, checked
+   part by part as it arrives; a part that does not match names its sender, who is dropped.
 2. Parts are handed out from one queue, at most ``PARTS_IN_FLIGHT_PER_DONOR`` per donor at a time:
    fast donors come back for more sooner and so serve more. A donor that fails a part (gone, stalled,
    refused) has it put back for the others (it takes it again only if nobody else can); after
@@ -43,6 +45,8 @@ PARTS_IN_FLIGHT_PER_DONOR = 2
 DONOR_FAILURES = 2
 MANIFEST_TIMEOUT = 30.0
 """A donor cuts its state before it answers (a copy and a digest of it): seconds for a large model."""
+MANIFEST_GRACE = 1.0
+"""Once one manifest is in, the others get this long, or as long again as it took, before parts start."""
 MAX_MANIFEST_BYTES = 16 << 20
 
 
@@ -246,6 +250,27 @@ async def tell_done(streams: P2PStreams, donors: tuple[str, ...], outer_step: in
                        [asyncio.ensure_future(asyncio.sleep(0))])
 
 
+def _outcome(task: asyncio.Future) -> Manifest | BaseException:
+    return asyncio.CancelledError() if task.cancelled() else task.exception() or task.result()
+
+
+async def _first_manifests(asked: dict[asyncio.Future, str], t0: float) -> dict[str, Manifest | BaseException]:
+    """The donors' answers until one manifest has passed and the rest had their grace (or all answered);
+    ``asked`` keeps the requests still out."""
+    answers: dict[str, Manifest | BaseException] = {}
+    deadline = None
+    while asked:
+        wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+        finished, _ = await asyncio.wait(asked, timeout=wait, return_when=asyncio.FIRST_COMPLETED)
+        if not finished:
+            break
+        for task in finished:
+            answers[asked.pop(task)] = _outcome(task)
+        if deadline is None and any(isinstance(a, Manifest) for a in answers.values()):
+            deadline = time.monotonic() + max(MANIFEST_GRACE, time.monotonic() - t0)
+    return answers
+
+
 async def fetch_from_donors(streams: P2PStreams, donors: list[str], outer_step: int, max_bytes: int,
                             check: Callable[[dict, int | None], None] | None = None,
                             min_outer_step: int | None = None) -> Download:
@@ -256,24 +281,46 @@ async def fetch_from_donors(streams: P2PStreams, donors: list[str], outer_step: 
     (the message names what each did wrong)."""
     part_bytes = part_bytes_for(max_bytes)
     t0 = time.monotonic()
-    answers = await asyncio.gather(*(fetch_manifest(streams, d, outer_step, part_bytes, max_bytes) for d in donors),
-                                   return_exceptions=True)
-    errors = {d[-8:]: str(a) or type(a).__name__ for d, a in zip(donors, answers) if isinstance(a, BaseException)}
-    answered = [(d, a) for d, a in zip(donors, answers) if isinstance(a, Manifest)]
-    if not answered:
-        if answers and all(isinstance(a, DonorAhead) for a in answers):
-            raise DonorsAhead(min(a.outer_step for a in answers))
-        raise ProtocolError(f"no donor sent a manifest of outer step {outer_step}: {errors}")
-    head, manifest = answered[0]  # the first in the caller's order: the fastest known
-    sources = {d: {i for i, digest in enumerate(manifest.digests) if i < len(m.digests) and m.digests[i] == digest}
-               for d, m in answered}
-    parts = _Parts(manifest, sources)
-    t1 = time.monotonic()
-    workers = [_serve_donor(streams, d, parts) for d, _ in answered for _ in range(PARTS_IN_FLIGHT_PER_DONOR)]
+    asked = {asyncio.ensure_future(fetch_manifest(streams, d, outer_step, part_bytes, max_bytes)): d for d in donors}
+    workers: set[asyncio.Future] = set()
+    parts = None
     try:
-        await asyncio.gather(*workers)
+        answers = await _first_manifests(asked, t0)
+        errors = {d[-8:]: str(a) or type(a).__name__ for d, a in answers.items() if isinstance(a, BaseException)}
+        answered = [(d, answers[d]) for d in donors if isinstance(answers.get(d), Manifest)]
+        if not answered:
+            if answers and all(isinstance(a, DonorAhead) for a in answers.values()):
+                raise DonorsAhead(min(a.outer_step for a in answers.values()))
+            raise ProtocolError(f"no donor sent a manifest of outer step {outer_step}: {errors}")
+        head, manifest = answered[0]  # the first in the caller's order: the fastest known
+        parts = _Parts(manifest, {})
+        t1 = time.monotonic()
+
+        def add(donor: str, other: Manifest) -> None:
+            parts.sources[donor] = {i for i, digest in enumerate(manifest.digests)
+                                    if i < len(other.digests) and other.digests[i] == digest}
+            workers.update(asyncio.ensure_future(_serve_donor(streams, donor, parts))
+                           for _ in range(PARTS_IN_FLIGHT_PER_DONOR))
+
+        for donor, other in answered:
+            add(donor, other)
+        while (workers or asked) and not parts.complete():
+            finished, _ = await asyncio.wait(workers | set(asked), return_when=asyncio.FIRST_COMPLETED)
+            for task in finished:
+                if task in workers:
+                    workers.discard(task)
+                    task.result()  # a worker's own exception is a bug, not a donor's fault: let it out
+                    continue
+                donor, late = asked.pop(task), _outcome(task)
+                if isinstance(late, Manifest):
+                    answered.append((donor, late))
+                    add(donor, late)
+                else:
+                    errors[donor[-8:]] = str(late) or type(late).__name__
     finally:
-        for holders in list(parts.running.values()):
+        for task in (*asked, *workers):
+            task.cancel()
+        for holders in list(parts.running.values()) if parts is not None else ():
             for task, _ in holders.values():
                 task.cancel()
     if not parts.complete():

@@ -54,6 +54,9 @@ next candidate gets its turn instead of one silent donor taking the whole downlo
 STALL_TIMEOUT = 20.0
 """A donor whose next part does not come within this, once it started sending, is given up on
 (frozen, or its link died)."""
+HEAD_TIMEOUT = 120.0
+"""A whole download's request may queue while the donor serves others (its slots are few, each send
+bounded); a donor that does not start within this is given up on, and the next one asked."""
 PART_STREAMS_PER_PEER = 2
 MAX_CONCURRENT_PART_SERVES = 8
 PART_BYTES_PER_WINDOW = 3
@@ -320,7 +323,7 @@ async def fetch_state(streams: P2PStreams, peer: str, min_outer_step: int | None
     try:
         await stream.send(Code.STATE_REQUEST, {"min_outer_step": min_outer_step})
         # The head may wait while the donor serves others (its slots are few); the parts may not stall.
-        head = await stream.recv(max_payload=0, expect=Code.STATE)
+        head = await within(stream.recv(max_payload=0, expect=Code.STATE), peer, HEAD_TIMEOUT)
         size = meta_field(head.meta, "size", int)
         if not 0 < size <= max_bytes:
             raise ProtocolError(f"state of {size} bytes announced; at most {max_bytes} accepted")

@@ -155,6 +155,54 @@ def test_parts_only_the_head_has_come_from_the_head():
     assert same({k: v for k, v in got.items() if k != "donor"}, states[0])
 
 
+def test_a_donor_that_stalls_its_manifest_does_not_hold_the_download(monkeypatch):
+    """One of three donors never answers its manifest request: the others serve the whole state once the
+    grace after the first manifest is over, not after the manifest timeout (raised here past the test's)."""
+    monkeypatch.setattr(multi_donor, "MANIFEST_TIMEOUT", 600.0)
+    state = make_state()
+
+    async def scenario(donors, streams):
+        servers = [await serve(d, state) for d in donors]
+
+        async def stall(stream, meta):
+            await asyncio.sleep(600)
+
+        servers[0]._serve_manifest = stall
+        return await fetch_from_donors(streams, ids(donors), 4, MAX_BYTES), ids(donors)[0]
+
+    download, staller = with_donors(3, scenario)
+    assert same({k: v for k, v in download.state.items() if k != "donor"}, state)
+    assert staller not in download.donors and len(download.rates) == 2
+
+
+def test_a_donor_whose_manifest_comes_late_joins_the_download_under_way(monkeypatch):
+    """The second donor answers its manifest only once the first has served a part, and the first crawls
+    from then on: the late donor is added to the download and serves the rest."""
+    monkeypatch.setattr(multi_donor, "MANIFEST_TIMEOUT", 600.0)
+    state = make_state()
+
+    async def scenario(donors, streams):
+        servers = [await serve(d, state) for d in donors]
+        first_part, serve_part, serve_manifest = asyncio.Event(), servers[0]._serve_part, servers[1]._serve_manifest
+
+        async def one_then_crawl(stream, meta):
+            if first_part.is_set():
+                await asyncio.sleep(600)
+            first_part.set()
+            await serve_part(stream, meta)
+
+        async def late(stream, meta):
+            await first_part.wait()
+            await serve_manifest(stream, meta)
+
+        servers[0]._serve_part, servers[1]._serve_manifest = one_then_crawl, late
+        return await fetch_from_donors(streams, ids(donors), 4, MAX_BYTES), ids(donors)[1]
+
+    download, latecomer = with_donors(2, scenario)
+    assert same({k: v for k, v in download.state.items() if k != "donor"}, state)
+    assert latecomer in download.donors and latecomer in download.rates
+
+
 def test_donors_that_cannot_deliver_every_part_fail_the_download_naming_them(monkeypatch):
     monkeypatch.setattr(multi_donor, "STALL_TIMEOUT", 1.0)
     state = make_state()

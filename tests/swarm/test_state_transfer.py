@@ -11,6 +11,7 @@ from hivemind.p2p import P2P
 from opendiloco import DiLoCoOptimizer, SingleWorker
 from opendiloco.comm.wire import Code
 from opendiloco.errors import ProtocolError
+from opendiloco.swarm import state_transfer
 from opendiloco.swarm.state_transfer import StateServer, download_bound, fetch_state, own_check
 from opendiloco.swarm.streams import P2PStreams
 from tests.swarm.bad_donor import poison
@@ -72,6 +73,23 @@ def test_lying_donor_announcing_gigabytes_is_refused():
         await P2PStreams(donor, "test.state").listen(gigabyte_liar)
         with pytest.raises(ProtocolError, match="at most"):
             await fetch_state(P2PStreams(receiver, "test.state"), donor.peer_id.to_base58(), None, 64 << 20)
+
+    with_two_peers(scenario)
+
+
+def test_a_donor_that_never_starts_sending_is_given_up_on(monkeypatch):
+    """An attacker script as donor: it takes the request and answers nothing (it used to hold the
+    download for as long as the stream stayed open)."""
+    monkeypatch.setattr(state_transfer, "HEAD_TIMEOUT", 1.0)
+
+    async def scenario(donor, receiver):
+        async def silent(stream):
+            await stream.recv(max_payload=0, expect=Code.STATE_REQUEST)
+            await asyncio.sleep(120)
+
+        await P2PStreams(donor, "test.state").listen(silent)
+        with pytest.raises(ProtocolError, match="sent nothing for 1s"):
+            await fetch_state(P2PStreams(receiver, "test.state"), donor.peer_id.to_base58(), None, 1 << 20)
 
     with_two_peers(scenario)
 
