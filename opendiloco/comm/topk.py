@@ -1,8 +1,8 @@
 """Top-k contributions: each member sends the largest 1/N of its values in every chunk, with their indices.
 
 ``topk64+e2m1`` sends, of every ``CHUNK`` = 4096 consecutive values of a contribution, the 64 of
-largest magnitude (4096 / 64), their positions as 16-bit indices and their values in ``e2m1``
-(SparseLoCo's shape). The contributions travel in the group's all-reduce like any other: a shard's
+largest magnitude (4096 / 64), their positions as 12-bit indices (two in three bytes) and their
+values in ``e2m1`` (SparseLoCo's shape). The contributions travel in the group's all-reduce like any other: a shard's
 owner decodes each member's entries (zeros elsewhere) and averages them, so the average holds the
 union of the members' indices, and it travels back dense in the value format (``averages``: the
 codec the averages go in unless ``result_compression`` names another). Measured before this was
@@ -15,8 +15,9 @@ then owes the left-out values in the local weights (they keep their local progre
 rounding in the residual, as with a subset (``opendiloco.comm.subset``, ``carry_unsent``).
 
 A payload is checked before it is used: indices inside their chunk, strictly increasing (so no
-value is counted twice), and the value format's own checks. A member picks its entries with
-``torch.topk``; ties are its own affair, since every member decodes the same bytes.
+value is counted twice), the padding of an odd count zero, and the value format's own checks. A
+member picks its entries with ``torch.topk``; ties are its own affair, since every member decodes
+the same bytes.
 """
 
 from __future__ import annotations
@@ -44,6 +45,27 @@ def parse_topk(name: str) -> tuple[int | None, str]:
     return every, match.group(2)
 
 
+def pack_indices(index: torch.Tensor) -> torch.Tensor:
+    """12-bit indices (0..4095), two in three bytes: a's low byte; a's high nibble | b's low nibble << 4;
+    b's high byte. An odd count is padded with a zero."""
+    index = index.to(torch.int32)
+    if index.numel() % 2:
+        index = torch.cat([index, index.new_zeros(1)])
+    a, b = index[0::2], index[1::2]
+    return torch.stack([a & 0xFF, (a >> 8) | ((b & 0xF) << 4), b >> 4], 1).to(torch.uint8).reshape(-1)
+
+
+def unpack_indices(packed: torch.Tensor, count: int) -> torch.Tensor:
+    """The ``count`` indices ``pack_indices`` packed (int64); ``ProtocolError`` if the padding is not zero."""
+    triples = packed.to(torch.int64).view(-1, 3)
+    a = triples[:, 0] | ((triples[:, 1] & 0xF) << 8)
+    b = (triples[:, 1] >> 4) | (triples[:, 2] << 4)
+    index = torch.stack([a, b], 1).reshape(-1)
+    if index.numel() > count and bool(index[count:].any()):
+        raise ProtocolError("top-k indices: nonzero padding")
+    return index[:count]
+
+
 def _chunk_sizes(numel: int) -> list[int]:
     full, tail = divmod(numel, CHUNK)
     return [CHUNK] * full + ([tail] if tail else [])
@@ -55,7 +77,7 @@ class TopK(Codec):
     def __init__(self, every: int, values: Codec):
         self.every, self.values = every, values
         self.name = f"topk{every}+{values.label}"
-        self.revision = 1
+        self.revision = 2  # 2: 12-bit indices (1: 16-bit)
 
     @property
     def averages(self) -> Codec:
@@ -69,7 +91,7 @@ class TopK(Codec):
 
     def expected_fields(self, numel):
         kept = self._kept(numel)
-        fields = {"index": (torch.int16, kept)}
+        fields = {"index": (torch.uint8, 3 * ((kept + 1) // 2))}
         fields.update({f"v_{name}": spec for name, spec in self.values.expected_fields(kept).items()})
         return fields
 
@@ -91,8 +113,7 @@ class TopK(Codec):
     def encode(self, flat):
         flat = flat.detach().float().reshape(-1)
         positions, picked = self._select(flat)
-        within = (positions % CHUNK).to(torch.int16)
-        fields = {"index": within}
+        fields = {"index": pack_indices(positions % CHUNK)}
         fields.update({f"v_{name}": t for name, t in self.values.encode(picked.contiguous()).items()})
         return fields
 
@@ -100,7 +121,7 @@ class TopK(Codec):
         """Whole-vector positions of a payload's indices, refusing any outside its chunk or out of order."""
         sizes = _chunk_sizes(numel)
         counts = torch.tensor([self._k(s) for s in sizes], dtype=torch.long)
-        index = index.long()
+        index = unpack_indices(index, int(counts.sum()))
         chunk_of = torch.repeat_interleave(torch.arange(len(sizes)), counts)
         limit = torch.tensor(sizes, dtype=torch.long)[chunk_of]
         if bool(((index < 0) | (index >= limit)).any()):
