@@ -54,9 +54,12 @@ class Writer:
 
 
 class Presence:
-    def __init__(self, me: str, workers):
-        self.peer_id, self._workers = me, workers
+    def __init__(self, me: str, workers, cut_off: str | None = None):
+        self.peer_id, self._workers, self._cut_off = me, workers, cut_off
         self.partners = Partners(me)
+
+    def cut_off(self) -> str | None:
+        return self._cut_off
 
     def live_workers(self):
         return dict(self._workers())
@@ -133,3 +136,21 @@ def test_a_peer_whose_streamed_round_is_in_flight_is_waited_for_before_its_annou
     for t in threads:
         t.join(30)
     assert results == {m: ("a", "b", "c") for m in "abc"}, results
+
+
+def test_a_worker_cut_off_from_the_run_does_not_average_alone():
+    """A worker whose DHT node lost every peer sees only its own record: a round of one would fork θ_global
+    from the run it cannot see (seen in the emulated world: a NAT'd worker whose router got a new address
+    trained alone for the rest of the run). It refuses; the same worker not cut off (a run of one) averages alone."""
+    settings = MatchmakingSettings(run_id="r", min_group_size=1, matchmaking_timeout=6.0, straggler_wait=2.0,
+                                   poll_interval=0.01)
+    for cut_off in ("cut off from the run: its DHT node knows no peer", None):
+        table, key = Table(), RoundKey(3)
+        workers = {"a": WorkerRecord("a", outer_step=3, time=table.clock.now())}
+        mm = Matchmaker(Writer(table, "a"), Presence("a", lambda: workers, cut_off), settings, "fp16",
+                        threading.Event())
+        if cut_off:
+            with pytest.raises(AveragingError, match="not applied alone: cut off from the run"):
+                mm.form_group(key, 0, 10)
+        else:
+            assert mm.form_group(key, 0, 10)[0].members == ("a",)

@@ -205,7 +205,7 @@ class Matchmaker:
                                           group_outer_step=key.outer_step + 1)
                     raise AveragingError(f"round {key}: no other worker was ready in time ({len(others)} other "
                                          "live worker(s) in the run); not applied alone")
-                isolated = self.records.clock.isolated() if mine == {me} else None
+                isolated = (self.records.clock.isolated() or self.presence.cut_off()) if mine == {me} else None
                 if isolated:
                     raise AveragingError(f"round {key}: not applied alone: {isolated}")
                 left = set(workers) - mine

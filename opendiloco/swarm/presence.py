@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import threading
 
@@ -12,6 +13,7 @@ from ..errors import BehindError, DriftError, SwarmError
 from . import records
 from .partners import Partners
 from .quorum import Claim, confirmed_ahead, drifted
+from .rejoin import REDIAL_TIMEOUT, redial
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +50,8 @@ class Presence:
     """
 
     def __init__(self, run_records: records.RunRecords, peer_id: str, loop: asyncio.AbstractEventLoop, *,
-                 heartbeat_interval: float, record_ttl: float, config: str = "", relays: tuple[str, ...] = ()):
+                 heartbeat_interval: float, record_ttl: float, config: str = "", relays: tuple[str, ...] = (),
+                 initial_peers: tuple[str, ...] = ()):
         self.records, self.peer_id, self.loop = run_records, peer_id, loop
         self.run_id = run_records.membership.run_id
         self.heartbeat_interval, self.record_ttl = heartbeat_interval, record_ttl
@@ -58,6 +61,9 @@ class Presence:
         """This worker's config fingerprint: workers with another one are not part of its run."""
         self.relays = tuple(relays)
         """The relays this worker holds a slot on (behind NAT): its record names them."""
+        self.initial_peers = tuple(initial_peers)
+        """Where its DHT node joined the run: dialled again if it loses every peer (``rejoin.py``)."""
+        self._lost_peers = False
         self._foreign: set[str] = set()
         self._other_secrets: set[str] = set()
         self._unconfirmed_ahead = -1
@@ -115,6 +121,7 @@ class Presence:
         try:
             while True:
                 try:
+                    await self._stay_joined()
                     await self.publish()
                 except Exception as e:  # the DHT may be shutting down
                     log.debug("heartbeat failed: %s", e)
@@ -126,6 +133,31 @@ class Presence:
         finally:
             if checking is not None:
                 checking.cancel()
+
+    async def _stay_joined(self) -> None:
+        """Dials the initial peers again if this worker's DHT node knows no peer (``rejoin.py``); says so once."""
+        if not self.initial_peers:
+            return
+        before, after = await asyncio.wait_for(self.records.dht.run_coroutine(
+            functools.partial(redial, initial_peers=self.initial_peers), return_future=True), 3 * REDIAL_TIMEOUT)
+        if before == 0 and not self._lost_peers:
+            log.warning("this worker's DHT node lost every peer (its address changed, or its links broke): %s",
+                        f"it dialled its initial peers again and knows {after} peer(s) now" if after else
+                        "none of its initial peers answers; it averages with nobody, alone included, until one does")
+        self._lost_peers = before == 0 and after == 0
+
+    def cut_off(self) -> str | None:
+        """Why this worker cannot see the run (its DHT node knows no peer, and none of its initial peers
+        answers a redial), or None. A worker with no initial peers started the run: never cut off."""
+        if not self.initial_peers:
+            return None
+        future = self.records.dht.run_coroutine(functools.partial(redial, initial_peers=self.initial_peers),
+                                                return_future=True)
+        _, after = records.wait_dht(future, "redial", 3 * REDIAL_TIMEOUT, self.records.interrupted)
+        if after:
+            return None
+        return ("cut off from the run: its DHT node knows no peer and none of its initial peers answers "
+                "(a round of one would fork θ_global from the run it cannot see)")
 
     async def _check_secrets(self) -> None:
         """Publishes which secret this worker holds (a tag of it) under the bare run id, and says in one

@@ -1,0 +1,68 @@
+"""Staying in the run's DHT: a node that has lost every peer dials its initial peers again.
+
+hivemind drops a peer from a node's routing table when a request to it fails, and dials the initial
+peers only once, at start. A node whose links all broke at once (its router got a new address, a
+partition, a laptop that changed networks) therefore knows nobody afterwards: its reads find only its
+own records, and its worker, seeing no other live worker, trained alone for the rest of the run with
+``ok`` rounds, a split that never healed (measured in the emulated world, ``renat.toml``). Two parts:
+
+- ``redial`` (run in the DHT process, each heartbeat): a node that knows no peer connects to its
+  initial peers again and pings them, which puts them back in its routing table, then looks up its
+  own neighbours to learn the rest of the run again.
+- ``cut_off`` (``Presence.cut_off``): whether a node with initial peers still knows none after that.
+  Such a worker does not apply a round alone (matchmaking): it cannot tell an empty run from one it
+  cannot see, and a round of one would fork θ_global from the run's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from hivemind.p2p import PeerID
+from hivemind.utils.multiaddr import Multiaddr
+
+log = logging.getLogger(__name__)
+
+REDIAL_TIMEOUT = 5.0
+"""Seconds one initial peer gets to answer a redial (connect and ping)."""
+
+
+def known_peers(node) -> int:
+    """How many peers the DHT node's routing table holds."""
+    return len(node.protocol.routing_table.uid_to_peer_id)
+
+
+async def count_known_peers(_dht, node) -> int:
+    """``known_peers`` as ``dht.run_coroutine`` runs it."""
+    return known_peers(node)
+
+
+async def redial(_dht, node, initial_peers: tuple[str, ...], timeout: float = REDIAL_TIMEOUT) -> tuple[int, int]:
+    """(peers known before, peers known after): if the node knows none, it dials ``initial_peers``
+    again (each a full multiaddr with ``/p2p/``) and, if one answers, finds its neighbours anew."""
+    before = known_peers(node)
+    if before or not initial_peers:
+        return before, before
+
+    async def dial(maddr: str) -> None:
+        addr = Multiaddr(maddr)
+        peer = PeerID.from_base58(addr["p2p"])
+        await node.p2p._client.connect(peer, [addr.decapsulate(Multiaddr(f"/p2p/{addr['p2p']}"))])
+        await node.protocol.call_ping(peer)
+
+    dials = [asyncio.ensure_future(asyncio.wait_for(dial(m), timeout)) for m in initial_peers]
+    await asyncio.wait(dials)
+    for task in dials:
+        if not task.cancelled() and task.exception() is not None:
+            log.debug("redial: %s", task.exception())
+    for _ in range(20):  # call_ping puts an answering peer in the table from a task of its own
+        if known_peers(node):
+            break
+        await asyncio.sleep(0.05)
+    if known_peers(node):
+        try:
+            await asyncio.wait_for(node.find_nearest_nodes([node.node_id]), timeout)
+        except Exception as e:  # the table holds the initial peers already: the rest comes with use
+            log.debug("redial: finding neighbours: %s", e)
+    return before, known_peers(node)

@@ -1,0 +1,58 @@
+"""A DHT node that lost every peer dials its initial peers again (``swarm/rejoin.py``), over real
+DHT nodes on 127.0.0.1. hivemind drops a peer from the routing table when a request to it fails and
+never dials its initial peers again: the test empties the table as a broken link would."""
+
+from __future__ import annotations
+
+import functools
+
+import hivemind
+import pytest
+from hivemind.utils import get_dht_time
+
+from opendiloco.swarm.rejoin import count_known_peers, redial
+
+pytestmark = [pytest.mark.swarm, pytest.mark.timeout(90)]
+
+
+async def forget_every_peer(_dht, node) -> int:
+    """What failed requests to every peer leave behind (run in the DHT process)."""
+    table = node.protocol.routing_table
+    for uid in list(table.uid_to_peer_id):
+        del table[uid]
+    return len(table.uid_to_peer_id)
+
+
+@pytest.fixture
+def bootstrap():
+    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    try:
+        yield dht
+    finally:
+        dht.shutdown()
+
+
+def test_a_node_that_lost_every_peer_dials_its_initial_peers_again_and_reads_the_run(bootstrap):
+    peers = tuple(str(m) for m in bootstrap.get_visible_maddrs())
+    node = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=list(peers), client_mode=True)
+    try:
+        bootstrap.store("run.workers", "a record", get_dht_time() + 60)
+        assert node.run_coroutine(forget_every_peer) == 0
+        assert node.get("run.workers", latest=True) is None  # cut off: it reads nothing, for ever
+        assert node.run_coroutine(functools.partial(redial, initial_peers=peers)) == (0, 1)
+        assert node.get("run.workers", latest=True).value == "a record"
+        assert node.run_coroutine(functools.partial(redial, initial_peers=peers)) == (1, 1)  # knows one: no dial
+    finally:
+        node.shutdown()
+
+
+def test_a_node_whose_initial_peers_are_gone_stays_cut_off_and_says_so(bootstrap):
+    peers = tuple(str(m) for m in bootstrap.get_visible_maddrs())
+    node = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=list(peers), client_mode=True)
+    try:
+        bootstrap.shutdown()
+        node.run_coroutine(forget_every_peer)
+        assert node.run_coroutine(functools.partial(redial, initial_peers=peers, timeout=2.0)) == (0, 0)
+        assert node.run_coroutine(count_known_peers) == 0
+    finally:
+        node.shutdown()
