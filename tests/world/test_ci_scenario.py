@@ -1,9 +1,10 @@
 """The CI scenario: the real CLI in emulated regions with latency, loss, NAT, a crash and a joiner.
 
 ``benchmarks/scenarios/ci.toml``: workers a and b in two regions 80 ms apart (0.5% loss,
-100 Mbit/s), c behind a NAT in client mode, d joining, a SIGKILLed once it has written a
-checkpoint and restarted from it; the run ends once every worker has contributed to 2 rounds
-after the restart (at most 150 s). Behaviour only, never timings: nothing crashes, the run
+100 Mbit/s), c behind a NAT in client mode (its router gets a new address after the restart:
+its DHT node loses every peer, and used to train alone from then on), d joining, a SIGKILLed once
+it has written a checkpoint and restarted from it; the run ends once every worker has contributed
+to 2 rounds after the last event (at most 150 s). Behaviour only, never timings: nothing crashes, the run
 ends on one θ_global (no split lasts), the NAT'd worker and the joiner contribute to rounds, the
 killed worker resumes from its checkpoint, and nothing is left behind.
 
