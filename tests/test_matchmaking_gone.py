@@ -7,6 +7,7 @@ The matchmaker runs as it does in a worker; only the DHT is an in-memory table o
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 
@@ -146,11 +147,33 @@ def test_a_worker_cut_off_from_the_run_does_not_average_alone():
                                    poll_interval=0.01)
     for cut_off in ("cut off from the run: its DHT node knows no peer", None):
         table, key = Table(), RoundKey(3)
-        workers = {"a": WorkerRecord("a", outer_step=3, time=table.clock.now())}
-        mm = Matchmaker(Writer(table, "a"), Presence("a", lambda: workers, cut_off), settings, "fp16",
+        alone = {"a": WorkerRecord("a", outer_step=3, time=table.clock.now())}
+        mm = Matchmaker(Writer(table, "a"), Presence("a", lambda alone=alone: alone, cut_off), settings, "fp16",
                         threading.Event())
         if cut_off:
             with pytest.raises(AveragingError, match="not applied alone: cut off from the run"):
                 mm.form_group(key, 0, 10)
         else:
             assert mm.form_group(key, 0, 10)[0].members == ("a",)
+
+
+def test_a_worker_whose_peers_all_left_the_round_before_its_group_closed_does_not_average_alone():
+    """Seen in the long world scenario as a partition healed: the members of a round that had announced it
+    went back to heal their drift (their records, newer than their announcements, head for an earlier
+    round) while "a" was closing the group. Five workers each published a group of one and applied it,
+    five different θ_global at one outer step. A round of one while other workers live forks the run."""
+    table, key = Table(), RoundKey(5)
+    announced_at = table.clock.now() - 1.0
+    for p in "ab":
+        table.values.setdefault(table.round_key(key), {})[p] = {"attempt": 0, "numel": 10, "codec": "fp16",
+                                                                "part": SETTINGS.part_numel, "config": "",
+                                                                "since": announced_at}
+    # "a" (the smallest id, so "b" waits for its group) went back after announcing: "b" learns it only
+    # from a fresh read of the records, once it is already closing the group.
+    workers = {"a": WorkerRecord("a", outer_step=4, time=announced_at + 0.5),
+               "b": WorkerRecord("b", outer_step=5, time=announced_at)}
+    settings = dataclasses.replace(SETTINGS, min_group_size=1)  # the default: a group of one is big enough
+    mm = Matchmaker(Writer(table, "b"), Presence("b", lambda: workers), settings, "fp16", threading.Event())
+    with pytest.raises(AveragingError, match="not applied alone"):
+        mm._adopt_group(key, 0, {"a", "b"}, {"a", "b"}, 10)
+    assert table.group_key(key, 0) not in table.values  # no group of one was published

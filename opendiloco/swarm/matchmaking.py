@@ -358,6 +358,9 @@ class Matchmaker:
             if len(candidates) < s.min_group_size:
                 raise AveragingError(f"round {key}: {len(candidates)} peer(s) left for a group, need "
                                      f"{s.min_group_size}")
+            if candidates == {me} and live - {me}:  # as in ``form_group``: a round of one would fork θ_global
+                raise AveragingError(f"round {key}: every other peer left the round before its group closed "
+                                     f"({len(live - {me})} other live worker(s) in the run); not applied alone")
             if not published_ours and min(candidates) == me:
                 members = sorted(candidates)
                 self.records.store(gkey, members, self.records.clock.now() + s.record_ttl)
