@@ -61,7 +61,7 @@ class Host:
     region: str
     nat: bool = False
     clock_offset_s: float = 0.0
-    """The host's clock is this far off (faketime): the DHT records it writes carry absolute times."""
+    """The host's wall clock is this far off (``faketime.py``): the DHT records it writes carry absolute times."""
     start_at: float | None = 0.0
     """Seconds into the run at which it starts; None: only when a `start` event says so."""
     throttle: float | None = None

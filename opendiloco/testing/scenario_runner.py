@@ -2,9 +2,10 @@
 
 Every worker is ``opendiloco train`` (and the bootstrap ``opendiloco dht``) started inside its
 host's namespace of a ``World``, with the scenario's training config, a closed run's secret
-and, for a host whose clock is off, ``faketime``. A restarted worker gets a new peer id, as
-it does with the default config. The runner writes what it did to ``events.jsonl`` (launches, exits, faults, with
-the runner's own clock) beside the workers' run dirs; ``scenario_report.py`` reads both.
+and, for a host whose clock is off, ``faketime.py`` (its wall clock moved, in Python). A restarted
+worker gets a new peer id, as it does with the default config. The runner writes what it did to
+``events.jsonl`` (launches, exits, faults, with the runner's own clock) beside the workers' run
+dirs; ``scenario_report.py`` reads both.
 
 Bounded and tidy: the run ends at ``duration_s``, or earlier once it has settled
 (``settle_rounds``); the workers are asked to stop, then killed by PID; and the namespaces, the
@@ -26,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..train.metrics import read_metrics
+from .faketime import clock_off
 from .proctree import alive, children_table, descendants
 from .scenario import Event, Scenario
 from .world import LinkSpec, World
@@ -256,9 +258,7 @@ class ScenarioRunner:
 
     # -- processes -------------------------------------------------------------------------------
     def _ns_cmd(self, host: str, argv: list[str], clock_offset: float = 0.0) -> list[str]:
-        cmd = argv
-        if clock_offset:
-            cmd = ["faketime", "-f", f"{clock_offset:+g}s", *cmd]
+        cmd = clock_off(argv, clock_offset) if clock_offset else argv
         return self.world.exec(host, *cmd)
 
     def _spawn(self, name: str, argv: list[str], env: dict | None = None) -> subprocess.Popen:

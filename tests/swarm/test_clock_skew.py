@@ -1,21 +1,20 @@
 """Clocks that disagree. DHT records carry absolute times: a worker whose clock is off sees its peers'
 records as expired (or writes records that expire before they are read), and its ready times are
-wrong by the offset. Clocks are moved with faketime, per process (a jump mid-run is tested on the
-clock alone, tests/test_clock.py: libfaketime moves the monotonic clock with the wall clock, which a
-real jump does not)."""
+wrong by the offset. Clocks are moved per process (a jump mid-run is tested on the
+clock alone, tests/test_clock.py). Only the wall clock moves (``opendiloco.testing.faketime``:
+libfaketime hangs or breaks Python's timed waits here)."""
 
 from __future__ import annotations
 
-import shutil
 import sys
 
 import pytest
 
+from opendiloco.testing.faketime import clock_off
 from tests.swarm.conftest import WORKER
 from tests.test_train_loop import SMALL
 
-pytestmark = [pytest.mark.swarm, pytest.mark.timeout(300),
-              pytest.mark.skipif(shutil.which("faketime") is None, reason="needs Debian's faketime")]
+pytestmark = [pytest.mark.swarm, pytest.mark.timeout(300)]
 
 
 def by_step(records):
@@ -33,7 +32,7 @@ def test_a_worker_whose_clock_is_a_few_seconds_off_averages_with_the_others(swar
     procs = []
     for i, n in enumerate(names):
         args = _worker(swarm, n, i + 1, "--outer-steps", "4")
-        procs.append(swarm.spawn(["faketime", "-f", "+2.5s", *args] if n == "skew" else args, n))
+        procs.append(swarm.spawn(clock_off(args, 2.5) if n == "skew" else args, n))
     swarm.wait(procs, timeout=200)
     syncs = {n: by_step(swarm.records(n)) for n in names}
     for n in names:
@@ -47,8 +46,8 @@ def test_a_clock_too_far_off_to_join_is_one_line(swarm, tmp_path):
     """The DHT refuses a node whose clock is more than 3 s off its initial peer's: the user is told that
     it is the clock, not left with the DHT's message."""
     peers = swarm.bootstrap()
-    proc = swarm.spawn(["faketime", "-f", "-30s", sys.executable, "-m", "opendiloco", "train", *SMALL,
-                        "--run.dir", str(tmp_path / "run"), "--swarm.open", "--swarm.initial-peers", *peers], "late")
+    proc = swarm.spawn(clock_off([sys.executable, "-m", "opendiloco", "train", *SMALL, "--run.dir",
+                                  str(tmp_path / "run"), "--swarm.open", "--swarm.initial-peers", *peers], -30), "late")
     proc.wait(120)
     lines = swarm.log("late", tail=20000).strip().splitlines()
     assert proc.returncode == 2, lines
