@@ -231,7 +231,7 @@ class SwarmCommunicator(Communicator):
         self.presence = Presence(self.records, self._peer_id, self._loop,
                                  heartbeat_interval=s.heartbeat_interval, record_ttl=s.record_ttl,
                                  config=s.config_fingerprint, relays=getattr(dht, "relays", ()),
-                                 initial_peers=getattr(dht, "initial_peers", ()))
+                                 initial_peers=getattr(dht, "rejoin_peers", ()))
         self.matchmaker = Matchmaker(self.records, self.presence, MatchmakingSettings(
             run_id=s.run_id, min_group_size=s.min_group_size, matchmaking_timeout=s.matchmaking_timeout,
             straggler_wait=s.straggler_wait, max_wait=s.max_wait,

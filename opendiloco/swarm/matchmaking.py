@@ -358,9 +358,13 @@ class Matchmaker:
             if len(candidates) < s.min_group_size:
                 raise AveragingError(f"round {key}: {len(candidates)} peer(s) left for a group, need "
                                      f"{s.min_group_size}")
-            if candidates == {me} and live - {me}:  # as in ``form_group``: a round of one would fork θ_global
-                raise AveragingError(f"round {key}: every other peer left the round before its group closed "
-                                     f"({len(live - {me})} other live worker(s) in the run); not applied alone")
+            if candidates == {me} and compatible - {me}:
+                # It came here with others ready, and they are gone, grouped without it, or moved on. Whether it
+                # may average alone is for the next attempt's ``form_group`` to decide (a round of one while
+                # other workers live, or while cut off from the run, would fork θ_global).
+                raise AveragingError(f"round {key}: the {len(compatible - {me})} other peer(s) ready for the round "
+                                     "left it or were grouped without this worker before its group closed; "
+                                     "not applied alone")
             if not published_ours and min(candidates) == me:
                 members = sorted(candidates)
                 self.records.store(gkey, members, self.records.clock.now() + s.record_ttl)

@@ -318,11 +318,11 @@ async def fetch_from_donors(streams: P2PStreams, donors: list[str], outer_step: 
                 else:
                     errors[donor[-8:]] = str(late) or type(late).__name__
     finally:
-        for task in (*asked, *workers):
+        left = [*asked, *workers, *(task for holders in (parts.running.values() if parts is not None else ())
+                                    for task, _ in holders.values())]
+        for task in left:
             task.cancel()
-        for holders in list(parts.running.values()) if parts is not None else ():
-            for task, _ in holders.values():
-                task.cancel()
+        await asyncio.gather(*left, return_exceptions=True)  # their errors are spent; their streams close now
     if not parts.complete():
         errors.update(parts.errors)
         raise ProtocolError(f"{len(manifest.digests) - len(parts.done)} of {len(manifest.digests)} state parts "

@@ -201,7 +201,7 @@ def _start(initial_peers: list[str], identity: Identity, startup_timeout: float,
                          record_validators=[SignedRecordValidator()], **kwargs)
     dht.identity = identity
     dht.relays = tuple(kwargs.get("trusted_relays", ()))  # where it holds a slot (client mode): its record names them
-    dht.initial_peers = tuple(initial_peers)  # dialled again if the node loses every peer (``rejoin.py``)
+    dht.rejoin_peers = tuple(initial_peers)  # dialled again if the node loses every peer (``rejoin.py``)
     identity_path = kwargs["identity_path"]
     try:
         dht.wait_until_ready(timeout=startup_timeout)

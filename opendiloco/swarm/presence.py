@@ -117,29 +117,33 @@ class Presence:
                                         self.records.clock.now() + self.record_ttl)
 
     async def _beat(self) -> None:
-        beats, checking = 0, None
+        beats, checking, rejoining = 0, None, None
         try:
             while True:
                 try:
-                    await self._stay_joined()
                     await self.publish()
                 except Exception as e:  # the DHT may be shutting down
                     log.debug("heartbeat failed: %s", e)
+                if self.initial_peers and (rejoining is None or rejoining.done()):  # beside the heartbeat too
+                    rejoining = asyncio.ensure_future(self._stay_joined())
                 # Beside the heartbeat, never in its way: a slow DHT read must not let this worker's record expire.
                 if beats % SECRET_CHECK_EVERY == 0 and (checking is None or checking.done()):
                     checking = asyncio.ensure_future(self._check_secrets())
                 beats += 1
                 await asyncio.sleep(self.heartbeat_interval)
         finally:
-            if checking is not None:
-                checking.cancel()
+            for task in (checking, rejoining):
+                if task is not None:
+                    task.cancel()
 
     async def _stay_joined(self) -> None:
         """Dials the initial peers again if this worker's DHT node knows no peer (``rejoin.py``); says so once."""
-        if not self.initial_peers:
+        try:
+            before, after = await asyncio.wait_for(self.records.dht.run_coroutine(
+                functools.partial(redial, initial_peers=self.initial_peers), return_future=True), 3 * REDIAL_TIMEOUT)
+        except Exception as e:  # asyncio.TimeoutError included: the next heartbeat tries again
+            log.debug("redialling the initial peers: %s", e)
             return
-        before, after = await asyncio.wait_for(self.records.dht.run_coroutine(
-            functools.partial(redial, initial_peers=self.initial_peers), return_future=True), 3 * REDIAL_TIMEOUT)
         if before == 0 and not self._lost_peers:
             log.warning("this worker's DHT node lost every peer (its address changed, or its links broke): %s",
                         f"it dialled its initial peers again and knows {after} peer(s) now" if after else

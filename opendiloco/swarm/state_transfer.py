@@ -56,7 +56,8 @@ STALL_TIMEOUT = 20.0
 (frozen, or its link died)."""
 HEAD_TIMEOUT = 120.0
 """A whole download's request may queue while the donor serves others (its slots are few, each send
-bounded); a donor that does not start within this is given up on, and the next one asked."""
+bounded): a donor that does not start within this, plus the time its busy slots may take for a state
+of the asked bound (``head_timeout``), is given up on, and the next one asked."""
 PART_STREAMS_PER_PEER = 2
 MAX_CONCURRENT_PART_SERVES = 8
 PART_BYTES_PER_WINDOW = 3
@@ -315,6 +316,12 @@ def own_check(provider: StateProvider | None):
     return provider.check if isinstance(provider, SharedState) else None
 
 
+def head_timeout(max_bytes: int) -> float:
+    """How long a whole download waits for its donor to start: ``HEAD_TIMEOUT`` plus every busy slot's
+    longest send of a state of ``max_bytes``."""
+    return HEAD_TIMEOUT + MAX_CONCURRENT_SERVES * (SEND_TIMEOUT_BASE + max_bytes / MIN_RATE_BYTES_PER_S)
+
+
 async def fetch_state(streams: P2PStreams, peer: str, min_outer_step: int | None, max_bytes: int,
                       check: Callable[[dict, int | None], None] | None = None) -> dict:
     """Downloads, checks (size, digest, type; then ``check(state, min_outer_step)``, which raises
@@ -323,7 +330,7 @@ async def fetch_state(streams: P2PStreams, peer: str, min_outer_step: int | None
     try:
         await stream.send(Code.STATE_REQUEST, {"min_outer_step": min_outer_step})
         # The head may wait while the donor serves others (its slots are few); the parts may not stall.
-        head = await within(stream.recv(max_payload=0, expect=Code.STATE), peer, HEAD_TIMEOUT)
+        head = await within(stream.recv(max_payload=0, expect=Code.STATE), peer, head_timeout(max_bytes))
         size = meta_field(head.meta, "size", int)
         if not 0 < size <= max_bytes:
             raise ProtocolError(f"state of {size} bytes announced; at most {max_bytes} accepted")

@@ -3,8 +3,11 @@
     python -m opendiloco.testing.faketime +2.5 -m opendiloco train ...     (or a script path)
 
 ``time.time`` and ``time.time_ns`` run ``offset`` seconds off (what hivemind's DHT times, the run's
-records and the logs read), before the command runs; forked children (the DHT process) inherit it.
-The monotonic clock is left alone, as a machine with a wrong clock has it.
+records and the logs read), before the command runs; children forked from it (hivemind's DHT
+process is a fork) inherit it, children started afresh do not. Not moved: ``datetime.now()``,
+C code's own clock reads, and a reference to ``time.time`` held in a closure or a default argument
+of a module imported before (a preforked child's). The monotonic clock is left alone, as a machine
+with a wrong clock has it.
 
 Debian's libfaketime cannot model that here: by default it moves the monotonic clock too, and a timed
 wait on a lock (``threading.Event.wait(0.5)``) then never returns (the long world scenario's worker

@@ -80,7 +80,7 @@ def test_lying_donor_announcing_gigabytes_is_refused():
 def test_a_donor_that_never_starts_sending_is_given_up_on(monkeypatch):
     """An attacker script as donor: it takes the request and answers nothing (it used to hold the
     download for as long as the stream stayed open)."""
-    monkeypatch.setattr(state_transfer, "HEAD_TIMEOUT", 1.0)
+    monkeypatch.setattr(state_transfer, "head_timeout", lambda max_bytes: 1.0)
 
     async def scenario(donor, receiver):
         async def silent(stream):
