@@ -32,27 +32,30 @@ def bootstrap():
         dht.shutdown()
 
 
-def test_a_node_that_lost_every_peer_dials_its_initial_peers_again_and_reads_the_run(bootstrap):
+@pytest.fixture
+def joined(bootstrap):
+    """(a client-mode node that joined through ``bootstrap``, its initial peers)."""
     peers = tuple(str(m) for m in bootstrap.get_visible_maddrs())
     node = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=list(peers), client_mode=True)
     try:
-        bootstrap.store("run.workers", "a record", get_dht_time() + 60)
-        assert node.run_coroutine(forget_every_peer) == 0
-        assert node.get("run.workers", latest=True) is None  # cut off: it reads nothing, for ever
-        assert node.run_coroutine(functools.partial(redial, initial_peers=peers)) == (0, 1)
-        assert node.get("run.workers", latest=True).value == "a record"
-        assert node.run_coroutine(functools.partial(redial, initial_peers=peers)) == (1, 1)  # knows one: no dial
+        yield node, peers
     finally:
         node.shutdown()
 
 
-def test_a_node_whose_initial_peers_are_gone_stays_cut_off_and_says_so(bootstrap):
-    peers = tuple(str(m) for m in bootstrap.get_visible_maddrs())
-    node = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=list(peers), client_mode=True)
-    try:
-        bootstrap.shutdown()
-        node.run_coroutine(forget_every_peer)
-        assert node.run_coroutine(functools.partial(redial, initial_peers=peers, timeout=2.0)) == (0, 0)
-        assert node.run_coroutine(count_known_peers) == 0
-    finally:
-        node.shutdown()
+def test_a_node_that_lost_every_peer_dials_its_initial_peers_again_and_reads_the_run(bootstrap, joined):
+    node, peers = joined
+    bootstrap.store("run.workers", "a record", get_dht_time() + 60)
+    assert node.run_coroutine(forget_every_peer) == 0
+    assert node.get("run.workers", latest=True) is None  # cut off: it reads nothing, for ever
+    assert node.run_coroutine(functools.partial(redial, initial_peers=peers)) == (0, 1)
+    assert node.get("run.workers", latest=True).value == "a record"
+    assert node.run_coroutine(functools.partial(redial, initial_peers=peers)) == (1, 1)  # knows one: no dial
+
+
+def test_a_node_whose_initial_peers_are_gone_stays_cut_off(bootstrap, joined):
+    node, peers = joined
+    bootstrap.shutdown()
+    node.run_coroutine(forget_every_peer)
+    assert node.run_coroutine(functools.partial(redial, initial_peers=peers, timeout=2.0)) == (0, 0)
+    assert node.run_coroutine(count_known_peers) == 0
