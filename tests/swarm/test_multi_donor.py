@@ -355,3 +355,19 @@ def test_a_whole_download_counts_its_joiner_from_its_request():
         return before, me in server.recent_joiners(4, within=60)
 
     assert with_donors(1, scenario) == (False, True)
+
+
+def test_telling_a_dead_donor_is_quiet(caplog):
+    """A donor that died after serving its parts: telling it the state was taken fails quietly (its error
+    is collected, never logged as an exception nobody retrieved)."""
+    import gc
+
+    async def scenario(donors, streams):
+        await donors[0].shutdown()
+        await multi_donor.tell_done(streams, tuple(ids(donors)), 4, timeout=5.0)
+        gc.collect()
+        await asyncio.sleep(0.1)
+
+    with caplog.at_level(logging.ERROR, logger="asyncio"):
+        with_donors(1, scenario)
+    assert "never retrieved" not in caplog.text
