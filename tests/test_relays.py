@@ -62,6 +62,9 @@ def test_a_public_node_relays_and_a_client_node_reserves_on_its_relays_only():
     assert relays.daemon_options(True, [RELAY]) == {"force_reachability": "private", "use_auto_relay": True,
                                                     "trusted_relays": [RELAY]}
     assert relays.daemon_options(True, []) == {"force_reachability": "private", "use_auto_relay": False}
+    # No more than a record may name: with more initial peers, the first MAX_RELAYS.
+    many = [RELAY.replace("198.51.100.7", f"198.51.100.{i}") for i in range(relays.MAX_RELAYS + 3)]
+    assert relays.daemon_options(True, many)["trusted_relays"] == many[:relays.MAX_RELAYS]
     # Given relays, the daemon uses them and no discovery (which waits for 4 candidates or 3 minutes).
     args = P2P._make_process_args("p2pd", autoRelay=True, trustedRelays=RELAY)
     assert "-relayDiscovery=0" in args and f"-trustedRelays={RELAY}" in args

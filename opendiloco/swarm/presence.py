@@ -14,6 +14,7 @@ from . import records
 from .partners import Partners
 from .quorum import Claim, confirmed_ahead, drifted
 from .rejoin import REDIAL_TIMEOUT, redial
+from .relays import MAX_RELAY_CHARS, MAX_RELAYS, checked_relays
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +62,9 @@ class Presence:
         """This worker's config fingerprint: workers with another one are not part of its run."""
         self.relays = tuple(relays)
         """The relays this worker holds a slot on (behind NAT): its record names them."""
+        if checked_relays(self.relays) is None:  # its readers would drop every record it writes, silently
+            raise ValueError(f"a worker record names at most {MAX_RELAYS} relays of at most {MAX_RELAY_CHARS} "
+                             f"characters each, given {len(self.relays)}: {self.relays}")
         self.initial_peers = tuple(initial_peers)
         """Where its DHT node joined the run: dialled again if it loses every peer (``rejoin.py``)."""
         self._lost_peers = False

@@ -62,10 +62,14 @@ _P2P, _CIRCUIT = 421, 290  # multiaddr protocol codes of /p2p and /p2p-circuit
 
 
 def daemon_options(client_mode: bool, relays: Sequence[str]) -> dict:
-    """``P2P.create`` keyword arguments: a client-mode node reserves slots on ``relays`` (public peers'
-    full addresses, with ``/p2p/ID``); any other node relays for the others."""
+    """``P2P.create`` keyword arguments: a client-mode node reserves slots on the first ``MAX_RELAYS``
+    of ``relays`` (public peers' full addresses, with ``/p2p/ID``); any other node relays for the others.
+
+    No more than a record may name: a worker started with more initial peers than that would
+    otherwise publish a record every reader drops as malformed, and never be in a group."""
     if not client_mode:
         return {"force_reachability": "public"}
+    relays = list(relays)[:MAX_RELAYS]
     options = {"force_reachability": "private", "use_auto_relay": bool(relays)}
     if relays:
         options["trusted_relays"] = list(relays)

@@ -1,0 +1,89 @@
+"""A worker behind NAT (client mode) that joins through more initial peers than a record may name
+relays is still seen by the run, over real DHT nodes on 127.0.0.1.
+
+Its daemon reserves a slot on its initial peers, and its record names them as its relays. A record
+naming more than ``MAX_RELAYS`` is dropped by every reader as malformed, so such a worker was never
+seen: in the world scenario ``natcrowd.toml`` a worker behind NAT restarted with the bootstrap and six
+public workers as initial peers was left out of every round, downloading the run's state each time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import hivemind
+import pytest
+
+from opendiloco.swarm import records
+from opendiloco.swarm.membership import Membership
+from opendiloco.swarm.node import start_dht
+from opendiloco.swarm.presence import Presence
+from opendiloco.swarm.relays import MAX_RELAYS
+
+pytestmark = [pytest.mark.swarm, pytest.mark.timeout(120)]
+
+RUN = "natcrowd"
+
+
+@pytest.fixture
+def public_nodes():
+    """MAX_RELAYS + 2 public DHT nodes, each joined through the first."""
+    nodes = [start_dht(host_maddrs=["/ip4/127.0.0.1/tcp/0"])]
+    try:
+        first = [str(m) for m in nodes[0].get_visible_maddrs()]
+        for _ in range(MAX_RELAYS + 1):
+            nodes.append(start_dht(initial_peers=first, host_maddrs=["/ip4/127.0.0.1/tcp/0"]))
+        yield nodes
+    finally:
+        for node in nodes:
+            node.shutdown()
+
+
+@pytest.fixture
+def loop():
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        yield loop
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+
+
+def test_a_worker_behind_nat_with_many_initial_peers_is_seen_by_the_run(public_nodes, loop):
+    initial_peers = [str(node.get_visible_maddrs()[0]) for node in public_nodes]
+    assert len(initial_peers) > MAX_RELAYS
+    client = start_dht(initial_peers=initial_peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"], client_mode=True)
+    presence = None
+    try:
+        membership = Membership.open(RUN)
+        presence = Presence(records.RunRecords(client, membership, client.identity), client.identity.peer_id, loop,
+                            heartbeat_interval=0.5, record_ttl=10.0, relays=client.relays,
+                            initial_peers=tuple(initial_peers))
+        reader = records.RunRecords(public_nodes[-1], membership)
+        deadline, seen = time.monotonic() + 60, {}
+        while client.identity.peer_id not in seen and time.monotonic() < deadline:
+            time.sleep(0.5)
+            seen = reader.read_workers()
+        assert client.identity.peer_id in seen, "the run never saw the worker behind NAT"
+        assert seen[client.identity.peer_id].relays == client.relays  # where its peers reach it
+        assert 0 < len(client.relays) <= MAX_RELAYS and set(client.relays) <= set(initial_peers)
+    finally:
+        if presence is not None:
+            asyncio.run_coroutine_threadsafe(presence.leave(), loop).result(30)
+        client.shutdown()
+
+
+def test_a_record_its_readers_would_drop_is_refused_where_it_is_written(loop):
+    """Too many relays is a bug of the writer: it says so at once, not by being invisible."""
+    node = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    try:
+        relay = f"/ip4/127.0.0.1/tcp/1/p2p/{node.peer_id.to_base58()}"
+        with pytest.raises(ValueError, match=f"at most {MAX_RELAYS} relays"):
+            Presence(records.RunRecords(node, Membership.open(RUN)), "me", loop, heartbeat_interval=1.0,
+                     record_ttl=10.0, relays=(relay,) * (MAX_RELAYS + 1))
+    finally:
+        node.shutdown()
