@@ -44,6 +44,11 @@ class PeerFailure(AveragingError):
         self.peers = frozenset(peers)
 
 
+class Unreachable(PeerFailure):
+    """This worker could not open a connection to these peers at all (its dial failed): two workers
+    behind NAT whose relay is gone, say. Nothing was exchanged, so nothing is in doubt."""
+
+
 class Malformed(PeerFailure):
     """These peers sent bytes that failed this worker's own checks (form, size, order, finiteness, a
     digest): evidence this worker holds itself. A refusal, a closed stream or a silence is not: an honest

@@ -46,11 +46,11 @@ from ..comm.local import average_alone
 from ..comm.runner import DEFAULT_PART_NUMEL, Group, RoundOutcome, RoundRunner, Rounds, group_label, resolve
 from ..comm.wire import ByteStream, Code
 from ..comm.wire import field as meta_field
-from ..errors import AveragingError, InDoubt, Interrupted, PeerFailure, RoundCounted
+from ..errors import AveragingError, InDoubt, Interrupted, PeerFailure, RoundCounted, Unreachable
 from ..pacing import Pace
 from . import records
 from .doctor import startup_warnings
-from .exclusion import EXCLUDE_ROUNDS, Offenders
+from .exclusion import EXCLUDE_ROUNDS, Offenders, UnreachablePeers
 from .hooks import RoundHooks
 from .matchmaking import Doorbell, Matchmaker, MatchmakingSettings
 from .membership import SECRET_FILE_ENV, Membership, RunSecret
@@ -219,8 +219,14 @@ class SwarmCommunicator(Communicator):
         """The state of the latest round (for status and tests)."""
         self._runner: RoundRunner | None = None
         """The latest attempt's runner (what a stop in the middle of it may leave in doubt)."""
+        self._next_attempt: dict[RoundKey, int] = {}
+        """Per round key, the first attempt number this worker has not used yet. A round that failed is
+        tried again at the same key (the outer step did not move): its attempts go on from there, for a
+        used number names a group id its members have finished and refuse ("already finished")."""
         self.offenders = Offenders(s.exclude_rounds)
         """Members this worker caught sending malformed data: left out of its next groups."""
+        self.unreachable = UnreachablePeers()
+        """Members this worker could not dial: apart from it for a few outer steps."""
 
         self._loop = uvloop.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="opendiloco-comm", daemon=True)
@@ -241,7 +247,7 @@ class SwarmCommunicator(Communicator):
             self._interrupted,
             doorbell=self.doorbell, ring_members=self._ring_members,
             joiners=lambda step: self.state_server.recent_joiners(step, within=s.straggler_wait + 10.0),
-            offenders=self.offenders)
+            offenders=self.offenders, unreachable=self.unreachable)
         self._workers_snapshot: dict[str, records.WorkerRecord] = {}
         self._pace_refresh = asyncio.run_coroutine_threadsafe(self._refresh_workers(), self._loop)
         self._leaving = asyncio.run_coroutine_threadsafe(self._leave_when_stopping(), self._loop)
@@ -434,7 +440,7 @@ class SwarmCommunicator(Communicator):
         except AveragingError:
             self.state = RoundState.FAILED
             raise
-        attempt, errors, suspects = 0, [], set()
+        attempt, errors, suspects = self._first_attempt(key), [], set()
         while len(errors) < s.max_attempts:
             self._raise_if_interrupted()
             self.state = RoundState.GROUP
@@ -466,12 +472,16 @@ class SwarmCommunicator(Communicator):
                 self.state = RoundState.FAILED
                 raise
             except AveragingError as e:
+                if isinstance(e, Unreachable):  # every attempt with it would fail the same way
+                    for peer in e.peers:
+                        self.unreachable.add(peer, key.outer_step, str(e))
                 if isinstance(e, PeerFailure):  # one that refused us failed knowingly: it is back for the retry
                     runner = self._runner if self._runner is not None and self._runner.group is group else None
                     suspects |= e.peers - {self._peer_id} - (runner.refused_by if runner else set())
                 errors.append(f"attempt {attempt}: {e}")
                 log.warning("round %s, attempt %d with %d peers failed: %s", key, attempt, len(group.members), e)
                 attempt += 1
+                self._next_attempt[key] = attempt
                 continue
             self.state = RoundState.DONE
             self.presence.last_group = set(group.members)
@@ -487,6 +497,14 @@ class SwarmCommunicator(Communicator):
             return result
         self.state = RoundState.FAILED
         raise AveragingError(f"round {key}: no complete round in {s.max_attempts} attempts: " + "; ".join(errors))
+
+    def _first_attempt(self, key: RoundKey) -> int:
+        """Where this worker's attempts at ``key`` start: after those it used in earlier tries of it (the
+        matchmaker still moves up to a later attempt that its peers announce). Keys of earlier outer steps
+        are forgotten."""
+        for old in [k for k in self._next_attempt if k.outer_step < key.outer_step]:
+            del self._next_attempt[old]
+        return self._next_attempt.get(key, 0)
 
     def _note_offenders(self, group: Group) -> None:
         """Remembers the members whose bytes failed this worker's own checks in this attempt."""

@@ -1,4 +1,4 @@
-"""Members that broke rounds, left out of the next groups.
+"""Members that broke rounds, or that this worker cannot reach, left out of the next groups.
 
 A worker whose own checks found a member's bytes malformed (``errors.Malformed``: a part of the wrong
 size or order, non-finite values, an average that does not match its digest) remembers that member for
@@ -11,6 +11,11 @@ Who of the two is left out is decided the same way by every member, from the ann
 larger id. So a member caught by one honest worker is out of the very next attempt, while a peer that
 names others without cause can keep out at most one honest member (naming a second makes it the one in
 the most conflicts), and only from groups it is in itself. See docs/trust.md.
+
+A member this worker could not dial at all (``errors.Unreachable``: two workers behind NAT whose
+relay is gone) is named the same way, under ``unreachable``, for ``UNREACHABLE_ROUNDS`` outer steps:
+every attempt with both of them would fail, so the group goes on without one of the two, and they
+try each other again once the names lapse.
 """
 
 from __future__ import annotations
@@ -27,10 +32,14 @@ MAX_OFFENDERS = 64
 """The most peers ``Offenders`` remembers: the oldest entry goes first."""
 EXCLUDE_ROUNDS = 16
 """How many outer steps an offender is left out of this worker's groups, from the one it was caught in."""
+UNREACHABLE_ROUNDS = 3
+"""How many outer steps a member this worker could not dial stays apart from it."""
 
 
 class Offenders:
     """The peers this worker caught sending malformed data, each until an outer step (bounded in size)."""
+
+    what = "sent malformed data"
 
     def __init__(self, rounds: int = EXCLUDE_ROUNDS, capacity: int = MAX_OFFENDERS):
         self.rounds, self.capacity = rounds, capacity
@@ -43,8 +52,8 @@ class Offenders:
         self._until[peer] = outer_step + self.rounds
         while len(self._until) > self.capacity:
             self._until.popitem(last=False)
-        log.warning("peer %s sent malformed data in round %d (%s); %s out of this worker's groups until outer "
-                    "step %d", peer[-8:], outer_step, reason, "still" if renewed else "left", outer_step + self.rounds)
+        log.warning("peer %s %s in round %d (%s); %s out of this worker's groups until outer step %d", peer[-8:],
+                    self.what, outer_step, reason, "still" if renewed else "left", outer_step + self.rounds)
 
     def active(self, outer_step: int) -> list[str]:
         """The offenders still left out at ``outer_step``, the latest caught first, at most ``MAX_AVOID``."""
@@ -56,12 +65,28 @@ class Offenders:
         return peer in self._until
 
 
-def announced_avoid(value) -> frozenset[str]:
-    """The peers an announcement's ``avoid`` names (anything out of form: none; at most ``MAX_AVOID``)."""
-    avoid = value.get("avoid") if isinstance(value, dict) else None
+class UnreachablePeers(Offenders):
+    """The members this worker could not dial, each until an outer step (bounded in size)."""
+
+    what = "could not be dialled"
+
+    def __init__(self, rounds: int = UNREACHABLE_ROUNDS, capacity: int = MAX_OFFENDERS):
+        super().__init__(rounds, capacity)
+
+
+def announced_avoid(value, field: str = "avoid") -> frozenset[str]:
+    """The peers an announcement's ``avoid`` (or another such field) names (anything out of form: none;
+    at most ``MAX_AVOID``)."""
+    avoid = value.get(field) if isinstance(value, dict) else None
     if not isinstance(avoid, list):
         return frozenset()
     return frozenset([p for p in avoid if isinstance(p, str) and len(p) <= 128][:MAX_AVOID])
+
+
+def announced_apart(value) -> frozenset[str]:
+    """The peers an announcement keeps out of its announcer's group: those it caught sending malformed
+    data and those it could not dial."""
+    return announced_avoid(value) | announced_avoid(value, "unreachable")
 
 
 def conflicts(members: Iterable[str], avoids: Mapping[str, frozenset[str]]) -> set[tuple[str, str]]:

@@ -5,8 +5,8 @@ run at that outer step is ready (or the ones still missing are past the ready ti
 plus ``straggler_wait``, with at least ``min_group_size`` ready), the ready peer with the smallest
 id closes the group and publishes its members; everyone adopts the group published under the
 smallest id, so no two views split the run. A group never holds both a member and a peer that member
-avoids (it caught it sending malformed data: ``exclusion.py``); who is left out is decided from the
-announcements, the same way on every member.
+avoids (it caught it sending malformed data, or could not dial it: ``exclusion.py``); who is left out
+is decided from the announcements, the same way on every member.
 Blocking by design: it runs on the communicator's round thread, never on the event loop. A stop
 request (the communicator's ``interrupted`` flag) ends every wait here at once: the polls look at it,
 and so do the DHT calls they make (``records.wait_dht``), which a partition can keep waiting for seconds.
@@ -25,7 +25,7 @@ from ..comm.base import RoundKey
 from ..comm.runner import Group, make_group_id
 from ..errors import AveragingError, BehindError, Interrupted
 from . import records
-from .exclusion import Offenders, announced_avoid, conflict_free, conflicts, part_of
+from .exclusion import Offenders, UnreachablePeers, announced_apart, announced_avoid, conflict_free, conflicts, part_of
 from .presence import Presence
 
 log = logging.getLogger(__name__)
@@ -96,10 +96,12 @@ class Matchmaker:
     def __init__(self, run_records: records.RunRecords, presence: Presence, settings: MatchmakingSettings,
                  codec_name: str, interrupted: threading.Event, *, doorbell: Doorbell | None = None,
                  ring_members: Callable[[Sequence[str], str, int], None] | None = None,
-                 joiners: Callable[[int], set[str]] | None = None, offenders: Offenders | None = None):
+                 joiners: Callable[[int], set[str]] | None = None, offenders: Offenders | None = None,
+                 unreachable: Offenders | None = None):
         """``joiners(outer_step)``: peers that just downloaded this worker's state of that outer step
         (they are on their way to its round, possibly before their progress record can be read).
-        ``offenders``: the peers this worker caught sending malformed data (named in its announcements)."""
+        ``offenders``: the peers this worker caught sending malformed data; ``unreachable``: those it could
+        not dial (both named in its announcements)."""
         self.records, self.presence, self.settings = run_records, presence, settings
         self.joiners = joiners or (lambda outer_step: set())
         self.codec_name, self.interrupted = codec_name, interrupted
@@ -111,8 +113,12 @@ class Matchmaker:
         """Peers in groups of the current attempt that leave this worker out."""
         self._taken_for = ""
         self.offenders = offenders if offenders is not None else Offenders()
+        self.unreachable = unreachable if unreachable is not None else UnreachablePeers()
         self.avoids: dict[str, frozenset[str]] = {}
-        """The peers each peer that announced the current attempt avoids (its announcement's ``avoid``)."""
+        """The peers each peer that announced the current attempt keeps out of its group (its
+        announcement's ``avoid`` and ``unreachable``)."""
+        self.refusals: dict[str, frozenset[str]] = {}
+        """Of those, the peers each one names for malformed data (its ``avoid``)."""
         self.relayed: dict[str, bool] = {}
         """Whether each peer that announced the current attempt is reached only through relays (its
         announcement's ``relayed``): such a member owns an empty shard (``shard_bounds_for``)."""
@@ -148,16 +154,18 @@ class Matchmaker:
             if announced != attempt:
                 value = {"attempt": attempt, "numel": numel, "codec": self.codec_name, "part": s.part_numel,
                          "config": s.config, "since": began, "avoid": self.offenders.active(key.outer_step),
+                         "unreachable": self.unreachable.active(key.outer_step),
                          "relayed": self._behind_nat()}
                 self.records.store(announce_key, value, self.records.clock.now() + s.record_ttl)
-                ready[me], announced, mine_avoid = value, attempt, announced_avoid(value)
+                ready[me], announced, mine_avoid = value, attempt, announced_apart(value)
             if gkey != self._taken_for:
                 self.taken, self._taken_for = set(), gkey
             # An announcement outlives its round in the DHT: a peer that has applied this round
             # has done it, and must not be grouped with by a worker that arrives late.
             announced_ok = self._compatible(ready, attempt, numel) - self._moved_on(workers, key)
-            self.avoids = {p: announced_avoid(ready[p]) for p in announced_ok}
+            self.avoids = {p: announced_apart(ready[p]) for p in announced_ok}
             self.avoids[me] = mine_avoid  # what we announced for this attempt, whether read back yet or not
+            self.refusals = {p: announced_avoid(ready[p]) for p in announced_ok}
             self.relayed = {p: ready[p].get("relayed") is True for p in announced_ok}
             self.relayed[me] = self._behind_nat()
             compatible = announced_ok - (self.taken - {me}) - self._gone(workers, ready, key)
@@ -203,6 +211,11 @@ class Matchmaker:
                     if all(workers[p].heading > key.outer_step for p in others):
                         raise BehindError(f"alone in round {key}: every other worker is past it",
                                           group_outer_step=key.outer_step + 1)
+                    apart = self._apart(compatible)
+                    if apart:
+                        raise AveragingError(f"round {key}: left out of the group: this worker and {len(apart)} "
+                                             f"member(s) could not dial each other ({', '.join(apart)}); not "
+                                             "applied alone")
                     raise AveragingError(f"round {key}: no other worker was ready in time ({len(others)} other "
                                          "live worker(s) in the run); not applied alone")
                 isolated = (self.records.clock.isolated() or self.presence.cut_off()) if mine == {me} else None
@@ -313,7 +326,12 @@ class Matchmaker:
 
     def _refusing(self, candidates: set[str]) -> list[str]:
         """The candidates whose announcements avoid this worker."""
-        return sorted(p for p in candidates if self.me in self.avoids.get(p, ()))
+        return sorted(p for p in candidates if self.me in self.refusals.get(p, ()))
+
+    def _apart(self, candidates: set[str]) -> list[str]:
+        """The candidates kept apart from this worker because one of the two could not dial the other."""
+        mine = self.avoids.get(self.me, frozenset())
+        return sorted(p[-8:] for p in candidates - {self.me} if self.me in self.avoids.get(p, ()) or p in mine)
 
     def _tell_if_refused(self, key: RoundKey, candidates: set[str]) -> None:
         """Says once per round key why this worker is left out of the group, when members refuse it."""
@@ -383,7 +401,8 @@ class Matchmaker:
                 announcements = self._announcements(announce_key)
                 compatible |= self._compatible(announcements, attempt, numel)
                 compatible -= self._moved_on(workers, key)
-                self.avoids.update({p: announced_avoid(announcements[p]) for p in compatible if p in announcements})
+                self.avoids.update({p: announced_apart(announcements[p]) for p in compatible if p in announcements})
+                self.refusals.update({p: announced_avoid(announcements[p]) for p in compatible if p in announcements})
                 self.relayed.update({p: announcements[p].get("relayed") is True for p in compatible
                                      if p in announcements and p != me})
                 gone = self._gone(workers, {p: announcements.get(p) for p in compatible}, key)

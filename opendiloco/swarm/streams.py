@@ -15,8 +15,10 @@ import logging
 from collections.abc import Awaitable, Callable
 
 from hivemind.p2p import P2P, PeerID
+from hivemind.p2p.p2p_daemon_bindings.utils import ControlFailure
 
 from ..comm.wire import ByteStream, Code
+from ..errors import Unreachable
 from .membership import Membership
 from .relays import RelayLinks
 
@@ -67,7 +69,12 @@ class P2PStreams:
     async def connect(self, peer: str) -> ByteStream:
         if self.relay_links is not None:  # a peer behind NAT: through its relays, on a connection kept open
             await self.relay_links.ensure(peer)
-        _, reader, writer = await self.p2p.call_binary_stream_handler(PeerID.from_base58(peer), self.name)
+        try:
+            _, reader, writer = await self.p2p.call_binary_stream_handler(PeerID.from_base58(peer), self.name)
+        except ControlFailure as e:
+            if "failed to dial" not in str(e):  # the daemon reached the peer: another failure
+                raise
+            raise Unreachable(f"could not dial {peer[-8:]}: {e}", {peer}) from None
         stream = ByteStream(reader, writer, remote=peer)
         if self.membership is not None:
             await stream.send(Code.HELLO, {"proof": self.membership.stream_proof(self.name, self.me, peer)})

@@ -1,0 +1,183 @@
+"""What a retry does after a failed attempt, over real communicators on 127.0.0.1 (the failure is
+injected through the communicator's hooks).
+
+A round that failed is tried again at the same key with attempt numbers not used before. When a try
+of a round fails (every attempt), the outer step does not move and the next try averages under the
+same round key. Its attempts used to start at 0 again: the same members then formed a group
+with the id of the attempt they had already ended, and each refused the other's streams ("round ...
+is already finished"), try after try. In the world scenario with a killed bootstrap (two workers behind
+NAT that lost their only relay), rounds kept failing that way for minutes after the relay was back.
+
+A member that could not dial another at all (``errors.Unreachable``) keeps it apart for a few outer
+steps: in that scenario, every attempt of every round held both workers behind NAT, and every one failed
+on their dial to each other for as long as their relay was gone (the whole run, once it died).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import re
+import threading
+import time
+
+import pytest
+import torch
+
+from opendiloco.comm.base import RoundKey
+from opendiloco.comm.runner import RoundRunner
+from opendiloco.errors import AveragingError, Unreachable
+from opendiloco.swarm.communicator import SwarmCommunicator, SwarmSettings
+from opendiloco.swarm.hooks import RoundHooks
+from opendiloco.swarm.node import start_dht
+from opendiloco.swarm.streams import P2PStreams
+
+pytestmark = [pytest.mark.swarm, pytest.mark.timeout(150)]
+
+SETTINGS = SwarmSettings(run_id="retry", min_group_size=2, max_attempts=1, straggler_wait=30.0,
+                         matchmaking_timeout=60.0, allreduce_timeout=20.0, heartbeat_interval=1.0, record_ttl=30.0,
+                         verify_timeout=3.0)
+
+
+class BrokenLink(RoundRunner):
+    """An exchange that fails once its round is registered (as a link that breaks at once would)."""
+
+    async def run(self, connect):
+        raise AveragingError("the link broke")
+
+
+class BreakFirstTry(RoundHooks):
+    def __init__(self):
+        self.attempts: list[str] = []
+        self.errors: list[str] = []
+
+    def runner_for(self, group, default):
+        return BrokenLink if not self.attempts else default
+
+    def attempt_ended(self, group, error):
+        self.attempts.append(group.group_id)
+        self.errors.append("" if error is None else str(error))
+
+
+@pytest.fixture
+def workers():
+    """Starts n communicators that join one run (each on its own DHT node, the first the others' peer)."""
+    first, comms = None, []
+
+    def start(n: int, settings: SwarmSettings = SETTINGS) -> list[SwarmCommunicator]:
+        nonlocal first
+        first = start_dht(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        peers = [str(m) for m in first.get_visible_maddrs()]
+        comms.append(SwarmCommunicator(first, settings, own_dht=False))
+        for _ in range(n - 1):  # each closes its own DHT node with it
+            comms.append(SwarmCommunicator(start_dht(initial_peers=peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"]),
+                                           settings))
+        deadline = time.monotonic() + 60  # every one sees the others (and waits for them in its first round)
+        while not all(len(comm.live_workers()) == n for comm in comms):
+            assert time.monotonic() < deadline, [len(comm.live_workers()) for comm in comms]
+            time.sleep(0.2)
+        return comms
+
+    try:
+        yield start
+    finally:
+        for comm in comms:
+            comm.close()
+        if first is not None:
+            first.shutdown()
+
+
+def together(comms, key):
+    """Starts the round on every worker at once; their results or errors."""
+    out: list = [None] * len(comms)
+
+    def run(i):
+        try:
+            out[i] = comms[i].start(torch.full((64,), float(i + 1)), weight=1.0, key=key).wait(90)
+        except AveragingError as e:
+            out[i] = e
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(comms))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    return out
+
+
+def test_a_round_tried_again_at_the_same_key_uses_attempts_it_has_not_used(workers):
+    pair = workers(2)
+    hooks = [BreakFirstTry(), BreakFirstTry()]
+    for comm, h in zip(pair, hooks):
+        comm.hooks = h
+    key = RoundKey(0)
+    first = together(pair, key)
+    assert all(isinstance(r, AveragingError) and "the link broke" in str(r) for r in first), first
+    second = together(pair, key)  # the same key: the outer step did not move
+    assert not any("already finished" in str(r) for r in second), (second, [h.errors for h in hooks])
+    done = [r for r in second if not isinstance(r, Exception)]
+    assert done, (second, [h.errors for h in hooks])
+    for r in done:
+        assert sorted(r.peers) == sorted(c.peer_id for c in pair)
+        assert torch.allclose(r.flat, torch.full((64,), 1.5))
+    for h in hooks:  # the retry is a new group id (the same members, a new attempt number)
+        assert len(h.attempts) >= 2 and h.attempts[0] not in h.attempts[1:], h.attempts
+
+
+class NoLinkBetween(RoundHooks):
+    """This worker cannot dial ``other`` (as two workers behind NAT whose relay is gone): every attempt
+    whose group holds both fails on that dial."""
+
+    def __init__(self, other: str):
+        self.other, self.groups = other, []
+        hooks = self
+
+        class Undialable(RoundRunner):
+            async def run(self, connect):
+                if hooks.other in self.members:
+                    raise Unreachable(f"could not dial {hooks.other[-8:]}: failed to dial", {hooks.other})
+                return await super().run(connect)
+
+        self.runner = Undialable
+
+    def runner_for(self, group, default):
+        self.groups.append(group.members)
+        return self.runner
+
+
+def test_a_member_that_cannot_dial_another_goes_on_without_it(workers):
+    comms = workers(3, dataclasses.replace(SETTINGS, max_attempts=3, straggler_wait=5.0))
+    a, b, c = comms
+    c.hooks = NoLinkBetween(b.peer_id)
+    out = together(comms, RoundKey(0))
+    # The next attempt leaves one of the two out: the group goes on with the other and the third worker.
+    done = [r for r in out if not isinstance(r, Exception)]
+    assert len(done) == 2 and all(len(r.peers) == 2 for r in done), out
+    assert not (b.peer_id in done[0].peers and c.peer_id in done[0].peers), done[0].peers
+    assert done[0].peers == done[1].peers and torch.equal(done[0].flat, done[1].flat)
+    # The one left out is told so (the group it is not in moved on: it catches up from it).
+    left_out = next(i for i, r in enumerate(out) if isinstance(r, Exception))
+    assert comms[left_out] in (b, c) and isinstance(out[left_out], AveragingError), out
+    assert re.search("left out of the group|could not dial each other", str(out[left_out])), out
+    if any(b.peer_id in g and c.peer_id in g for g in c.hooks.groups):  # it tried, and failed to dial b
+        assert b.peer_id in c.unreachable  # for a few outer steps
+
+
+def test_a_peer_whose_dial_fails_is_named_unreachable():
+    """What the daemon says when it cannot reach a peer at all becomes ``Unreachable`` (a peer that
+    answers and then fails is another error)."""
+    node = start_dht(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    other = start_dht(initial_peers=[str(m) for m in node.get_visible_maddrs()], host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    gone = other.peer_id.to_base58()
+    other.shutdown()  # its address stays in the node's book: the dial is tried, and fails
+
+    async def dial():
+        streams = P2PStreams(await node.replicate_p2p(), "opendiloco.retries.reduce")
+        with pytest.raises(Unreachable, match="could not dial") as caught:
+            await asyncio.wait_for(streams.connect(gone), 60)
+        assert caught.value.peers == {gone}
+
+    try:
+        asyncio.run(dial())
+    finally:
+        node.shutdown()
