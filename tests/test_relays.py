@@ -62,9 +62,12 @@ def test_a_public_node_relays_and_a_client_node_reserves_on_its_relays_only():
     assert relays.daemon_options(True, [RELAY]) == {"force_reachability": "private", "use_auto_relay": True,
                                                     "trusted_relays": [RELAY]}
     assert relays.daemon_options(True, []) == {"force_reachability": "private", "use_auto_relay": False}
-    # No more than a record may name: with more initial peers, the first MAX_RELAYS.
-    many = [RELAY.replace("198.51.100.7", f"198.51.100.{i}") for i in range(relays.MAX_RELAYS + 3)]
+    # No more than a record may name, one address per peer, only what a record may name.
+    ids = [str(PeerID(bytes([0, 36, 8, 1, 18, 32]) + bytes([i]) * 32)) for i in range(relays.MAX_RELAYS + 3)]
+    many = [f"/ip4/198.51.100.{i}/tcp/31337/p2p/{peer}" for i, peer in enumerate(ids)]
     assert relays.daemon_options(True, many)["trusted_relays"] == many[:relays.MAX_RELAYS]
+    same_peer = [RELAY, RELAY.replace("198.51.100.7", "198.51.100.8"), "/ip4/1.2.3.4/tcp/1", many[0]]
+    assert relays.daemon_options(True, same_peer)["trusted_relays"] == [RELAY, many[0]]
     # Given relays, the daemon uses them and no discovery (which waits for 4 candidates or 3 minutes).
     args = P2P._make_process_args("p2pd", autoRelay=True, trustedRelays=RELAY)
     assert "-relayDiscovery=0" in args and f"-trustedRelays={RELAY}" in args

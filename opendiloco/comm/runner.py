@@ -33,7 +33,7 @@ from dataclasses import field as dataclass_field
 
 import torch
 
-from ..errors import AveragingError, InDoubt, Malformed, PeerFailure, ProtocolError, RoundCounted
+from ..errors import AveragingError, InDoubt, Malformed, PeerFailure, ProtocolError, RoundCounted, Unreachable
 from ..fingerprint import new_hasher, tensor_bytes
 from . import audit
 from .aggregation import Aggregation
@@ -308,6 +308,8 @@ class RoundRunner:
         self.malformed: dict[str, str] = {}
         """Members whose bytes failed this worker's own checks in this round, with what was wrong
         (``Malformed``): the communicator leaves them out of its next groups (``swarm/exclusion.py``)."""
+        self.unreachable: set[str] = set()
+        """Members this worker could not dial at all (``Unreachable``), whatever error ended the attempt."""
         self.refused_by: set[str] = set()
         """Members that refused this worker's streams (``REFUSE``): their attempt failed and they said so,
         so they are alive and back for the retry (not suspects to leave behind)."""
@@ -510,6 +512,9 @@ class RoundRunner:
             self._confirm_streams[j], stream = stream, None  # kept open for our CONFIRM
         except (ProtocolError, OSError, ConnectionError) as e:
             raise PeerFailure(f"exchange with {peer[-8:]}: {e}", {peer}) from None
+        except Unreachable as e:
+            self.unreachable |= e.peers
+            raise
         except (AveragingError, asyncio.CancelledError):  # Malformed among them
             raise
         except Exception as e:  # the transport's own errors (unreachable peer, closed daemon...)

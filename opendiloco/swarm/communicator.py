@@ -46,7 +46,7 @@ from ..comm.local import average_alone
 from ..comm.runner import DEFAULT_PART_NUMEL, Group, RoundOutcome, RoundRunner, Rounds, group_label, resolve
 from ..comm.wire import ByteStream, Code
 from ..comm.wire import field as meta_field
-from ..errors import AveragingError, InDoubt, Interrupted, PeerFailure, RoundCounted, Unreachable
+from ..errors import AveragingError, InDoubt, Interrupted, PeerFailure, RoundCounted
 from ..pacing import Pace
 from . import records
 from .doctor import startup_warnings
@@ -472,9 +472,6 @@ class SwarmCommunicator(Communicator):
                 self.state = RoundState.FAILED
                 raise
             except AveragingError as e:
-                if isinstance(e, Unreachable):  # every attempt with it would fail the same way
-                    for peer in e.peers:
-                        self.unreachable.add(peer, key.outer_step, str(e))
                 if isinstance(e, PeerFailure):  # one that refused us failed knowingly: it is back for the retry
                     runner = self._runner if self._runner is not None and self._runner.group is group else None
                     suspects |= e.peers - {self._peer_id} - (runner.refused_by if runner else set())
@@ -507,11 +504,16 @@ class SwarmCommunicator(Communicator):
         return self._next_attempt.get(key, 0)
 
     def _note_offenders(self, group: Group) -> None:
-        """Remembers the members whose bytes failed this worker's own checks in this attempt."""
+        """Remembers the members whose bytes failed this worker's own checks in this attempt, and the
+        members behind NAT it could not dial at all (their relay is gone: every attempt with them would
+        fail the same way). A public member that cannot be dialled is dead or restarting: its record
+        says so soon enough, and it must be welcome back at once."""
         runner = self._runner
         if runner is not None and runner.group is group:
             for peer, reason in dict(runner.malformed).items():  # a stopped attempt may still be ending
                 self.offenders.add(peer, group.key.outer_step, reason)
+            for peer in set(runner.unreachable) & group.relayed:
+                self.unreachable.add(peer, group.key.outer_step, "the p2p daemon could not connect")
 
     def _settle(self, group: Group, doubt: InDoubt) -> RoundOutcome | None:
         """Asks the members that may have completed a failed attempt whether they did (``runner.resolve``):

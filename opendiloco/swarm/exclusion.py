@@ -12,10 +12,11 @@ larger id. So a member caught by one honest worker is out of the very next attem
 names others without cause can keep out at most one honest member (naming a second makes it the one in
 the most conflicts), and only from groups it is in itself. See docs/trust.md.
 
-A member this worker could not dial at all (``errors.Unreachable``: two workers behind NAT whose
-relay is gone) is named the same way, under ``unreachable``, for ``UNREACHABLE_ROUNDS`` outer steps:
-every attempt with both of them would fail, so the group goes on without one of the two, and they
-try each other again once the names lapse.
+A member behind NAT that this worker could not dial at all (``errors.Unreachable``: its relay is
+gone) is named the same way, under ``unreachable``, for ``UNREACHABLE_ROUNDS`` outer steps: every
+attempt with both of them would fail, so the group goes on without one of the two, and they try each
+other again once the names lapse. The matchmaker follows these names only where they leave some part
+of two or more (two workers apart would each be alone, and the names would never lapse).
 """
 
 from __future__ import annotations
@@ -55,6 +56,11 @@ class Offenders:
         log.warning("peer %s %s in round %d (%s); %s out of this worker's groups until outer step %d", peer[-8:],
                     self.what, outer_step, reason, "still" if renewed else "left", outer_step + self.rounds)
 
+    def forget(self, peers: Iterable[str]) -> None:
+        """Drops ``peers`` (the next attempt tries them again)."""
+        for peer in peers:
+            self._until.pop(peer, None)
+
     def active(self, outer_step: int) -> list[str]:
         """The offenders still left out at ``outer_step``, the latest caught first, at most ``MAX_AVOID``."""
         for peer in [p for p, until in self._until.items() if until < outer_step]:
@@ -81,12 +87,6 @@ def announced_avoid(value, field: str = "avoid") -> frozenset[str]:
     if not isinstance(avoid, list):
         return frozenset()
     return frozenset([p for p in avoid if isinstance(p, str) and len(p) <= 128][:MAX_AVOID])
-
-
-def announced_apart(value) -> frozenset[str]:
-    """The peers an announcement keeps out of its announcer's group: those it caught sending malformed
-    data and those it could not dial."""
-    return announced_avoid(value) | announced_avoid(value, "unreachable")
 
 
 def conflicts(members: Iterable[str], avoids: Mapping[str, frozenset[str]]) -> set[tuple[str, str]]:

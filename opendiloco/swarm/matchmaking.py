@@ -25,7 +25,7 @@ from ..comm.base import RoundKey
 from ..comm.runner import Group, make_group_id
 from ..errors import AveragingError, BehindError, Interrupted
 from . import records
-from .exclusion import Offenders, UnreachablePeers, announced_apart, announced_avoid, conflict_free, conflicts, part_of
+from .exclusion import Offenders, UnreachablePeers, announced_avoid, conflict_free, conflicts, part_of, partition
 from .presence import Presence
 
 log = logging.getLogger(__name__)
@@ -118,7 +118,9 @@ class Matchmaker:
         """The peers each peer that announced the current attempt keeps out of its group (its
         announcement's ``avoid`` and ``unreachable``)."""
         self.refusals: dict[str, frozenset[str]] = {}
-        """Of those, the peers each one names for malformed data (its ``avoid``)."""
+        """Of those, the peers each one names for malformed data (its ``avoid``)..."""
+        self.unreachables: dict[str, frozenset[str]] = {}
+        """...and those it could not dial (its ``unreachable``)."""
         self.relayed: dict[str, bool] = {}
         """Whether each peer that announced the current attempt is reached only through relays (its
         announcement's ``relayed``): such a member owns an empty shard (``shard_bounds_for``)."""
@@ -140,6 +142,7 @@ class Matchmaker:
         announce_key = self.records.round_key(key)
         began, announced, polls = self.records.clock.now(), None, 0
         mine_avoid: frozenset[str] = frozenset()
+        mine_unreachable: frozenset[str] = frozenset()  # what we announced for this attempt, read back or not
         gkey = self.records.group_key(key, attempt)
         while True:
             self._raise_if_interrupted()  # a stopping worker neither announces nor publishes
@@ -157,15 +160,17 @@ class Matchmaker:
                          "unreachable": self.unreachable.active(key.outer_step),
                          "relayed": self._behind_nat()}
                 self.records.store(announce_key, value, self.records.clock.now() + s.record_ttl)
-                ready[me], announced, mine_avoid = value, attempt, announced_apart(value)
+                ready[me], announced, mine_avoid = value, attempt, announced_avoid(value)
+                mine_unreachable = announced_avoid(value, "unreachable")
             if gkey != self._taken_for:
                 self.taken, self._taken_for = set(), gkey
             # An announcement outlives its round in the DHT: a peer that has applied this round
             # has done it, and must not be grouped with by a worker that arrives late.
             announced_ok = self._compatible(ready, attempt, numel) - self._moved_on(workers, key)
-            self.avoids = {p: announced_apart(ready[p]) for p in announced_ok}
-            self.avoids[me] = mine_avoid  # what we announced for this attempt, whether read back yet or not
             self.refusals = {p: announced_avoid(ready[p]) for p in announced_ok}
+            self.unreachables = {p: announced_avoid(ready[p], "unreachable") for p in announced_ok}
+            self.refusals[me], self.unreachables[me] = mine_avoid, mine_unreachable
+            self._set_avoids(announced_ok | {me})
             self.relayed = {p: ready[p].get("relayed") is True for p in announced_ok}
             self.relayed[me] = self._behind_nat()
             compatible = announced_ok - (self.taken - {me}) - self._gone(workers, ready, key)
@@ -212,10 +217,11 @@ class Matchmaker:
                         raise BehindError(f"alone in round {key}: every other worker is past it",
                                           group_outer_step=key.outer_step + 1)
                     apart = self._apart(compatible)
-                    if apart:
+                    if apart:  # its own names lapse now: left alone by them, it tries those peers again next time
+                        self.unreachable.forget(apart)
                         raise AveragingError(f"round {key}: left out of the group: this worker and {len(apart)} "
-                                             f"member(s) could not dial each other ({', '.join(apart)}); not "
-                                             "applied alone")
+                                             f"member(s) could not dial each other "
+                                             f"({', '.join(p[-8:] for p in apart)}); not applied alone")
                     raise AveragingError(f"round {key}: no other worker was ready in time ({len(others)} other "
                                          "live worker(s) in the run); not applied alone")
                 isolated = (self.records.clock.isolated() or self.presence.cut_off()) if mine == {me} else None
@@ -328,10 +334,19 @@ class Matchmaker:
         """The candidates whose announcements avoid this worker."""
         return sorted(p for p in candidates if self.me in self.refusals.get(p, ()))
 
+    def _set_avoids(self, candidates: set[str]) -> None:
+        """``avoids``: what the candidates' announcements keep apart. Names of unreachable peers count only
+        where they leave some part of two or more (as a group of two whose link broke once would
+        otherwise be two workers alone for ever: the outer step, which lapses the names, never moves);
+        the same on every member, from the announcements alone."""
+        refusals = {p: self.refusals.get(p, frozenset()) for p in candidates}
+        both = {p: refusals[p] | self.unreachables.get(p, frozenset()) for p in candidates}
+        self.avoids = both if max(map(len, partition(candidates, both)), default=0) >= 2 else refusals
+
     def _apart(self, candidates: set[str]) -> list[str]:
         """The candidates kept apart from this worker because one of the two could not dial the other."""
-        mine = self.avoids.get(self.me, frozenset())
-        return sorted(p[-8:] for p in candidates - {self.me} if self.me in self.avoids.get(p, ()) or p in mine)
+        mine = self.unreachables.get(self.me, frozenset())
+        return sorted(p for p in candidates - {self.me} if self.me in self.unreachables.get(p, ()) or p in mine)
 
     def _tell_if_refused(self, key: RoundKey, candidates: set[str]) -> None:
         """Says once per round key why this worker is left out of the group, when members refuse it."""
@@ -401,8 +416,10 @@ class Matchmaker:
                 announcements = self._announcements(announce_key)
                 compatible |= self._compatible(announcements, attempt, numel)
                 compatible -= self._moved_on(workers, key)
-                self.avoids.update({p: announced_apart(announcements[p]) for p in compatible if p in announcements})
                 self.refusals.update({p: announced_avoid(announcements[p]) for p in compatible if p in announcements})
+                self.unreachables.update({p: announced_avoid(announcements[p], "unreachable") for p in compatible
+                                          if p in announcements})
+                self._set_avoids(compatible | {me})
                 self.relayed.update({p: announcements[p].get("relayed") is True for p in compatible
                                      if p in announcements and p != me})
                 gone = self._gone(workers, {p: announcements.get(p) for p in compatible}, key)

@@ -62,18 +62,34 @@ _P2P, _CIRCUIT = 421, 290  # multiaddr protocol codes of /p2p and /p2p-circuit
 
 
 def daemon_options(client_mode: bool, relays: Sequence[str]) -> dict:
-    """``P2P.create`` keyword arguments: a client-mode node reserves slots on the first ``MAX_RELAYS``
-    of ``relays`` (public peers' full addresses, with ``/p2p/ID``); any other node relays for the others.
-
-    No more than a record may name: a worker started with more initial peers than that would
-    otherwise publish a record every reader drops as malformed, and never be in a group."""
+    """``P2P.create`` keyword arguments: a client-mode node reserves slots on ``usable_relays(relays)``
+    (public peers' full addresses, with ``/p2p/ID``); any other node relays for the others."""
     if not client_mode:
         return {"force_reachability": "public"}
-    relays = list(relays)[:MAX_RELAYS]
+    relays = usable_relays(relays)
     options = {"force_reachability": "private", "use_auto_relay": bool(relays)}
     if relays:
         options["trusted_relays"] = list(relays)
     return options
+
+
+def usable_relays(addresses: Sequence[str]) -> list[str]:
+    """The first ``MAX_RELAYS`` addresses a record may name, one per peer: a worker started with more
+    initial peers would otherwise publish a record every reader drops as malformed (and never be in
+    a group), and several addresses of one peer would fill every slot with a single relay."""
+    out, peers = [], set()
+    for addr in addresses:
+        if len(out) == MAX_RELAYS:
+            break
+        try:
+            circuit_address(addr)
+        except ValueError:
+            continue
+        peer = addr.rsplit("/p2p/", 1)[-1]
+        if len(addr) <= MAX_RELAY_CHARS and peer not in peers:
+            peers.add(peer)
+            out.append(addr)
+    return out
 
 
 def checked_relays(value) -> tuple[str, ...] | None:

@@ -29,11 +29,11 @@ RUN = "natcrowd"
 
 @pytest.fixture
 def public_nodes():
-    """MAX_RELAYS + 2 public DHT nodes, each joined through the first."""
+    """MAX_RELAYS + 1 public DHT nodes, each joined through the first."""
     nodes = [start_dht(host_maddrs=["/ip4/127.0.0.1/tcp/0"])]
     try:
         first = [str(m) for m in nodes[0].get_visible_maddrs()]
-        for _ in range(MAX_RELAYS + 1):
+        for _ in range(MAX_RELAYS):
             nodes.append(start_dht(initial_peers=first, host_maddrs=["/ip4/127.0.0.1/tcp/0"]))
         yield nodes
     finally:
