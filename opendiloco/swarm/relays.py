@@ -79,14 +79,8 @@ def usable_relays(addresses: Sequence[str]) -> list[str]:
     a group), and several addresses of one peer would fill every slot with a single relay."""
     out, peers = [], set()
     for addr in addresses:
-        if len(out) == MAX_RELAYS:
-            break
-        try:
-            circuit_address(addr)
-        except ValueError:
-            continue
         peer = addr.rsplit("/p2p/", 1)[-1]
-        if len(addr) <= MAX_RELAY_CHARS and peer not in peers:
+        if len(out) < MAX_RELAYS and peer not in peers and checked_relays([addr]):
             peers.add(peer)
             out.append(addr)
     return out
