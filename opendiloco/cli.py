@@ -7,6 +7,7 @@ Heavy imports (torch, transformers, hivemind) happen inside the subcommands, so 
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import sys
 from pathlib import Path
@@ -38,6 +39,14 @@ def _config(args, overrides: list[str]):
         return None
 
 
+def _freeze_imports() -> None:
+    """Leaves what the imports made (torch and hivemind: some 330k objects) out of every garbage
+    collection from now on: a full collection, and the one at exit, would walk them all (about 1.5 s
+    of CPU at a worker's exit on 2 cores). They are freed as usual when nothing refers to them."""
+    gc.collect()
+    gc.freeze()
+
+
 def cmd_train(args, overrides: list[str]) -> int:
     from .train.config import to_toml
 
@@ -51,6 +60,7 @@ def cmd_train(args, overrides: list[str]) -> int:
     from .train.checkpoint import CheckpointError
     from .train.trainer import TrainError, train
 
+    _freeze_imports()
     try:
         result = train(cfg, resume=args.resume)
     except SwarmError as e:  # an unreachable or malformed peer, a port in use, other settings
@@ -110,6 +120,7 @@ def cmd_dht(args) -> int:
     from .swarm.bootstrap import run_bootstrap
     from .swarm.node import SwarmError
 
+    _freeze_imports()
     try:
         port = _port(args.metrics_port, "--metrics-port") if args.metrics_port is not None else None
         return run_bootstrap(initial_peers=args.initial_peers, host_maddrs=args.host_maddrs,

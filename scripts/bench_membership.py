@@ -65,7 +65,7 @@ def bench_records(n: int) -> dict[str, float]:
                 writer.store(key, value, get_dht_time() + 60)
                 assert reader.subkey_values(key, 120) == {a.identity.peer_id: value}
             out[name] = per_op_ms(signed, n)
-        ident, _ = Identity.temporary()
+        ident = Identity.fresh()
         out["sign"] = per_op_ms(lambda i: ident.envelope(f"k{i}", ident.peer_id, 1.0, b"x" * 300), n)
     finally:
         b.shutdown()

@@ -15,6 +15,7 @@ import os
 # times over. Set before torch is imported, and inherited by every process a test starts.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+import gc  # noqa: E402
 import threading  # noqa: E402
 import time  # noqa: E402
 from collections.abc import Callable, Sequence  # noqa: E402
@@ -90,6 +91,14 @@ def run_replicas():
 
 _HEAVY = ("world", "swarm", "slow")
 """Markers of the tests kept out of the fast tier, in the order the full suite starts them."""
+
+
+def pytest_collection_finish(session):
+    """What importing torch, hivemind and the test modules made is left out of garbage collection
+    from here on: the in-process swarms, and the DHT processes they fork, would otherwise walk all of
+    it in every full collection."""
+    gc.collect()
+    gc.freeze()
 
 
 def pytest_collection_modifyitems(config, items):

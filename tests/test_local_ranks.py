@@ -110,8 +110,11 @@ def _rank_main(rank: int, store: str, out: str, scenario: str) -> None:
 
 
 def _run(tmp_path: Path, scenario: str) -> list[dict]:
+    # Ranks are forked from a server that imported torch and this package once (a fresh interpreter
+    # per rank, as "spawn" starts, costs some 5 s of CPU each); the fork server is single-threaded.
+    mp.set_forkserver_preload(["opendiloco.testing.forkserver_preload"])
     mp.start_processes(_rank_main, args=(str(tmp_path / "store"), str(tmp_path), scenario), nprocs=2,
-                       start_method="spawn", join=True)
+                       start_method="forkserver", join=True)
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
 
 

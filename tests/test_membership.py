@@ -17,11 +17,7 @@ SECRET = b"0123456789abcdef0123456789abcdef"
 
 @pytest.fixture(scope="module")
 def identities():
-    made = []
-    for _ in range(2):
-        ident, path = Identity.temporary()
-        made.append((ident, path))
-    return made
+    return [Identity.fresh(), Identity.fresh()]
 
 
 # -- the secret ---------------------------------------------------------------------------------
@@ -92,7 +88,7 @@ def test_secret_command(tmp_path, capsys):
 def test_identities_derive_libp2p_peer_ids(identities, tmp_path):
     # Ours are Ed25519 (a p2p daemon started with one has this id: the communicator checks it);
     # RSA identity files written by hivemind still load, with hivemind's id.
-    assert identities[0][0].peer_id.startswith("12D3KooW")
+    assert identities[0].peer_id.startswith("12D3KooW")
     P2P.generate_identity(str(tmp_path / "rsa.key"))
     rsa = Identity.from_file(str(tmp_path / "rsa.key"))
     assert rsa.peer_id == PeerID.from_identity((tmp_path / "rsa.key").read_bytes()).to_base58()
@@ -104,7 +100,7 @@ def test_identities_derive_libp2p_peer_ids(identities, tmp_path):
 
 
 def test_envelopes_bind_writer_key_subkey_and_expiry(identities):
-    (alice, _), (mallory, _) = identities
+    alice, mallory = identities
     kid = key_id("run.workers")
     env = alice.envelope("run.workers", alice.peer_id, 100.5, b"body")
     assert open_envelope(kid, alice.peer_id, 100.5, env) == b"body"
@@ -125,7 +121,7 @@ def test_envelopes_bind_writer_key_subkey_and_expiry(identities):
 
 
 def test_storage_validator_refuses_all_but_signed_envelopes(identities):
-    (alice, _), (mallory, _) = identities
+    alice, mallory = identities
     validator = SignedRecordValidator()
     kid = key_id("run.workers")
 

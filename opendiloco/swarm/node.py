@@ -195,7 +195,33 @@ def start_dht(
     return dht
 
 
+CLIENT_START_TRIES = 3
+"""A client-mode daemon (``-autoRelay`` with its initial peers as static relays) now and then fails
+its bootstrap at once ("failed to connect to bootstrap peers", 2-3 starts in 50 on loopback) while
+the same peer is reachable: it is started again, within the startup timeout."""
+
+
 def _start(initial_peers: list[str], identity: Identity, startup_timeout: float, kwargs: dict) -> hivemind.DHT:
+    deadline = time.monotonic() + startup_timeout
+    tries = CLIENT_START_TRIES if kwargs.get("client_mode") and initial_peers else 1
+    for attempt in range(1, tries + 1):
+        try:
+            return _start_once(initial_peers, identity, max(1.0, deadline - time.monotonic()), kwargs)
+        except _BootstrapFailed as e:
+            if attempt == tries or time.monotonic() > deadline - 2.0:
+                raise SwarmError(str(e)) from None
+            log.info("the p2p daemon could not reach its initial peers (try %d of %d): starting it again",
+                     attempt, tries)
+            time.sleep(0.5)
+    raise AssertionError("unreachable")
+
+
+class _BootstrapFailed(Exception):
+    """The daemon reached none of the initial peers (the message is the user's one line)."""
+
+
+def _start_once(initial_peers: list[str], identity: Identity, startup_timeout: float,
+                kwargs: dict) -> hivemind.DHT:
     start = time.monotonic()
     dht = WorkerBoundDHT(initial_peers=initial_peers or None, start=True, await_ready=False,
                          record_validators=[SignedRecordValidator()], **kwargs)
@@ -213,9 +239,9 @@ def _start(initial_peers: list[str], identity: Identity, startup_timeout: float,
         dht.shutdown()
         msg = str(e)
         if "bootstrap" in msg or "connect" in msg:
-            raise SwarmError(f"none of the initial peers could be reached after {time.monotonic() - start:.1f}s: "
-                             f"{', '.join(initial_peers)} (is the peer running, the port open, the address "
-                             "copied whole?)") from None
+            raise _BootstrapFailed(f"none of the initial peers could be reached after {time.monotonic() - start:.1f}s: "
+                                   f"{', '.join(initial_peers)} (is the peer running, the port open, the address "
+                                   "copied whole?)") from None
         clock = re.search(r"local time must be within ([\d.]+) seconds.*local: ([\d.]+), peer: ([\d.]+)", msg)
         if clock:
             limit, local, peer = map(float, clock.groups())

@@ -123,6 +123,11 @@ class Identity:
             f.write(data)
 
     @classmethod
+    def fresh(cls) -> Identity:
+        """A new Ed25519 identity that lives in memory only (to sign with; a daemon needs a file)."""
+        return cls(ed25519.Ed25519PrivateKey.generate())
+
+    @classmethod
     def temporary(cls) -> tuple[Identity, str]:
         """A fresh identity and a private file holding it (for p2pd to start with; delete it after)."""
         directory = tempfile.mkdtemp(prefix="opendiloco-identity-")

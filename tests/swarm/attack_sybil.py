@@ -32,7 +32,7 @@ from opendiloco.swarm.streams import P2PStreams
 
 
 def bare_key() -> Identity:
-    return Identity.temporary()[0]
+    return Identity.fresh()
 
 
 async def main_async(args) -> dict:

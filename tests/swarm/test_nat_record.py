@@ -10,6 +10,7 @@ public workers as initial peers was left out of every round, downloading the run
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 
@@ -21,6 +22,8 @@ from opendiloco.swarm.membership import Membership
 from opendiloco.swarm.node import start_dht
 from opendiloco.swarm.presence import Presence
 from opendiloco.swarm.relays import MAX_RELAYS
+from opendiloco.swarm.signing import Identity
+from opendiloco.testing.ports import free_port
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(120)]
 
@@ -87,3 +90,41 @@ def test_a_record_its_readers_would_drop_is_refused_where_it_is_written(loop):
                      record_ttl=10.0, relays=(relay,) * (MAX_RELAYS + 1))
     finally:
         node.shutdown()
+
+
+def test_a_client_mode_node_whose_first_bootstrap_failed_is_started_again(tmp_path):
+    """A client-mode daemon now and then fails its bootstrap at once though its peer is up (2-3 starts
+    in 50 on loopback): it is started again within the startup timeout. Made certain here: the
+    initial peer comes up only once the first try has failed (its identity and port fixed before)."""
+    key = str(tmp_path / "peer.key")
+    Identity.generate(key)
+    port = free_port()
+    address = f"/ip4/127.0.0.1/tcp/{port}/p2p/{Identity.from_file(key).peer_id}"
+    started = []
+
+    class StartPeerOnRetry(logging.Handler):
+        def emit(self, record):
+            if "starting it again" in record.getMessage() and not started:
+                started.append(start_dht(host_maddrs=[f"/ip4/127.0.0.1/tcp/{port}"], identity_path=key))
+
+    handler = StartPeerOnRetry(logging.INFO)
+    node_log = logging.getLogger("opendiloco.swarm.node")
+    node_log.addHandler(handler)
+    level = node_log.level
+    node_log.setLevel(logging.INFO)
+    client = None
+    try:
+        client = start_dht(initial_peers=[address], host_maddrs=["/ip4/127.0.0.1/tcp/0"], client_mode=True)
+        assert started, "the first try reached a peer that was not up"
+        assert started[0].peer_id in client.run_coroutine(_connected_peers)
+    finally:
+        node_log.removeHandler(handler)
+        node_log.setLevel(level)
+        if client is not None:
+            client.shutdown()
+        for node in started:
+            node.shutdown()
+
+
+async def _connected_peers(dht, node):
+    return [info.peer_id for info in await node.p2p.list_peers()]
