@@ -93,8 +93,16 @@ def test_a_shard_owner_cannot_decide_its_shard(swarm, result):
         rounds = swarm.records(name)
         # No round it was in was applied: its result never entered θ_global.
         assert all(bad not in r["peers"] for r in rounds if r["ok"]), rounds
-        losses = [r["loss"] for r in rounds]  # training as usual (its result in a round: 1e16 within 34 rounds)
-        assert all(math.isfinite(x) and x <= 2 * losses[0] for x in losses) and losses[-1] < losses[0], losses
+        # Training as usual: its result in a round took θ_global to 1e4-1e16 within a few rounds. One
+        # batch's loss moves (a worker that lost a round to the attack may step back for a round), so
+        # the bounds are the target's own scale (its values lie in [-1, 1]: predicting zero costs about
+        # 0.8; twice that is allowed) and the trend over three rounds, and θ_global stays of the size
+        # honest training gives it (about 1.3 after 6 rounds).
+        seen = [(round(r["loss"], 3), r["ok"], round(r["theta_max"], 2), r["reason"]) for r in rounds]
+        losses = [r["loss"] for r in rounds]
+        assert all(math.isfinite(x) and x < 2.0 for x in losses), seen
+        assert sum(losses[-3:]) < sum(losses[:3]), seen
+        assert all(r["theta_max"] < 10.0 for r in rounds), seen
     # It was caught by the audit (in some member's log), and left out after that.
     logs = "".join(swarm.log(n, tail=400000) for n in names)
     assert "failed this worker's audit" in logs and bad[-8:] in logs

@@ -1,6 +1,7 @@
 """Faults on a real swarm: late joiners, a worker killed or frozen mid all-reduce, drift, NaNs, quorum."""
 
 import os
+import re
 import signal
 import time
 
@@ -38,9 +39,12 @@ def test_late_joiner_downloads_state_and_trains_in_step(swarm):
 
     start = swarm.records("w2", "start")[0]
     assert start["downloaded"] and start["outer_step"] >= 2, start
-    # It asked both workers for the state's parts at once (multi_donor.py).
-    assert f"downloaded state of outer step {start['outer_step']} in parts from " in swarm.log("w2", 1_000_000)
-    assert " of 2 donor(s)" in swarm.log("w2", 1_000_000)
+    # It took the state in parts (multi_donor.py) from the workers whose records were at the state the
+    # run confirms when it read them: both, or one if the other had not yet recorded that step (how
+    # many is a race with the others' rounds; several donors at once are test_multi_donor.py's).
+    took = re.search(rf"downloaded state of outer step {start['outer_step']} in parts from (\d) of (\d) donor",
+                     swarm.log("w2", 1_000_000))
+    assert took and 1 <= int(took[1]) <= int(took[2]) <= 2, swarm.log("w2")
     # It starts from exactly the θ_global the others had at that outer step...
     assert start["global_hash"] == ok_syncs(swarm, "w0")[start["outer_step"]]["global_hash"]
     # ...takes the group's position in the round, so that its first round is the group's round of that
