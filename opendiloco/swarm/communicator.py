@@ -646,6 +646,11 @@ class SwarmCommunicator(Communicator):
             if time.monotonic() >= deadline:
                 raise AveragingError(f"no peer served the state the run confirms within {timeout:.0f}s"
                                      + (f": {errors}" if errors else ""))
+            left = self.matchmaker.left_out
+            if left is not None and min_outer_step == left.key.outer_step + 1:
+                why = self.matchmaker.left_out_for_nothing(left)
+                if why:  # no state of that step is coming: back to the round, where the others wait
+                    raise AveragingError(why)
             self._interrupted.wait(0.5)
 
     def _download_in_parts(self, candidates: list, wanted_hash: str, wanted_step: int, min_outer_step: int | None,

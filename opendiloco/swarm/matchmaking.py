@@ -92,6 +92,15 @@ def in_round(record, outer_step: int) -> bool:
     return record.outer_step == outer_step and record.heading == outer_step + 1
 
 
+@dataclass(frozen=True)
+class LeftOut:
+    """A group of this round and attempt, of these members, went ahead without this worker."""
+
+    key: RoundKey
+    attempt: int
+    members: frozenset[str]
+
+
 class Matchmaker:
     def __init__(self, run_records: records.RunRecords, presence: Presence, settings: MatchmakingSettings,
                  codec_name: str, interrupted: threading.Event, *, doorbell: Doorbell | None = None,
@@ -126,6 +135,8 @@ class Matchmaker:
         announcement's ``relayed``): such a member owns an empty shard (``shard_bounds_for``)."""
         self._told = ""
         """The round key for which this worker was last told that members refuse it."""
+        self.left_out: LeftOut | None = None
+        """The group that last left this worker out (``BehindError``): what its catch-up waits for."""
         self.no_shows: dict[str, int] = {}
         """Peers that published a ready time and then did not come (by the round key they missed):
         their ready time is not believed again until they take part in a round."""
@@ -139,6 +150,7 @@ class Matchmaker:
         Raises ``BehindError`` when the run has moved past this worker.
         """
         s, me = self.settings, self.me
+        self.left_out = None
         announce_key = self.records.round_key(key)
         began, announced, polls = self.records.clock.now(), None, 0
         mine_avoid: frozenset[str] = frozenset()
@@ -242,7 +254,7 @@ class Matchmaker:
             # A leader may have closed the group already (it gave up on a straggler we still wait
             # for): its doorbell ring, or now and then the DHT, tells us.
             if self.doorbell.wait(str(key), attempt, 0) or polls % 10 == 0:
-                members = self._published(key, gkey, set(workers) | {me}, announced_ok)
+                members = self._published(key, attempt, gkey, set(workers) | {me}, announced_ok)
                 if members is not None:
                     return self._group(key, attempt, members), attempt
             time.sleep(s.poll_interval)
@@ -301,7 +313,8 @@ class Matchmaker:
         times = [v.get("since") for v in announcements.values()]
         return min([began] + [t for t in times if isinstance(t, (int, float)) and oldest <= t <= now])
 
-    def _published(self, key: RoundKey, gkey: str, live: set[str], announced: set[str]) -> tuple[str, ...] | None:
+    def _published(self, key: RoundKey, attempt: int, gkey: str, live: set[str],
+                   announced: set[str]) -> tuple[str, ...] | None:
         """The group published for this round and attempt that holds this worker, or None.
 
         A group counts if its publisher leads it (the smallest member id), its members are
@@ -327,7 +340,23 @@ class Matchmaker:
         self.taken = set().union(*published.values()) if published else set()
         voters = self.presence.partners.vouched(live | self.taken)  # fresh identities do not count
         if self.taken & voters and 2 * len(self.taken & voters) >= len(voters):
+            self.left_out = LeftOut(key, attempt, frozenset(self.taken))
             raise BehindError(f"left out of the group for round {key}", group_outer_step=key.outer_step + 1)
+        return None
+
+    def left_out_for_nothing(self, left: LeftOut) -> str | None:
+        """Why the round that left this worker out will not move the run on, or None while it may: its
+        members announced a later attempt at the same round (theirs failed) or have all gone. A worker
+        left out waits to catch up with the group's result; a group that failed has none to give, and
+        its members come back to matchmaking, where they would wait for this worker."""
+        workers = self.presence.live_workers()
+        if not left.members & set(workers):
+            return f"every member of the group of round {left.key} that left this worker out is gone"
+        ready = self._announcements(self.records.round_key(left.key))
+        again = sorted(p for p in left.members if p in ready and ready[p]["attempt"] > left.attempt)
+        if again:
+            return (f"the group of round {left.key} that left this worker out did not complete it "
+                    f"({len(again)} of its members try again)")
         return None
 
     def _refusing(self, candidates: set[str]) -> list[str]:
@@ -384,7 +413,7 @@ class Matchmaker:
             # A group already closed for this round wins over our own view of who is ready. Its leader
             # rings us when it publishes one; the DHT is read anyway now and then (a ring can be lost).
             if rang or polls % SLOW_READ_EVERY == 0:
-                members = self._published(key, gkey, live, compatible)
+                members = self._published(key, attempt, gkey, live, compatible)
                 if members is not None:
                     return self._group(key, attempt, members)
             candidates = part_of(me, compatible - (self.taken - {me}) - gone, self.avoids)

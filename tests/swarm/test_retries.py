@@ -26,7 +26,7 @@ import torch
 
 from opendiloco.comm.base import RoundKey
 from opendiloco.comm.runner import RoundRunner
-from opendiloco.errors import AveragingError, Unreachable
+from opendiloco.errors import AveragingError, BehindError, Unreachable
 from opendiloco.swarm.communicator import SwarmCommunicator, SwarmSettings
 from opendiloco.swarm.hooks import RoundHooks
 from opendiloco.swarm.node import start_dht
@@ -208,3 +208,66 @@ def test_a_peer_whose_dial_fails_is_named_unreachable():
         asyncio.run(dial())
     finally:
         node.shutdown()
+
+
+class HeldThenBroken(RoundHooks):
+    """The first attempt's exchange waits until ``release`` is set, then fails (a member that stalled
+    in the round, then died)."""
+
+    def __init__(self):
+        self.entered, self.release = threading.Event(), threading.Event()
+        self.attempts = 0
+        hooks = self
+
+        class Held(RoundRunner):
+            async def run(self, connect):
+                hooks.entered.set()
+                while not hooks.release.is_set():
+                    await asyncio.sleep(0.05)
+                raise AveragingError("the exchange stalled, then broke")
+
+        self.held = Held
+
+    def runner_for(self, group, default):
+        self.attempts += 1
+        return self.held if self.attempts == 1 else default
+
+
+def test_a_worker_left_out_of_a_group_that_fails_goes_back_to_the_round(workers):
+    """A worker that comes late to a round whose group went ahead without it is left out, and waits to
+    download the group's result. When that group fails, there is no result to wait for: its members try
+    the round again, and wait for this worker there. The catch-up used to wait for its whole timeout
+    (60 s in the optimizer) while the others, needing it for a quorum of 2, gave up on their round
+    (found in a loaded suite run, tests/swarm/test_heterogeneous.py)."""
+    w0, w1, late = workers(3, dataclasses.replace(SETTINGS, max_attempts=3, straggler_wait=2.0))
+    hooks = [HeldThenBroken(), HeldThenBroken()]
+    w0.hooks, w1.hooks = hooks
+    key = RoundKey(0)
+    rounds = [comm.start(torch.full((64,), float(i + 1)), weight=1.0, key=key) for i, comm in enumerate((w0, w1))]
+    for h in hooks:  # the two went ahead without the late worker, and are in their exchange
+        assert h.entered.wait(60), "the group of two never formed"
+    with pytest.raises(BehindError, match="left out of the group"):
+        late.start(torch.full((64,), 3.0), weight=1.0, key=key).wait(60)
+
+    outcome: list = []
+
+    def catch_up():  # what the optimizer does on that error: wait for a state of the next outer step
+        try:
+            outcome.append(late.download_state(600.0, min_outer_step=key.outer_step + 1))
+        except AveragingError as e:
+            outcome.append(e)
+
+    waiting = threading.Thread(target=catch_up)
+    waiting.start()
+    for h in hooks:
+        h.release.set()  # the group's attempt fails: its members try the round again
+    waiting.join(120)  # far inside the catch-up's own 600 s
+    assert not waiting.is_alive(), "the catch-up still waits for the result of a group that failed"
+    assert len(outcome) == 1 and isinstance(outcome[0], AveragingError), outcome
+    assert "did not complete it" in str(outcome[0]), outcome[0]
+    late.interrupt()
+    for r in rounds:  # the other two end their round either way (with each other, or failed)
+        try:
+            r.wait(90)
+        except AveragingError:
+            pass
