@@ -177,3 +177,61 @@ def test_a_worker_whose_peers_all_left_the_round_before_its_group_closed_does_no
     with pytest.raises(AveragingError, match="not applied alone"):
         mm._adopt_group(key, 0, {"a", "b"}, {"a", "b"}, 10)
     assert table.group_key(key, 0) not in table.values  # no group of one was published
+
+
+class CountingWriter(Writer):
+    def __init__(self, table: Table, me: str):
+        super().__init__(table, me)
+        self.reads: list[float] = []
+
+    def subkey_values(self, key: str, max_ttl: float) -> dict:
+        if key.startswith("r.round."):
+            self.reads.append(time.monotonic())
+        return super().subkey_values(key, max_ttl)
+
+
+def test_a_waiting_worker_looks_less_often_while_nothing_changes():
+    """Every look is a DHT lookup that the peers' DHT processes answer: a worker waiting for a straggler
+    at one look each 20 ms kept its peers and itself at half a core of the 2 here. While the
+    announcements stay the same the gap doubles, up to ``quiet_poll_interval``."""
+    table, key = Table(), RoundKey(2)
+    workers = {p: WorkerRecord(p, outer_step=2, time=table.clock.now()) for p in "ab"}  # "b" never comes
+    settings = dataclasses.replace(SETTINGS, poll_interval=0.01, quiet_poll_interval=0.25, straggler_wait=3.0,
+                                   matchmaking_timeout=3.0)
+    writer = CountingWriter(table, "a")
+    mm = Matchmaker(writer, Presence("a", lambda: workers), settings, "fp16", threading.Event())
+    with pytest.raises(AveragingError, match="need 2"):
+        mm.form_group(key, 0, 10)
+    waited = writer.reads[-1] - writer.reads[0]
+    assert waited >= 2.5 and len(writer.reads) < 40, (waited, len(writer.reads))  # at 0.01 s: some 300
+    gaps = [b - a for a, b in zip(writer.reads, writer.reads[1:])]
+    assert max(gaps) < 1.0, gaps  # never longer than the quiet gap (and the machine's hiccups)
+
+
+def test_an_announcement_rings_the_peer_that_closes_groups():
+    """The peer with the smallest id closes groups; it may be looking only now and then, so a worker
+    that announces rings it (once per attempt), and it reads the announcements at once."""
+    table, key = Table(), RoundKey(4)
+    now = table.clock.now()
+    table.values[table.round_key(key)] = {"a": {"attempt": 0, "numel": 10, "codec": "fp16",
+                                                "part": SETTINGS.part_numel, "config": "", "since": now}}
+    workers = {p: WorkerRecord(p, outer_step=4, time=now) for p in "ab"}
+    rings = []
+    mm = Matchmaker(Writer(table, "b"), Presence("b", lambda: workers), SETTINGS, "fp16", threading.Event(),
+                    ring_members=lambda peers, k, attempt: rings.append((list(peers), k, attempt)))
+    publish = threading.Timer(0.5, lambda: table.values.setdefault(table.group_key(key, 0), {}).update(a=["a", "b"]))
+    publish.start()  # "a" closes the group
+    try:
+        group, attempt = mm.form_group(key, 0, 10)
+    finally:
+        publish.cancel()
+    assert group.members == ("a", "b") and attempt == 0
+    assert rings == [(["a"], str(key), 0)]
+    leader_rings = []  # the peer that closes groups rings nobody when it announces (only the members it groups)
+    workers_5 = {p: WorkerRecord(p, outer_step=5, time=now) for p in "ab"}
+    quick = dataclasses.replace(SETTINGS, matchmaking_timeout=1.0, straggler_wait=0.5)
+    leader = Matchmaker(Writer(table, "a"), Presence("a", lambda: workers_5), quick, "fp16", threading.Event(),
+                        ring_members=lambda peers, k, attempt: leader_rings.append(list(peers)))
+    with pytest.raises(AveragingError, match="need 2"):
+        leader.form_group(RoundKey(5), 0, 10)  # "b" never comes
+    assert leader_rings == []

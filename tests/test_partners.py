@@ -107,15 +107,15 @@ def test_a_group_of_fresh_identities_does_not_leave_a_partner_behind():
     live = {"b", "c", "f1", "f2"}
     fooled = _matchmaker(table, "b", {})
     with pytest.raises(BehindError):  # without partners: two of four went on, so the run did
-        fooled._published(key, table.group_key(key, 0), live, {"f1", "f2"})
+        fooled._published(key, 0, table.group_key(key, 0), live, {"f1", "f2"})
     partner = _matchmaker(table, "b", {}, partners={"c"})
-    assert partner._published(key, table.group_key(key, 0), live, {"f1", "f2"}) is None
+    assert partner._published(key, 0, table.group_key(key, 0), live, {"f1", "f2"}) is None
     assert partner.taken == {"f1", "f2"}  # their business: not waited for
     # The same group with a partner in it is the run moving on.
     table.values[table.round_key(key)]["c"] = announcement
     table.values[table.group_key(key, 0)] = {"c": ["c", "f1"]}
     with pytest.raises(BehindError):
-        partner._published(key, table.group_key(key, 0), live, {"c", "f1", "f2"})
+        partner._published(key, 0, table.group_key(key, 0), live, {"c", "f1", "f2"})
 
 
 def test_a_ready_time_from_a_peer_whose_word_does_not_count_is_believed_for_one_grace_at_most():

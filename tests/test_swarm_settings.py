@@ -25,7 +25,7 @@ from opendiloco.train.config import SwarmConfig, fingerprint_covers, load_config
 NOT_DEFAULT = {
     "run_id": "other-run", "compression": "int8", "result_compression": "fp16", "min_group_size": 3,
     "matchmaking_timeout": 7.0, "allreduce_timeout": 9.0, "straggler_wait": 2.5, "max_attempts": 5,
-    "verify_timeout": 1.5, "poll_interval": 0.5, "max_wait": 42.0, "part_numel": 4096,
+    "verify_timeout": 1.5, "poll_interval": 0.5, "quiet_poll_interval": 2.0, "max_wait": 42.0, "part_numel": 4096,
     "aggregation": "centered-clip", "clip_ratio": 2.0, "max_weight_ratio": 3.0, "audit_chunks": 7,
     "exclude_rounds": 3,
 }

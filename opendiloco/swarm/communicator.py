@@ -99,6 +99,8 @@ class SwarmSettings:
     """Seconds a member waits for the others' confirmations of the average's digest."""
     poll_interval: float = 0.02
     """Seconds between two looks at the DHT while a group forms (a doorbell ring wakes it sooner)."""
+    quiet_poll_interval: float = 0.25
+    """The longest gap between two looks while no announcement changes (doubled from ``poll_interval``)."""
     max_wait: float = 600.0
     """The longest a round waits for a live peer that says it is coming (its published ready time)."""
     part_numel: int = DEFAULT_PART_NUMEL
@@ -140,6 +142,7 @@ class SwarmSettings:
             max_attempts=cfg.max_attempts,
             verify_timeout=cfg.verify_timeout,
             poll_interval=cfg.poll_interval,
+            quiet_poll_interval=cfg.quiet_poll_interval,
             max_wait=cfg.max_wait,
             part_numel=cfg.part_numel,
             aggregation=Aggregation(cfg.aggregation, clip_ratio=cfg.clip_ratio, max_weight_ratio=cfg.max_weight_ratio),
@@ -242,7 +245,8 @@ class SwarmCommunicator(Communicator):
             run_id=s.run_id, min_group_size=s.min_group_size, matchmaking_timeout=s.matchmaking_timeout,
             straggler_wait=s.straggler_wait, max_wait=s.max_wait,
             record_ttl=s.max_wait + s.matchmaking_timeout + s.allreduce_timeout,
-            poll_interval=s.poll_interval, part_numel=s.part_numel, config=s.config_fingerprint),
+            poll_interval=s.poll_interval, quiet_poll_interval=s.quiet_poll_interval, part_numel=s.part_numel,
+            config=s.config_fingerprint),
             group_label(self.codec, self.result_codec, s.aggregation, s.audit_chunks),
             self._interrupted,
             doorbell=self.doorbell, ring_members=self._ring_members,

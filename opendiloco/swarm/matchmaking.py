@@ -42,6 +42,10 @@ class MatchmakingSettings:
     record_ttl: float = 60.0
     """How long announcements and published groups stay in the DHT."""
     poll_interval: float = 0.02
+    quiet_poll_interval: float = 0.25
+    """While the announcements stay the same, the gap between two looks doubles from ``poll_interval``
+    up to this: each look is a DHT lookup that the peers' DHT processes answer, and a worker waiting
+    for a straggler at one look each 20 ms cost its peers and itself half a core of the 2 here."""
     part_numel: int = 1 << 18
     """Values per streamed part: members must agree on it (it is part of the announcement)."""
     config: str = ""
@@ -58,10 +62,13 @@ read of a waiting worker is a DHT lookup that its peers' DHT processes answer, a
 
 
 class Doorbell:
-    """Wake-ups from leaders that have just published a group, so members read it at once.
+    """Wake-ups, so that a waiting worker reads the DHT at once: from a leader that has just published
+    a group (to its members), and from a worker that has just announced an attempt (to the peer with
+    the smallest id, which closes groups). Between rings a waiting worker looks less and less often
+    (``quiet_poll_interval``).
 
     A ring carries no authority: it only makes a member read the DHT now instead of at its next
-    poll, so a forged ring costs one DHT read. Thread-safe; remembers a bounded number of rings.
+    poll, so a forged ring costs two DHT reads. Thread-safe; remembers a bounded number of rings.
     """
 
     def __init__(self, remember: int = 256):
@@ -117,7 +124,8 @@ class Matchmaker:
         self.me = presence.peer_id
         self.doorbell = doorbell or Doorbell()
         self.ring_members = ring_members
-        """Tells the other members (without waiting) that this worker published their group."""
+        """Rings these peers' doorbells (without waiting): the members of a group this worker published, or
+        the peer that closes groups once this worker announced an attempt."""
         self.taken: set[str] = set()
         """Peers in groups of the current attempt that leave this worker out."""
         self._taken_for = ""
@@ -153,6 +161,7 @@ class Matchmaker:
         self.left_out = None
         announce_key = self.records.round_key(key)
         began, announced, polls = self.records.clock.now(), None, 0
+        rang, quiet, last_seen, told = False, 0, frozenset(), None
         mine_avoid: frozenset[str] = frozenset()
         mine_unreachable: frozenset[str] = frozenset()  # what we announced for this attempt, read back or not
         gkey = self.records.group_key(key, attempt)
@@ -186,6 +195,10 @@ class Matchmaker:
             self.relayed = {p: ready[p].get("relayed") is True for p in announced_ok}
             self.relayed[me] = self._behind_nat()
             compatible = announced_ok - (self.taken - {me}) - self._gone(workers, ready, key)
+            if told != attempt:  # wake the peer that closes groups (it may be waiting only for us)
+                told, leader = attempt, min(compatible | {me})
+                if leader != me and self.ring_members is not None:
+                    self.ring_members([leader], str(key), attempt)
             mine = part_of(me, compatible, self.avoids)  # without peers that members of it avoid
             self._tell_if_refused(key, compatible)
             # Peers heading for this round: at its outer step, or one behind with a streamed round
@@ -253,13 +266,20 @@ class Matchmaker:
             polls += 1
             # A leader may have closed the group already (it gave up on a straggler we still wait
             # for): its doorbell ring, or now and then the DHT, tells us.
-            if self.doorbell.wait(str(key), attempt, 0) or polls % 10 == 0:
+            if rang or self.doorbell.wait(str(key), attempt, 0) or polls % 10 == 0:
                 members = self._published(key, attempt, gkey, set(workers) | {me}, announced_ok)
                 if members is not None:
                     return self._group(key, attempt, members), attempt
-            time.sleep(s.poll_interval)
+            seen = frozenset((p, v["attempt"]) for p, v in ready.items())
+            quiet, last_seen = (quiet + 1 if seen == last_seen else 0), seen
+            rang = self.doorbell.wait(str(key), attempt, self._gap(quiet))
             workers = None if polls % SLOW_READ_EVERY == 0 else workers
         return self._adopt_group(key, attempt, announced_ok, set(workers) | {me}, numel), attempt
+
+    def _gap(self, quiet: int) -> float:
+        """Seconds to the next look after ``quiet`` looks that found the same announcements."""
+        s = self.settings
+        return min(max(s.poll_interval, s.quiet_poll_interval), s.poll_interval * 2 ** min(quiet, 30))
 
     def _announcements(self, announce_key: str) -> dict[str, dict]:
         return {p: v for p, v in self.records.subkey_values(announce_key, self.settings.record_ttl + 10).items()

@@ -296,6 +296,9 @@ class SwarmConfig(Section):
     """Attempts of one round (each with whoever is still there) before the outer step fails."""
     poll_interval: float = Field(0.02, ge=0.001, le=60.0)
     """Seconds between two looks at the DHT while a group forms (a peer's ring wakes a worker sooner)."""
+    quiet_poll_interval: float = Field(0.25, ge=0.001, le=60.0)
+    """The longest gap between two looks while no announcement changes (the gap doubles from
+    ``poll_interval`` up to it, and is back at ``poll_interval`` once one does)."""
     part_numel: int = Field(1 << 18, ge=PART_NUMEL_BLOCK, le=PART_NUMEL_MAX)
     """Values per streamed part of a contribution, a multiple of 1024; workers group only with the
     same one, like compression."""
