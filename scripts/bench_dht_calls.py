@@ -9,7 +9,8 @@ caller and its DHT process per call, and wall time per call. Waiting: a run of t
 bootstrap on 127.0.0.1 in which one worker waits in matchmaking for the other, which never comes;
 the cores all their processes (Python, DHT processes, p2pd) use, with the matchmaker looking every
 ``poll_interval`` (20 ms) throughout against the gap that doubles up to ``quiet_poll_interval``
-while nothing changes. Each figure is printed as a ratio of its baseline, measured in the same run.
+while nothing changes; and the cores of that run between rounds. Each figure is printed as a ratio
+of its baseline, measured in the same run.
 """
 
 from __future__ import annotations
@@ -70,7 +71,9 @@ def per_call(dht, n: int) -> tuple[float, float]:
     return 1e3 * (tree_cpu() - c0) / n, 1e3 * (time.perf_counter() - t0) / n
 
 
-def waiting_cores(quiet_poll_interval: float, seconds: float) -> float:
+def waiting_cores(quiet_poll_interval: float, seconds: float, idle: list | None = None) -> float:
+    """Cores of a run of two and its bootstrap while one worker waits in matchmaking; ``idle`` gets the
+    cores of the same run before the wait (both workers between rounds)."""
     settings = SwarmSettings(run_id="bench", min_group_size=2, straggler_wait=3 * seconds,
                              matchmaking_timeout=3 * seconds, heartbeat_interval=2.0, record_ttl=8.0,
                              poll_interval=0.02, quiet_poll_interval=quiet_poll_interval)
@@ -81,6 +84,10 @@ def waiting_cores(quiet_poll_interval: float, seconds: float) -> float:
     try:
         while len(waiting.live_workers()) < 2:
             time.sleep(0.2)
+        if idle is not None:
+            c0, t0 = tree_cpu(), time.monotonic()
+            time.sleep(seconds)
+            idle.append((tree_cpu() - c0) / (time.monotonic() - t0))
         work = waiting.start(torch.zeros(64), weight=1.0, key=RoundKey(0))
         time.sleep(2.0)  # past the first looks
         c0, t0 = tree_cpu(), time.monotonic()
@@ -115,8 +122,10 @@ def main() -> None:
     print(f"DHT call, hivemind's MPFuture: {base_cpu:.2f} ms CPU, {base_wall:.2f} ms wall (baseline)")
     print(f"DHT call, answered by number:  {cpu:.2f} ms CPU ({cpu / base_cpu:.2f}x), "
           f"{wall:.2f} ms wall ({wall / base_wall:.2f}x)")
+    idle: list[float] = []
     fixed = waiting_cores(0.02, args.seconds)
-    backoff = waiting_cores(SwarmSettings.quiet_poll_interval, args.seconds)
+    backoff = waiting_cores(SwarmSettings.quiet_poll_interval, args.seconds, idle)
+    print(f"a run of 2 between rounds (heartbeat {SwarmSettings.heartbeat_interval} s): {idle[0]:.3f} cores")
     print(f"a run of 2 with one worker waiting, a look every 20 ms: {fixed:.3f} cores (baseline)")
     print(f"the same, the gap doubling to {SwarmSettings.quiet_poll_interval} s: {backoff:.3f} cores "
           f"({backoff / fixed:.2f}x)")
