@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from opendiloco.testing.proctree import run_captured
 from opendiloco.train.checkpoint import CheckpointManager
 from opendiloco.train.config import load_config
 from opendiloco.train.trainer import train
@@ -37,8 +38,11 @@ def _cli(run_dir: Path, *extra: str, preexec_fn=None, timeout: float = 180,
          log_level: str = "INFO") -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "opendiloco", "--log-level", log_level, "train", *SMALL, "--run.dir", str(run_dir),
            "--checkpoint.keep", "3", "--checkpoint.background", "false", *extra]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    if preexec_fn is None:
+        return run_captured(cmd, timeout=timeout, cwd=ROOT, env=env)
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, preexec_fn=preexec_fn,
-                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                          env=env)
 
 
 def _damage(path: Path, how: str) -> None:

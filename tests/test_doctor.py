@@ -19,6 +19,7 @@ import pytest
 
 from opendiloco.swarm.doctor import Finding, judge_addresses, judge_probe, judge_reach
 from opendiloco.swarm.reachability import MAX_PORTS, Probe, address_kind, ip_and_port
+from opendiloco.testing.proctree import run_captured
 
 ROOT = Path(__file__).resolve().parents[1]
 PEER = "/ip4/198.51.100.7/tcp/31337/p2p/12D3KooWNRBseHA8SXNNP4ugah9vtGRJ4FdCmm6cwUJBBEgsdT33"
@@ -104,8 +105,7 @@ def doctor(*args: str, faketime: str | None = None) -> subprocess.CompletedProce
            "--swarm.host-maddrs", "/ip4/127.0.0.1/tcp/0", *args]
     if faketime:
         cmd = ["faketime", "-f", faketime, *cmd]
-    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    return run_captured(cmd, cwd=ROOT, timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"))
 
 
 @pytest.mark.slow

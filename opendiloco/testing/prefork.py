@@ -7,7 +7,10 @@ each request, forks a child that runs the requested program (``python -m mod``, 
 code`` or ``python script.py``) with the requested arguments, environment, working directory and
 log file. The server reaps its children and writes each exit status to a file, so the caller's
 handle (:class:`ForkedProcess`) answers ``poll``/``wait``/``terminate`` as ``subprocess.Popen``
-does, by PID.
+does, by PID. A program run inside a network namespace (``ip netns exec NAME python ...``, the
+emulated hosts of ``netns.py`` and ``world.py``) is forked too: the child enters the namespace
+(``setns``) before it runs anything, which is all ``ip netns exec`` does that a worker needs (its
+p2p daemon, started later, inherits the namespace).
 
 Forking is only safe from a process with one thread: the server checks that before every fork
 and stops serving (callers fall back to ``subprocess.Popen``) if an import ever started one. A
@@ -44,6 +47,9 @@ DUMP_SIGNAL = signal.SIGUSR1
 
 REQUEST_MAX = 1 << 20
 START_TIMEOUT = 120.0
+NETNS_EXEC = ("ip", "netns", "exec")
+NETNS_DIR = "/run/netns"
+CLONE_NEWNET = 0x40000000
 
 
 # -- the server ---------------------------------------------------------------------------------
@@ -55,6 +61,20 @@ def _exit_code(status: int) -> int:
     return -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
 
 
+def _enter_netns(name: str) -> None:
+    """Moves this (single-threaded) process into the named network namespace, as ``ip netns exec``."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.open(os.path.join(NETNS_DIR, name), os.O_RDONLY)
+    try:
+        if libc.setns(fd, CLONE_NEWNET) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"setns into network namespace {name!r}: {os.strerror(err)}")
+    finally:
+        os.close(fd)
+
+
 def _run_child(request: dict) -> None:
     """In the forked child: becomes the requested program. Never returns to the server's loop: the
     program's end (or its ``SystemExit``) ends the interpreter the ordinary way (atexit handlers,
@@ -62,11 +82,22 @@ def _run_child(request: dict) -> None:
     import random
 
     log = os.open(request["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    err = os.open(request["err"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644) if request.get("err") else log
+    if request.get("session"):
+        os.setsid()
+    if request.get("netns"):
+        try:
+            _enter_netns(request["netns"])
+        except OSError as e:
+            os.write(log, f"prefork: {e}\n".encode())
+            os._exit(126)
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
     os.dup2(log, 1)
-    os.dup2(log, 2)
+    os.dup2(err, 2)
     os.close(log)
+    if err != log:
+        os.close(err)
     os.close(null)
     os.chdir(request["cwd"])
     import faulthandler
@@ -184,6 +215,14 @@ def _read_all(conn: socket.socket) -> bytes:
 
 
 # -- the caller's side --------------------------------------------------------------------------
+def split_netns(args: Sequence[str]) -> tuple[str | None, list[str]]:
+    """``(namespace, program)`` of ``ip netns exec NAME program...``; ``(None, args)`` otherwise."""
+    args = list(args)
+    if tuple(args[:3]) == NETNS_EXEC and len(args) > 4 and os.path.exists(os.path.join(NETNS_DIR, args[3])):
+        return args[3], args[4:]
+    return None, args
+
+
 class ForkedProcess:
     """A child of the prefork server, driven like ``subprocess.Popen`` (by PID; its exit status is
     the one the server wrote when it reaped it)."""
@@ -248,6 +287,7 @@ class PreforkServer:
         return True
 
     def serves(self, args: Sequence[str], env: dict) -> bool:
+        _, args = split_netns(args)
         if self.failed or len(args) < 2 or args[0] != sys.executable:
             return False
         if args[1] in ("-m", "-c"):
@@ -258,16 +298,20 @@ class PreforkServer:
         keys = {k for k in set(env) | set(self.env) if k.startswith(STARTUP_ENV)}
         return all(env.get(k) == self.env.get(k) for k in keys)
 
-    def spawn(self, args: Sequence[str], log: Path, cwd: Path, env: dict) -> ForkedProcess | None:
-        """The started child, or None if this server cannot start it (the caller starts it itself)."""
+    def spawn(self, args: Sequence[str], log: Path, cwd: Path, env: dict, new_session: bool = False,
+              err: Path | None = None) -> ForkedProcess | None:
+        """The started child, or None if this server cannot start it (the caller starts it itself).
+        ``new_session``: the child leads a session of its own (``Popen(start_new_session=True)``);
+        ``err``: its standard error goes there instead of to ``log``."""
         if not self.serves(args, env) or (self.proc is None and not self._start()):
             return None
-        if args[1] in ("-m", "-c"):
-            kind, target, rest = args[1], args[2], args[3:]
+        netns, program = split_netns(args)
+        if program[1] in ("-m", "-c"):
+            kind, target, rest = program[1], program[2], program[3:]
         else:
-            kind, target, rest = "script", args[1], args[2:]
+            kind, target, rest = "script", program[1], program[2:]
         request = {"kind": kind, "target": target, "args": list(rest), "log": str(log), "cwd": str(cwd),
-                   "env": env}
+                   "env": env, "netns": netns, "session": new_session, "err": str(err) if err else None}
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
             conn.settimeout(30)
             try:

@@ -223,6 +223,33 @@ class ProcessGroup:
         return leaked
 
 
+def run_captured(args: Sequence[str], *, timeout: float, cwd: Path | None = None,
+                 env: dict | None = None) -> subprocess.CompletedProcess:
+    """``subprocess.run(args, capture_output=True, text=True, ...)``, forked from the prefork server
+    where it can serve ``args`` (a Python program, also inside a network namespace) and started as
+    a fresh interpreter otherwise. Keep a fresh interpreter where what a user sees at start matters
+    (warnings printed by imports)."""
+    import tempfile
+
+    server = ProcessGroup.prefork
+    full_env = dict(os.environ if env is None else env)
+    if server is not None and server.serves(args, full_env):
+        with tempfile.TemporaryDirectory(prefix="captured-") as tmp:
+            out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
+            proc = server.spawn(args, out, cwd or Path.cwd(), full_env, err=err)
+            if proc is not None:
+                try:
+                    proc.wait(timeout)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait(10)
+                    raise subprocess.TimeoutExpired(list(args), timeout, out.read_text(errors="replace"),
+                                                    err.read_text(errors="replace")) from None
+                return subprocess.CompletedProcess(list(args), proc.returncode, out.read_text(errors="replace"),
+                                                   err.read_text(errors="replace"))
+    return subprocess.run(list(args), capture_output=True, text=True, timeout=timeout, cwd=cwd, env=full_env)
+
+
 def spawn_bootstrap(group: ProcessGroup, addrs_file: Path, name: str = "bootstrap",
                     timeout: float = 60.0) -> list[str]:
     """Starts an ``opendiloco`` bootstrap DHT node on 127.0.0.1 in ``group``; returns its addresses.

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from ..train.metrics import read_metrics
 from .faketime import clock_off
-from .proctree import alive, children_table, descendants
+from .proctree import ProcessGroup, alive, children_table, descendants
 from .scenario import Event, Scenario
 from .world import LinkSpec, World
 
@@ -262,13 +262,15 @@ class ScenarioRunner:
         return self.world.exec(host, *cmd)
 
     def _spawn(self, name: str, argv: list[str], env: dict | None = None) -> subprocess.Popen:
-        log = (self.out / "logs" / f"{name}.log").open("ab")
-        try:
-            return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
-                                    env=dict(os.environ, PYTHONUNBUFFERED="1", **(env or {})),
+        path = self.out / "logs" / f"{name}.log"
+        full_env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
+        server = ProcessGroup.prefork  # in the test suite: forked from a pre-imported interpreter
+        proc = server.spawn(argv, path, ROOT, full_env, new_session=True) if server is not None else None
+        if proc is not None:
+            return proc
+        with path.open("ab") as log:
+            return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=full_env,
                                     start_new_session=True)
-        finally:
-            log.close()
 
     def _start_bootstrap(self) -> None:
         ip = self.world.ip_of("bootstrap")

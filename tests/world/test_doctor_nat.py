@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from opendiloco.testing.proctree import ProcessGroup, run_captured
 from opendiloco.testing.world import LinkSpec, World, WorldError, unavailable_reason
 
 pytestmark = [pytest.mark.world, pytest.mark.timeout(300)]
@@ -32,25 +33,21 @@ def world(tmp_path_factory):
         w.setup()
     except (WorldError, OSError, subprocess.TimeoutExpired) as e:
         pytest.skip(f"cannot build a world here: {e}")
-    addrs = tmp_path_factory.mktemp("doctor") / "addrs"
-    boot = subprocess.Popen(w.exec("boot", sys.executable, "-m", "opendiloco", "dht", "--host-maddrs",
-                                   "/ip4/0.0.0.0/tcp/31337", "--addrs-file", str(addrs)),
-                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    workdir = tmp_path_factory.mktemp("doctor")
+    addrs = workdir / "addrs"
+    group = ProcessGroup(workdir / "logs", cwd=ROOT)
+    boot = group.spawn(w.exec("boot", sys.executable, "-m", "opendiloco", "dht", "--host-maddrs",
+                              "/ip4/0.0.0.0/tcp/31337", "--addrs-file", str(addrs)), "boot")
     try:
         deadline = time.monotonic() + 120
         while not addrs.exists():
-            assert boot.poll() is None, boot.stderr.read()
+            assert boot.poll() is None, group.log("boot")
             assert time.monotonic() < deadline, "the bootstrap did not start"
             time.sleep(0.2)
         peer = next(a for a in addrs.read_text().split() if f"/ip4/{w.ip_of('boot')}/" in a)
         yield w, peer
     finally:
-        boot.terminate()
-        try:
-            boot.wait(20)
-        except subprocess.TimeoutExpired:
-            boot.kill()
-            boot.wait(10)
+        group.stop(grace=20)
         deadline = time.monotonic() + 20  # its DHT process and p2p daemon follow it out
         while _pids(w.netns("boot")) and time.monotonic() < deadline:
             time.sleep(0.2)
@@ -64,7 +61,7 @@ def _pids(netns: str) -> list[str]:
 def doctor(w: World, host: str, peer: str, *extra: str) -> subprocess.CompletedProcess:
     cmd = w.exec(host, sys.executable, "-m", "opendiloco", "--log-level", "ERROR", "doctor", "--timeout", "10",
                  "--swarm.initial-peers", peer, "--swarm.host-maddrs", "/ip4/0.0.0.0/tcp/0", *extra)
-    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=180)
+    return run_captured(cmd, cwd=ROOT, timeout=180)
 
 
 def test_a_node_behind_nat_is_told_so_and_what_to_do(world):
