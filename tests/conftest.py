@@ -16,6 +16,7 @@ import os
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import gc  # noqa: E402
+import itertools  # noqa: E402
 import threading  # noqa: E402
 import time  # noqa: E402
 from collections.abc import Callable, Sequence  # noqa: E402
@@ -110,7 +111,22 @@ def pytest_collection_modifyitems(config, items):
         return next((i for i, m in enumerate(_HEAVY) if item.get_closest_marker(m)), len(_HEAVY))
 
     # Longest kinds first, dealt into one share per process alike: xdist's work stealing hands each
-    # process one contiguous share, and each should start with its part of the long tests.
+    # process one contiguous share (sized as below), and each should start with its part of the long
+    # tests. The world scenarios all go to the first share: their hosts mostly wait on emulated links
+    # (a third of two cores sat idle while every process played one), so the others run swarm tests;
+    # the first share is dealt nothing else for as many rounds as it holds world tests.
     ordered = sorted(items, key=cost)
     shares = int(getattr(config, "workerinput", {}).get("workercount", 1))
-    items[:] = [item for share in range(shares) for item in ordered[share::shares]]
+    sizes, left = [], len(ordered)
+    for share in range(shares):
+        sizes.append(left // (shares - share))
+        left -= sizes[-1]
+    world = [item for item in ordered if item.get_closest_marker("world")]
+    dealt = [world[:sizes[0]]] + [[] for _ in range(shares - 1)]
+    turns = itertools.chain([s for _ in dealt[0] for s in range(1, shares)], itertools.cycle(range(shares)))
+    for item in world[sizes[0]:] + [item for item in ordered if not item.get_closest_marker("world")]:
+        share = next(turns)
+        while len(dealt[share]) >= sizes[share]:
+            share = next(turns)
+        dealt[share].append(item)
+    items[:] = [item for part in dealt for item in part]
