@@ -205,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     path = args.path or daemon_path()
     try:
         print(restore(path) if args.restore else unpack(path))
-    except (UnpackError, OSError) as e:
+    except Exception as e:  # noqa: BLE001 - an optimisation: whatever stops it, the install goes on
         print(f"{path}: left packed ({e})")
     return 0
 
