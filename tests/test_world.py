@@ -242,8 +242,8 @@ def test_teardown_leaves_no_namespace_and_no_hub():
 
 ORCHESTRATOR = """
 import signal, sys, time, types
-# Ctrl-C reaches it as it reaches a user's program, whatever this test's process ignores or blocks
-# (in the full suite SIGINT never arrived: the orchestrator slept its 60 s and left by atexit)
+# Ctrl-C reaches it as it reaches a user's program: a suite started in the background of a
+# non-interactive shell ignores SIGINT, and so did this child (it slept its 60 s, left by atexit)
 signal.signal(signal.SIGINT, signal.default_int_handler)
 signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
 pkg = types.ModuleType("opendiloco")  # skip the package's __init__ (torch): only the world is needed
