@@ -6,6 +6,7 @@ libfaketime hangs or breaks Python's timed waits here)."""
 
 from __future__ import annotations
 
+import re
 import sys
 
 import pytest
@@ -52,5 +53,8 @@ def test_a_clock_too_far_off_to_join_is_one_line(swarm, tmp_path):
     lines = swarm.log("late", tail=20000).strip().splitlines()
     assert proc.returncode == 2, lines
     assert not any("Traceback" in line for line in lines), lines
-    assert lines[-1].startswith("opendiloco train: this machine's clock is 30.0 s behind the initial peer's"), lines[-1]
+    # The offset is measured over the network (half a round trip and the peer's answer time are in it):
+    # about 30 s, to the tenth it may read 30.1 on a loaded machine.
+    found = re.match(r"opendiloco train: this machine's clock is ([\d.]+) s behind the initial peer's", lines[-1])
+    assert found and 29.5 <= float(found.group(1)) <= 31.0, lines[-1]
 
