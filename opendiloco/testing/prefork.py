@@ -89,7 +89,7 @@ def _run_child(request: dict) -> None:
         try:
             _enter_netns(request["netns"])
         except OSError as e:
-            os.write(log, f"prefork: {e}\n".encode())
+            os.write(err, f"prefork: {e}\n".encode())  # where the caller reads the child's errors
             os._exit(126)
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
