@@ -613,6 +613,36 @@ def test_a_flood_of_streams_naming_unknown_rounds_is_bounded():
     assert not waiting  # every waiting slot was given back
 
 
+def test_a_contribution_to_another_group_of_a_round_this_worker_completed_is_refused_at_once():
+    """A peer that saw this worker's announcement of a round, but not yet that it completed the round in
+    another group, groups with it: its contribution is refused at once, not after ``wait_for_group`` (in
+    a 200 ms world scenario a joiner that was one round behind lost 15 s to that wait, round after round)."""
+
+    async def scenario():
+        net = MemoryNetwork(wait_for_group=30.0)
+        for m in ("a", "m"):
+            net.add(m)
+        net.rounds["a"].completed(str(RoundKey(4)), "the-group-it-was-in")
+
+        async def contribute(round_key: str, group_id: str):
+            stream = await net.connector("m")("a")
+            await stream.send(Code.CONTRIBUTE, {**OPENING, "sender": "m", "group_id": group_id, "round": round_key})
+            return await asyncio.wait_for(read_refusal(stream), 5.0)
+
+        late = await contribute(str(RoundKey(4)), "another-group")
+        other = asyncio.create_task(contribute(str(RoundKey(5)), "a-group-of-round-5"))  # may still come: waits
+        await asyncio.sleep(0.5)
+        waiting = not other.done()
+        other.cancel()
+        await asyncio.gather(other, return_exceptions=True)
+        await net.drain()
+        return late, waiting
+
+    late, waiting = run(scenario())
+    assert isinstance(late, Refused) and "completed round 4.0 in another group" in str(late), late
+    assert waiting
+
+
 # -- a member cut off mid round ends with its group's outcome ---------------------------------------------
 #
 # Members apply a round once they hold every shard, even if a member's CONFIRM never came. A member

@@ -441,7 +441,7 @@ class RoundRunner:
             stream = await connect(peer)
             await stream.send(Code.CONTRIBUTE, {"group_id": self.group.group_id, "sender": self.me,
                                                 "weight": self.weight, "numel": b - a, "parts": len(parts),
-                                                "codec": self.codec_label})
+                                                "codec": self.codec_label, "round": str(self.group.key)})
 
             async def send_parts():
                 for i, (pa, pb) in enumerate(parts):
@@ -895,6 +895,16 @@ class Rounds:
         self._asking: collections.Counter = collections.Counter()
         """Questions waiting for a round of this worker to end, by remote peer."""
         self._registered = asyncio.Condition()
+        self._completed: collections.OrderedDict[str, str] = collections.OrderedDict()
+        """Round key -> the group id this worker completed it in (``completed``)."""
+
+    def completed(self, key: str, group_id: str) -> None:
+        """This worker completed round ``key`` in group ``group_id``: a contribution to another group of that
+        round (a peer that saw this worker's announcement, but not yet that it had moved on) is refused at
+        once, not after ``wait_for_group``: no group of that round will be registered here again."""
+        self._completed[key] = group_id
+        while len(self._completed) > self.remember:
+            self._completed.popitem(last=False)
 
     async def register(self, runner: RoundRunner) -> None:
         async with self._registered:
@@ -939,6 +949,10 @@ class Rounds:
                 return
             if meta_field(opening.meta, "sender", str) != stream.remote:
                 raise ProtocolError("sender field does not match the authenticated peer id")
+            round_key = opening.meta.get("round")
+            done_in = self._completed.get(round_key) if isinstance(round_key, str) else None
+            if done_in is not None and done_in != group_id and group_id not in self._active:
+                raise ProtocolError(f"this worker completed round {round_key[:32]} in another group")
             runner = await self._find(group_id, stream.remote)
             if stream.remote not in runner.members or stream.remote == runner.me:
                 # Refused without failing the round: an outsider must not be able to break it.

@@ -45,7 +45,9 @@ class Code(enum.IntEnum):
     """One asked chunk: the values (fp32) and their Merkle path (meta: ``path``) to the owner's committed root."""
     # matchmaking (swarm/matchmaking.py)
     GROUP = 8
-    """A round's leader has published its group (meta: round key, attempt): read it from the DHT now."""
+    """Records of a round key and attempt (meta: both), an announcement or a group with its members'
+    announcements, pushed beside the DHT (payload: signed records, ``swarm/pushed_records.py``): the
+    receiver checks and keeps them, and wakes its matchmaker."""
     # membership (swarm/streams.py)
     HELLO = 9
     """The first frame of every stream in a closed run: the opener's proof that it holds the run secret."""

@@ -57,6 +57,7 @@ from .membership import SECRET_FILE_ENV, Membership, RunSecret
 from .multi_donor import MAX_DONORS, DonorsAhead, Download, fetch_from_donors, tell_done
 from .node import start_dht, visible_maddrs
 from .presence import OtherSettings, Presence
+from .pushed_records import MAX_PUSH_BYTES, PushedRecord, decode_push, encode_push
 from .quorum import confirmed
 from .relays import RelayLinks
 from .signing import Identity
@@ -249,7 +250,7 @@ class SwarmCommunicator(Communicator):
             config=s.config_fingerprint),
             group_label(self.codec, self.result_codec, s.aggregation, s.audit_chunks),
             self._interrupted,
-            doorbell=self.doorbell, ring_members=self._ring_members,
+            doorbell=self.doorbell, push=self._push,
             joiners=lambda step: self.state_server.recent_joiners(step, within=s.straggler_wait + 10.0),
             offenders=self.offenders, unreachable=self.unreachable)
         self._workers_snapshot: dict[str, records.WorkerRecord] = {}
@@ -358,32 +359,37 @@ class SwarmCommunicator(Communicator):
         await self.match_streams.listen(self._on_ring)
         self._background: set[asyncio.Task] = set()
 
-    # -- matchmaking wake-ups ------------------------------------------------------------------
+    # -- matchmaking pushes ------------------------------------------------------------------
     async def _on_ring(self, stream: ByteStream) -> None:
         try:
-            frame = await asyncio.wait_for(stream.recv(max_payload=0, expect=Code.GROUP), 5.0)
-            self.doorbell.ring(meta_field(frame.meta, "key", str)[:64], meta_field(frame.meta, "attempt", int))
-        except Exception as e:  # a ring is only a hint: a bad one is dropped
-            log.debug("dropped a matchmaking ring from %s: %s", stream.remote[-8:], e)
+            frame = await asyncio.wait_for(stream.recv(max_payload=MAX_PUSH_BYTES, expect=Code.GROUP), 5.0)
+            key, attempt = meta_field(frame.meta, "key", str)[:64], meta_field(frame.meta, "attempt", int)
+            if frame.payload:
+                self.records.accept_pushed(decode_push(frame.payload))
+            self.doorbell.ring(key, attempt)
+        except Exception as e:  # a push is checked record by record; a bad one is dropped
+            log.debug("dropped a matchmaking push from %s: %s", stream.remote[-8:], e)
         finally:
             stream.close()
 
-    def _ring_members(self, members, key: str, attempt: int) -> None:
-        """Called from the round thread: rings every member's doorbell in the background."""
+    def _push(self, peers, key: str, attempt: int, pushed: list[PushedRecord]) -> None:
+        """Called from the round thread: sends every peer these records and rings its doorbell, in the
+        background (a peer that misses a push still finds the records in the DHT)."""
+        payload = encode_push(pushed)
 
-        async def ring(peer: str) -> None:
+        async def push(peer: str) -> None:
             try:
                 stream = await asyncio.wait_for(self.match_streams.connect(peer), 5.0)
                 try:
-                    await stream.send(Code.GROUP, {"key": key, "attempt": attempt})
+                    await stream.send(Code.GROUP, {"key": key, "attempt": attempt}, payload)
                 finally:
                     stream.close()
-            except Exception as e:  # the member still finds the group by polling
-                log.debug("could not ring %s: %s", peer[-8:], e)
+            except Exception as e:  # the peer still finds the records by reading the DHT
+                log.debug("could not push to %s: %s", peer[-8:], e)
 
         def schedule() -> None:
-            for peer in members:
-                task = self._loop.create_task(ring(peer))
+            for peer in peers:
+                task = self._loop.create_task(push(peer))
                 self._background.add(task)
                 task.add_done_callback(self._background.discard)
 
@@ -443,9 +449,13 @@ class SwarmCommunicator(Communicator):
         self.hooks.round_began(key, flat)
         self.state = RoundState.ANNOUNCE
         self.report_progress(outer_step=key.outer_step)
+        # The live workers are read while this worker announces itself on the last snapshot of them: a read
+        # costs two round trips, which the announcement spends travelling (``Matchmaker.form_group``).
+        workers = self.presence.read_live_workers()
+        snapshot = self._workers_snapshot
         try:
-            workers = self.presence.live_workers()
-            self.presence.raise_if_drifted(key.outer_step, workers)
+            if snapshot:
+                self.presence.raise_if_drifted(key.outer_step, snapshot)
         except AveragingError:
             self.state = RoundState.FAILED
             raise
@@ -454,8 +464,10 @@ class SwarmCommunicator(Communicator):
             self._raise_if_interrupted()
             self.state = RoundState.GROUP
             try:
-                group, attempt = self.matchmaker.form_group(key, attempt, flat.numel(), suspects, workers)
-                workers = None  # a retry reads them afresh
+                group, attempt = self.matchmaker.form_group(
+                    key, attempt, flat.numel(), suspects, workers, provisional=snapshot or None,
+                    check=lambda fresh: self.presence.raise_if_drifted(key.outer_step, fresh))
+                workers = snapshot = None  # a retry reads them afresh
             except AveragingError:
                 self.state = RoundState.FAILED
                 raise
@@ -490,6 +502,7 @@ class SwarmCommunicator(Communicator):
                 self._next_attempt[key] = attempt
                 continue
             self.state = RoundState.DONE
+            self._loop.call_soon_threadsafe(self.rounds.completed, str(key), group.group_id)
             self.presence.last_group = set(group.members)
             self.presence.partners.add(group.members)
             self.report_progress(last_sync_time=self.records.clock.now())

@@ -1,4 +1,4 @@
-"""Matchmaking: who averages together for a round key, decided through the DHT.
+"""Matchmaking: who averages together for a round key, decided through the DHT and pushed records.
 
 Each worker announces it is ready for round ``k`` (attempt ``a``). When every live worker of the
 run at that outer step is ready (or the ones still missing are past the ready time they published,
@@ -7,6 +7,9 @@ id closes the group and publishes its members; everyone adopts the group publish
 smallest id, so no two views split the run. A group never holds both a member and a peer that member
 avoids (it caught it sending malformed data, or could not dial it: ``exclusion.py``); who is left out
 is decided from the announcements, the same way on every member.
+Announcements and groups are DHT records, and each is also pushed to the peers that need it
+(``pushed_records.py``): a DHT read costs about two round trips, a push half of one, so the
+matchmaker reads what was pushed and the DHT only when nothing came or now and then.
 Blocking by design: it runs on the communicator's round thread, never on the event loop. A stop
 request (the communicator's ``interrupted`` flag) ends every wait here at once: the polls look at it,
 and so do the DHT calls they make (``records.wait_dht``), which a partition can keep waiting for seconds.
@@ -15,6 +18,7 @@ and so do the DHT calls they make (``records.wait_dht``), which a partition can 
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import logging
 import threading
 import time
@@ -111,7 +115,7 @@ class LeftOut:
 class Matchmaker:
     def __init__(self, run_records: records.RunRecords, presence: Presence, settings: MatchmakingSettings,
                  codec_name: str, interrupted: threading.Event, *, doorbell: Doorbell | None = None,
-                 ring_members: Callable[[Sequence[str], str, int], None] | None = None,
+                 push: Callable[[Sequence[str], str, int, list], None] | None = None,
                  joiners: Callable[[int], set[str]] | None = None, offenders: Offenders | None = None,
                  unreachable: Offenders | None = None):
         """``joiners(outer_step)``: peers that just downloaded this worker's state of that outer step
@@ -123,9 +127,10 @@ class Matchmaker:
         self.codec_name, self.interrupted = codec_name, interrupted
         self.me = presence.peer_id
         self.doorbell = doorbell or Doorbell()
-        self.ring_members = ring_members
-        """Rings these peers' doorbells (without waiting): the members of a group this worker published, or
-        the peer that closes groups once this worker announced an attempt."""
+        self.push = push
+        """Sends these peers records of a round key and attempt, and rings their doorbells (without waiting):
+        this worker's announcement to every peer that may group with it, a group it published (with its
+        members' announcements) to every live worker (``pushed_records.py``)."""
         self.taken: set[str] = set()
         """Peers in groups of the current attempt that leave this worker out."""
         self._taken_for = ""
@@ -145,34 +150,60 @@ class Matchmaker:
         """The round key for which this worker was last told that members refuse it."""
         self.left_out: LeftOut | None = None
         """The group that last left this worker out (``BehindError``): what its catch-up waits for."""
+        self._reading: dict[str, concurrent.futures.Future] = {}
+        """Background DHT reads under way, by DHT key (``_refresh``)."""
         self.no_shows: dict[str, int] = {}
         """Peers that published a ready time and then did not come (by the round key they missed):
         their ready time is not believed again until they take part in a round."""
 
     def form_group(self, key: RoundKey, attempt: int, numel: int, suspects=frozenset(),
-                   workers: dict | None = None) -> tuple[Group, int]:
+                   workers: dict | concurrent.futures.Future | None = None, *, provisional: dict | None = None,
+                   check: Callable[[dict], None] | None = None) -> tuple[Group, int]:
         """Waits for the run's live workers to be ready for ``key``; returns (group, attempt).
 
         ``suspects`` (peers that broke an earlier attempt) are not waited for, but may still join.
-        ``workers``: the live workers if the caller has just read them (saves a DHT read).
+        ``workers``: the live workers if the caller has just read them (saves a DHT read), or a read of
+        them under way: then this worker announces at once, on what ``provisional`` (a recent view of
+        them) says, and decides nothing before the read is in (so the announcement travels while the
+        DHT answers); ``check`` is called with what that read returns.
         Raises ``BehindError`` when the run has moved past this worker.
         """
         s, me = self.settings, self.me
         self.left_out = None
         announce_key = self.records.round_key(key)
         began, announced, polls = self.records.clock.now(), None, 0
-        rang, quiet, last_seen, told = False, 0, frozenset(), None
+        rang, quiet, last_seen = False, 0, frozenset()
         mine_avoid: frozenset[str] = frozenset()
         mine_unreachable: frozenset[str] = frozenset()  # what we announced for this attempt, read back or not
         gkey = self.records.group_key(key, attempt)
+        pending, workers = (workers, None) if isinstance(workers, concurrent.futures.Future) else (None, workers)
+        if pending is not None:
+            pending.add_done_callback(lambda _: self.doorbell.ring(str(key), attempt))
+        pending_since = time.monotonic()
         while True:
             self._raise_if_interrupted()  # a stopping worker neither announces nor publishes
-            workers = workers if workers is not None else self.presence.live_workers()
-            self.presence.raise_if_behind(workers, key.outer_step)
+            # A read of the live workers under way is taken once it is in, at once when there is no earlier view
+            # to announce on, and when it is overdue (then ``wait_dht`` says the DHT did not answer).
+            waited = time.monotonic() - pending_since
+            if pending is not None and (pending.done() or workers is None and provisional is None
+                                        or waited >= records.DHT_CALL_TIMEOUT):
+                workers, pending = records.wait_dht(pending, "get", max(0.0, records.DHT_CALL_TIMEOUT - waited),
+                                                    interrupted=self.interrupted), None
+                if check is not None:
+                    check(workers)
+                    check = None
+            if workers is None and pending is None:
+                workers = self.presence.live_workers()
+            view = workers if workers is not None else provisional
+            self.presence.raise_if_behind(view, key.outer_step)
+            # Peers push their announcements here (``pushed_records.py``); the DHT is read in the background
+            # once this worker has announced, if nothing has come, and now and then (a push can be lost).
             ready = self._announcements(announce_key)
+            if polls and not rang and polls % SLOW_READ_EVERY == 0:
+                self._refresh(announce_key, key, attempt)
             # An attempt number only counts if a live worker of the run announced it (no peer can
             # push the run to attempt 10**9 and out of its retries).
-            attempt = max([attempt] + [v["attempt"] for p, v in ready.items() if p in workers
+            attempt = max([attempt] + [v["attempt"] for p, v in ready.items() if p in view
                                        and v["attempt"] <= attempt + s.max_attempt_jump])
             gkey = self.records.group_key(key, attempt)
             if announced != attempt:
@@ -180,9 +211,26 @@ class Matchmaker:
                          "config": s.config, "since": began, "avoid": self.offenders.active(key.outer_step),
                          "unreachable": self.unreachable.active(key.outer_step),
                          "relayed": self._behind_nat()}
-                self.records.store(announce_key, value, self.records.clock.now() + s.record_ttl)
+                record = self.records.store(announce_key, value, self.records.clock.now() + s.record_ttl, wait=False)
                 ready[me], announced, mine_avoid = value, attempt, announced_avoid(value)
                 mine_unreachable = announced_avoid(value, "unreachable")
+                # To every peer that may group with us: the one that closes groups, and members that check a
+                # group against its members' announcements.
+                to = (set(view) | set(ready) | self.joiners(key.outer_step)) - {me}
+                if self.push is not None and to:
+                    self.push(sorted(to), str(key), attempt, [record])
+                if not set(ready) - {me}:  # nothing pushed yet: peers may have announced (or grouped) before
+                    self._refresh(announce_key, key, attempt)  # we could hear
+                    self._refresh(self.records.group_key(key, attempt), key, attempt)
+            if workers is None:
+                # Once every other worker of the recent view has announced this round, a fresh read can only
+                # add a worker that appeared since, which a read made a moment earlier would miss as well.
+                # Until then nothing is decided: the next push, or the read under way, rings the doorbell.
+                others = set(provisional) - {me}
+                if not others or not others <= set(ready):
+                    rang = self.doorbell.wait(str(key), attempt, self._gap(0))
+                    continue
+                workers = provisional
             if gkey != self._taken_for:
                 self.taken, self._taken_for = set(), gkey
             # An announcement outlives its round in the DHT: a peer that has applied this round
@@ -195,10 +243,6 @@ class Matchmaker:
             self.relayed = {p: ready[p].get("relayed") is True for p in announced_ok}
             self.relayed[me] = self._behind_nat()
             compatible = announced_ok - (self.taken - {me}) - self._gone(workers, ready, key)
-            if told != attempt:  # wake the peer that closes groups (it may be waiting only for us)
-                told, leader = attempt, min(compatible | {me})
-                if leader != me and self.ring_members is not None:
-                    self.ring_members([leader], str(key), attempt)
             mine = part_of(me, compatible, self.avoids)  # without peers that members of it avoid
             self._tell_if_refused(key, compatible)
             # Peers heading for this round: at its outer step, or one behind with a streamed round
@@ -207,6 +251,10 @@ class Matchmaker:
             # come too, whatever their record says yet.
             joiners = self.joiners(key.outer_step)
             in_flight = {p for p, r in workers.items() if in_round(r, key.outer_step)}
+            # Members of this worker's last round whose record has not caught up with it yet (it says they are
+            # one step behind, still heading there): they come as we did. Their ready time is stale too.
+            in_flight |= {p for p in self.presence.last_group - {me} if p in workers and
+                          workers[p].outer_step == key.outer_step - 1 and workers[p].heading < key.outer_step}
             heading = {p for p, r in workers.items() if r.heading == key.outer_step} | in_flight
             heading |= {p for p in joiners if p not in workers or workers[p].heading < key.outer_step}
             expected = (heading - set(suspects) - self.taken) | {me}
@@ -266,14 +314,17 @@ class Matchmaker:
             polls += 1
             # A leader may have closed the group already (it gave up on a straggler we still wait
             # for): its doorbell ring, or now and then the DHT, tells us.
+            if polls % 10 == 0:
+                self._refresh(gkey, key, attempt)
             if rang or self.doorbell.wait(str(key), attempt, 0) or polls % 10 == 0:
                 members = self._published(key, attempt, gkey, set(workers) | {me}, announced_ok)
                 if members is not None:
                     return self._group(key, attempt, members), attempt
             seen = frozenset((p, v["attempt"]) for p, v in ready.items())
             quiet, last_seen = (quiet + 1 if seen == last_seen else 0), seen
+            if polls % SLOW_READ_EVERY == 0 and pending is None:  # read in the background, taken when in
+                pending, pending_since = self.presence.read_live_workers(), time.monotonic()
             rang = self.doorbell.wait(str(key), attempt, self._gap(quiet))
-            workers = None if polls % SLOW_READ_EVERY == 0 else workers
         return self._adopt_group(key, attempt, announced_ok, set(workers) | {me}, numel), attempt
 
     def _gap(self, quiet: int) -> float:
@@ -281,8 +332,21 @@ class Matchmaker:
         s = self.settings
         return min(max(s.poll_interval, s.quiet_poll_interval), s.poll_interval * 2 ** min(quiet, 30))
 
-    def _announcements(self, announce_key: str) -> dict[str, dict]:
-        return {p: v for p, v in self.records.subkey_values(announce_key, self.settings.record_ttl + 10).items()
+    def _refresh(self, dht_key: str, key: RoundKey, attempt: int) -> None:
+        """Reads ``dht_key`` from the DHT in the background (one read at a time per key); once it is in, the
+        doorbell of (``key``, ``attempt``) rings, so a waiting loop looks at what it brought."""
+        reading = self._reading.get(dht_key)
+        if reading is not None and not reading.done():
+            return
+        for old in [k for k, f in self._reading.items() if f.done()]:
+            del self._reading[old]
+        self._reading[dht_key] = self.records.refresh(dht_key, lambda: self.doorbell.ring(str(key), attempt))
+
+    def _announcements(self, announce_key: str, fresh: bool = False) -> dict[str, dict]:
+        """The valid announcements under ``announce_key``: as pushed and read so far (``RunRecords.view``),
+        or, with ``fresh``, read from the DHT now."""
+        return {p: v for p, v in self.records.subkey_values(announce_key, self.settings.record_ttl + 10,
+                                                            fresh=fresh).items()
                 if isinstance(v, dict) and type(v.get("attempt")) is int and v["attempt"] >= 0}
 
     def _compatible(self, ready: dict[str, dict], attempt: int, numel: int) -> set[str]:
@@ -341,6 +405,7 @@ class Matchmaker:
         distinct, every one of them announced this attempt with our settings (``announced``), none
         of them avoids another (``self.avoids``), and some of them are alive; of several holding us,
         the smallest publisher's wins. Records are signed, so a publisher can only speak for itself.
+        Groups are those pushed here or read so far (``_refresh`` reads the DHT).
 
         Groups that leave this worker out are other workers' business (``self.taken`` notes their
         members, so nobody waits for them here), unless together they are at least half the run's
@@ -348,7 +413,7 @@ class Matchmaker:
         (``BehindError``: catch up to it).
         """
         published = {p: tuple(sorted(set(m))) for p, m in
-                     self.records.subkey_values(gkey, self.settings.record_ttl + 10).items()
+                     self.records.subkey_values(gkey, self.settings.record_ttl + 10, fresh=False).items()
                      if isinstance(m, list) and m and all(isinstance(x, str) for x in m)
                      and len(set(m)) == len(m) and p == min(m) and live & set(m) and set(m) <= announced
                      and not conflicts(m, self.avoids)}
@@ -372,7 +437,7 @@ class Matchmaker:
         workers = self.presence.live_workers()
         if not left.members & set(workers):
             return f"every member of the group of round {left.key} that left this worker out is gone"
-        ready = self._announcements(self.records.round_key(left.key))
+        ready = self._announcements(self.records.round_key(left.key), fresh=True)
         again = sorted(p for p in left.members if p in ready and ready[p]["attempt"] > left.attempt)
         if again:
             return (f"the group of round {left.key} that left this worker out did not complete it "
@@ -432,6 +497,8 @@ class Matchmaker:
             self._raise_if_interrupted()
             # A group already closed for this round wins over our own view of who is ready. Its leader
             # rings us when it publishes one; the DHT is read anyway now and then (a ring can be lost).
+            if polls % SLOW_READ_EVERY == 0 and not rang:
+                self._refresh(gkey, key, attempt)
             if rang or polls % SLOW_READ_EVERY == 0:
                 members = self._published(key, attempt, gkey, live, compatible)
                 if members is not None:
@@ -449,9 +516,12 @@ class Matchmaker:
                                      "not applied alone")
             if not published_ours and min(candidates) == me:
                 members = sorted(candidates)
-                self.records.store(gkey, members, self.records.clock.now() + s.record_ttl)
-                if self.ring_members is not None:
-                    self.ring_members([m for m in members if m != me], str(key), attempt)
+                record = self.records.store(gkey, members, self.records.clock.now() + s.record_ttl, wait=False)
+                # To the members, with the announcements it is checked against (for a member that missed one), and to
+                # every other live worker: a group that leaves a worker out is what keeps it from closing its own.
+                if self.push is not None:
+                    self.push(sorted((live | set(members)) - {me}), str(key), attempt,
+                              [record] + self.records.records_of(announce_key, members))
                 published_ours = rang = True  # read it back: a concurrent leader with a smaller id would win
                 continue
             self._raise_if_interrupted()
@@ -462,6 +532,7 @@ class Matchmaker:
                 workers = self.presence.live_workers()
                 self.presence.raise_if_behind(workers, key.outer_step)
                 live = set(workers) | {me}
+                self._refresh(announce_key, key, attempt)
                 announcements = self._announcements(announce_key)
                 compatible |= self._compatible(announcements, attempt, numel)
                 compatible -= self._moved_on(workers, key)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import functools
 import logging
@@ -196,6 +197,19 @@ class Presence:
     def live_workers(self) -> dict[str, records.WorkerRecord]:
         """The run's live workers with this worker's settings (others are left out, with a warning)."""
         return self.same_settings(self.records.read_workers(self.max_ttl))
+
+    def read_live_workers(self) -> concurrent.futures.Future:
+        """``live_workers`` read in the background: a future of what it returns."""
+        out: concurrent.futures.Future = concurrent.futures.Future()
+
+        def done(found) -> None:
+            try:
+                out.set_result(self.same_settings(self.records.workers_from(found.result(), self.max_ttl)))
+            except BaseException as e:  # the DHT call failed: the reader's wait says so
+                out.set_exception(e)
+
+        self.records.dht.get(self.records.workers_key(), latest=True, return_future=True).add_done_callback(done)
+        return out
 
     def same_settings(self, workers: dict[str, records.WorkerRecord]) -> dict[str, records.WorkerRecord]:
         out = {}

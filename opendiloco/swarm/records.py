@@ -20,6 +20,7 @@ import logging
 import math
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import KW_ONLY, asdict, dataclass, fields
 
 import hivemind
@@ -32,6 +33,7 @@ from opendiloco.pacing import Pace
 from . import signing
 from .clock import RunClock
 from .membership import Membership
+from .pushed_records import PushedRecord, RecordView
 from .relays import RelayBook, checked_relays
 from .signing import Identity
 
@@ -117,6 +119,18 @@ class WorkerRecord(Progress):
 
 DHT_CALL_TIMEOUT = 30.0
 
+MAX_PUSHED_TTL = 24 * 3600.0
+"""A pushed record set to live longer than this is dropped unread (readers apply their kind's own bound)."""
+
+_INVALID = object()
+
+
+def _log_failed_store(future) -> None:
+    try:
+        future.result()
+    except BaseException as e:  # the peers that were pushed the record have it; the DHT's readers will not
+        log.debug("a background DHT store failed: %s", e)
+
 
 INTERRUPT_POLL = 0.1
 """Seconds between looks at the stop flag while a DHT call is awaited."""
@@ -160,6 +174,8 @@ class RunRecords:
         self.clock = clock if clock is not None else RunClock()
         self.relay_book = RelayBook()
         """The relays the live workers' records name: where streams to workers behind NAT go."""
+        self.view = RecordView()
+        """The round and group records seen so far: read from the DHT, pushed by peers, or this worker's own."""
 
     # -- keys --------------------------------------------------------------------------------------
     def workers_key(self) -> str:
@@ -186,21 +202,73 @@ class RunRecords:
             body = self.membership.seal(body, signing.key_id(key) + subkey.encode())
         return self.identity.envelope(key, subkey, expiration_time, body)
 
-    def store(self, key: str, value, expiration_time: float) -> None:
-        """Stores ``value`` under ``key`` and this worker's peer id until ``expiration_time`` (``clock.now()``)."""
+    def store(self, key: str, value, expiration_time: float, *, wait: bool = True) -> PushedRecord:
+        """Stores ``value`` under ``key`` and this worker's peer id until ``expiration_time`` (``clock.now()``),
+        and keeps it in ``view``; returns the signed record, to push to peers. Without ``wait`` the DHT store
+        goes on in the background (for the peers that read the DHT rather than receive the push)."""
         envelope = self._envelope(key, value, expiration_time)
-        wait_dht(self.dht.store(key, envelope, expiration_time, subkey=self.identity.peer_id, return_future=True),
-                 "store", interrupted=self.interrupted)
+        record = PushedRecord(key, self.identity.peer_id, float(expiration_time), envelope)
+        self.view.put(record, msgpack.unpackb(msgpack.packb(value, use_bin_type=True), raw=False))  # as read back
+        future = self.dht.store(key, envelope, expiration_time, subkey=self.identity.peer_id, return_future=True)
+        if wait:
+            wait_dht(future, "store", interrupted=self.interrupted)
+        else:
+            future.add_done_callback(_log_failed_store)
+        return record
 
     async def store_async(self, key: str, value, expiration_time: float, sealed: bool = True) -> None:
         envelope = self._envelope(key, value, expiration_time, sealed)
         await self.dht.store(key, envelope, expiration_time, subkey=self.identity.peer_id, return_future=True)
 
     # -- reading -----------------------------------------------------------------------------------
-    def subkey_values(self, key: str, max_ttl: float) -> dict[str, object]:
-        """All live, valid peer id -> value pairs stored under ``key`` (empty if none)."""
-        found = wait_dht(self.dht.get(key, latest=True, return_future=True), "get", interrupted=self.interrupted)
-        return self.live_subkeys(key, found, max_ttl)
+    def subkey_values(self, key: str, max_ttl: float, *, fresh: bool | None = True) -> dict[str, object]:
+        """All live, valid peer id -> value pairs under ``key`` (empty if none) that this worker has seen:
+        with ``fresh``, read from the DHT now; without, as pushed and read before (``view``); with None,
+        read only if nothing under ``key`` has been seen yet."""
+        if fresh is None:
+            fresh = not self.view.has(key, self.clock.now())
+        if fresh:
+            found = wait_dht(self.dht.get(key, latest=True, return_future=True), "get", interrupted=self.interrupted)
+            for subkey, expiration, value, envelope in self._opened(key, found, raw=True):
+                self.view.put(PushedRecord(key, subkey, expiration, envelope), value)
+        now = self.clock.now()
+        return self.view.values(key, now, now + max_ttl)
+
+    def refresh(self, key: str, on_done: Callable[[], None] | None = None) -> concurrent.futures.Future:
+        """Reads ``key`` from the DHT in the background into ``view``, then calls ``on_done`` (from another
+        thread): a reader that waits for pushes is not held two round trips by a read of what may come."""
+        future = self.dht.get(key, latest=True, return_future=True)
+
+        def done(answer) -> None:
+            try:
+                for subkey, expiration, value, envelope in self._opened(key, answer.result(), raw=True):
+                    self.view.put(PushedRecord(key, subkey, expiration, envelope), value)
+            except BaseException as e:  # the DHT failed or is shutting down: what was pushed still counts
+                log.debug("a background read of %s failed: %s", key, e)
+            if on_done is not None:
+                on_done()
+
+        future.add_done_callback(done)
+        return future
+
+    def records_of(self, key: str, subkeys) -> list[PushedRecord]:
+        """The signed records of these writers under ``key`` seen so far (to pass them along)."""
+        return self.view.records(key, subkeys, self.clock.now())
+
+    def accept_pushed(self, pushed: list[PushedRecord]) -> int:
+        """Keeps the pushed records that are round or group records of this run, unexpired, signed by their
+        writer and (in a closed run) sealed: the checks a record read from the DHT passes. Returns how many
+        were new."""
+        ns = self.membership.namespace
+        now, kept = self.clock.now(), 0
+        for record in pushed:
+            if not record.key.startswith((f"{ns}.round.", f"{ns}.group.")) or not (
+                    now < record.expiration_time <= now + MAX_PUSHED_TTL):
+                continue
+            value = self._open(record.key, record.subkey, record.expiration_time, record.envelope, sealed=True)
+            if value is not _INVALID:
+                kept += self.view.put(record, value)
+        return kept
 
     def live_subkeys(self, key: str, found, max_ttl: float, sealed: bool = True) -> dict[str, object]:
         """The unexpired, valid records of a ``dht.get`` answer for ``key``; a record set to expire more
@@ -208,27 +276,34 @@ class RunRecords:
         now = self.clock.now()
         return {subkey: value for subkey, _, value in self._opened(key, found, sealed, (now, now + max_ttl))}
 
-    def _opened(self, key: str, found, sealed: bool = True,
-                live: tuple[float, float] | None = None) -> list[tuple[str, float, object]]:
+    def _opened(self, key: str, found, sealed: bool = True, live: tuple[float, float] | None = None,
+                raw: bool = False) -> list[tuple]:
         """(subkey, expiration time, value) of every record of a ``dht.get`` answer that its writer
         signed (and, in a closed run and if ``sealed``, sealed) under ``key``; with ``live`` = (now,
-        latest), only those expiring after now and no later than latest (checked before signatures)."""
+        latest), only those expiring after now and no later than latest (checked before signatures);
+        with ``raw``, each with its envelope as a fourth item."""
         if found is None or not isinstance(found.value, dict):
             return []
-        kid = signing.key_id(key)
         out = []
         for subkey, item in found.value.items():
             if live is not None and not live[0] < item.expiration_time <= live[1]:
                 continue
-            body = signing.open_envelope(kid, subkey, item.expiration_time, item.value)
-            plain = body if body is None or not sealed else self.membership.unseal(body, kid + subkey.encode())
-            if plain is None:
-                continue
-            try:
-                out.append((subkey, item.expiration_time, msgpack.unpackb(plain, raw=False, strict_map_key=True)))
-            except (ValueError, TypeError, msgpack.UnpackException):
-                continue
+            value = self._open(key, subkey, item.expiration_time, item.value, sealed)
+            if value is not _INVALID:
+                out.append((subkey, item.expiration_time, value) + ((item.value,) if raw else ()))
         return out
+
+    def _open(self, key: str, subkey, expiration_time: float, envelope, sealed: bool):
+        """The value of one signed (and, if ``sealed`` in a closed run, sealed) record, or ``_INVALID``."""
+        kid = signing.key_id(key)
+        body = signing.open_envelope(kid, subkey, expiration_time, envelope)
+        plain = body if body is None or not sealed else self.membership.unseal(body, kid + subkey.encode())
+        if plain is None:
+            return _INVALID
+        try:
+            return msgpack.unpackb(plain, raw=False, strict_map_key=True)
+        except (ValueError, TypeError, msgpack.UnpackException):
+            return _INVALID
 
     def workers_from(self, found, max_ttl: float) -> dict[str, WorkerRecord]:
         """The live workers of a ``dht.get`` answer for ``workers_key()``. Every valid record, expired

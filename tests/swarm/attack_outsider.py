@@ -17,7 +17,6 @@ from hivemind.utils.timed_storage import get_dht_time
 from opendiloco.comm.wire import ByteStream, Code, Refused, StreamClosed
 from opendiloco.swarm import records
 from opendiloco.swarm.membership import Membership, RunSecret
-from opendiloco.swarm.node import start_dht
 from opendiloco.swarm.streams import P2PStreams
 
 
@@ -43,10 +42,7 @@ async def attempt(p2p, protocol: str, target: str, hello: dict | None, opening: 
 
 
 async def main_async(args) -> dict:
-    with open(args.peers_file) as f:
-        peers = f.read().split()
-    dht = start_dht(initial_peers=peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-    p2p = await dht.replicate_p2p()
+    dht, p2p = await attacker.join(args.peers_file)
     me = dht.identity.peer_id
     report = {"peer_id": me}
 

@@ -26,6 +26,17 @@ def insider_arguments() -> argparse.ArgumentParser:
     return p
 
 
+async def join(peers_file: str):
+    """The attacker's own DHT node, joined through the run's peers (one per line in ``peers_file``), and
+    its p2p daemon."""
+    from opendiloco.swarm.node import start_dht
+
+    with open(peers_file) as f:
+        peers = f.read().split()
+    dht = start_dht(initial_peers=peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    return dht, await dht.replicate_p2p()
+
+
 def run(main_async, parser: argparse.ArgumentParser) -> None:
     args = parser.parse_args()
     report = asyncio.run(main_async(args))
