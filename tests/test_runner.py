@@ -643,6 +643,31 @@ def test_a_contribution_to_another_group_of_a_round_this_worker_completed_is_ref
     assert waiting
 
 
+def test_a_round_this_worker_starts_again_is_open_to_contributions_again():
+    """A worker that went back to the run's state (its side of a partition was the smaller) does rounds it
+    completed before again, in new groups: the communicator reopens a round when it starts it. In the long
+    world scenario the healed workers did not, and once the two sides met again every attempt of the round
+    failed ("this worker completed round 76.0 in another group") until the run ended, six minutes later."""
+
+    async def scenario():
+        net = MemoryNetwork(wait_for_group=30.0)
+        for m in ("a", "m"):
+            net.add(m)
+        net.rounds["a"].completed(str(RoundKey(4)), "the-group-of-the-smaller-side")
+        net.rounds["a"].reopen(str(RoundKey(4)))
+        stream = await net.connector("m")("a")
+        await stream.send(Code.CONTRIBUTE, {**OPENING, "sender": "m", "group_id": "the-run-s-group", "round": "4.0"})
+        waiting = asyncio.create_task(read_refusal(stream))
+        await asyncio.sleep(0.5)
+        still_waiting = not waiting.done()  # for its round to be registered, as for any round not known yet
+        waiting.cancel()
+        await asyncio.gather(waiting, return_exceptions=True)
+        await net.drain()
+        return still_waiting
+
+    assert run(scenario())
+
+
 # -- a member cut off mid round ends with its group's outcome ---------------------------------------------
 #
 # Members apply a round once they hold every shard, even if a member's CONFIRM never came. A member

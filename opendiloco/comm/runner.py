@@ -906,6 +906,11 @@ class Rounds:
         while len(self._completed) > self.remember:
             self._completed.popitem(last=False)
 
+    def reopen(self, key: str) -> None:
+        """This worker starts round ``key`` again (it went back to the run's state, after a partition say):
+        whatever it completed there before no longer stands."""
+        self._completed.pop(key, None)
+
     async def register(self, runner: RoundRunner) -> None:
         async with self._registered:
             self._active[runner.group.group_id] = runner

@@ -446,6 +446,7 @@ class SwarmCommunicator(Communicator):
         """One round, from announcement to a verified average (runs on the round thread)."""
         s = self.settings
         began, entered_at = time.perf_counter(), time.time()
+        self._loop.call_soon_threadsafe(self.rounds.reopen, str(key))  # before any peer can hear of this round
         self.hooks.round_began(key, flat)
         self.state = RoundState.ANNOUNCE
         self.report_progress(outer_step=key.outer_step)

@@ -182,13 +182,14 @@ class Matchmaker:
         pending_since = time.monotonic()
         while True:
             self._raise_if_interrupted()  # a stopping worker neither announces nor publishes
-            # A read of the live workers under way is taken once it is in, at once when there is no earlier view
-            # to announce on, and when it is overdue (then ``wait_dht`` says the DHT did not answer).
-            waited = time.monotonic() - pending_since
-            if pending is not None and (pending.done() or workers is None and provisional is None
-                                        or waited >= records.DHT_CALL_TIMEOUT):
-                workers, pending = records.wait_dht(pending, "get", max(0.0, records.DHT_CALL_TIMEOUT - waited),
-                                                    interrupted=self.interrupted), None
+            # A read of the live workers under way is taken once it is in, or at once when there is no earlier
+            # view to announce on; one overdue fails the round, as a read made in place would.
+            if pending is not None and time.monotonic() - pending_since >= records.DHT_CALL_TIMEOUT:
+                pending.cancel()
+                raise AveragingError(f"the DHT did not answer a read of the run's workers within "
+                                     f"{records.DHT_CALL_TIMEOUT:.0f}s")
+            if pending is not None and (pending.done() or workers is None and provisional is None):
+                workers, pending = records.wait_dht(pending, "get", interrupted=self.interrupted), None
                 if check is not None:
                     check(workers)
                     check = None

@@ -203,6 +203,8 @@ class Presence:
         out: concurrent.futures.Future = concurrent.futures.Future()
 
         def done(found) -> None:
+            if not out.set_running_or_notify_cancel():  # the reader gave up on it
+                return
             try:
                 out.set_result(self.same_settings(self.records.workers_from(found.result(), self.max_ttl)))
             except BaseException as e:  # the DHT call failed: the reader's wait says so
