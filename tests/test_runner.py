@@ -647,7 +647,7 @@ def test_a_round_this_worker_starts_again_is_open_to_contributions_again():
     """A worker that went back to the run's state (its side of a partition was the smaller) does rounds it
     completed before again, in new groups: the communicator reopens a round when it starts it. In the long
     world scenario the healed workers did not, and once the two sides met again every attempt of the round
-    failed ("this worker completed round 76.0 in another group") until the run ended, six minutes later."""
+    failed ("this worker completed round 76.0 in another group") until the run ended, 3.5 minutes later."""
 
     async def scenario():
         net = MemoryNetwork(wait_for_group=30.0)
