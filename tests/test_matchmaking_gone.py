@@ -51,7 +51,7 @@ class Writer:
             self.table.values.setdefault(key, {})[self.me] = value
         return key, self.me, value
 
-    def subkey_values(self, key: str, max_ttl: float, fresh: bool | None = True) -> dict:
+    def subkey_values(self, key: str, max_ttl: float, fresh: bool = True) -> dict:
         with self.table.lock:
             return dict(self.table.values.get(key, {}))
 

@@ -112,10 +112,6 @@ class RecordView:
         with self._lock:
             return len(self._keys)
 
-    def has(self, key: str, now: float) -> bool:
-        with self._lock:
-            return any(r.expiration_time > now for r, _ in self._keys.get(key, {}).values())
-
     def records(self, key: str, subkeys, now: float) -> list[PushedRecord]:
         """The unexpired records of these writers under ``key``, as they travel (to pass them along)."""
         with self._lock:

@@ -221,16 +221,12 @@ class RunRecords:
         await self.dht.store(key, envelope, expiration_time, subkey=self.identity.peer_id, return_future=True)
 
     # -- reading -----------------------------------------------------------------------------------
-    def subkey_values(self, key: str, max_ttl: float, *, fresh: bool | None = True) -> dict[str, object]:
+    def subkey_values(self, key: str, max_ttl: float, *, fresh: bool = True) -> dict[str, object]:
         """All live, valid peer id -> value pairs under ``key`` (empty if none) that this worker has seen:
-        with ``fresh``, read from the DHT now; without, as pushed and read before (``view``); with None,
-        read only if nothing under ``key`` has been seen yet."""
-        if fresh is None:
-            fresh = not self.view.has(key, self.clock.now())
+        with ``fresh``, read from the DHT now; without, as pushed and read before (``view``)."""
         if fresh:
-            found = wait_dht(self.dht.get(key, latest=True, return_future=True), "get", interrupted=self.interrupted)
-            for subkey, expiration, value, envelope in self._opened(key, found, raw=True):
-                self.view.put(PushedRecord(key, subkey, expiration, envelope), value)
+            self._keep(key, wait_dht(self.dht.get(key, latest=True, return_future=True), "get",
+                                     interrupted=self.interrupted))
         now = self.clock.now()
         return self.view.values(key, now, now + max_ttl)
 
@@ -241,8 +237,7 @@ class RunRecords:
 
         def done(answer) -> None:
             try:
-                for subkey, expiration, value, envelope in self._opened(key, answer.result(), raw=True):
-                    self.view.put(PushedRecord(key, subkey, expiration, envelope), value)
+                self._keep(key, answer.result())
             except BaseException as e:  # the DHT failed or is shutting down: what was pushed still counts
                 log.debug("a background read of %s failed: %s", key, e)
             if on_done is not None:
@@ -250,6 +245,11 @@ class RunRecords:
 
         future.add_done_callback(done)
         return future
+
+    def _keep(self, key: str, found) -> None:
+        """Puts the valid records of a ``dht.get`` answer for ``key`` in ``view``."""
+        for subkey, expiration, value, envelope in self._opened(key, found, raw=True):
+            self.view.put(PushedRecord(key, subkey, expiration, envelope), value)
 
     def records_of(self, key: str, subkeys) -> list[PushedRecord]:
         """The signed records of these writers under ``key`` seen so far (to pass them along)."""

@@ -271,4 +271,3 @@ def test_a_worker_left_out_of_a_group_that_fails_goes_back_to_the_round(workers)
             r.wait(90)
         except AveragingError:
             pass
-
