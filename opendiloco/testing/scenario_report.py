@@ -5,7 +5,9 @@ worker's ``metrics.jsonl`` (its clock corrected by the host's known offset) and 
 computes:
 
 - goodput: the share of the time workers were alive (not frozen, not dead) that went into inner
-  steps which ended in an applied outer step; ``relative_goodput`` divides it by the same
+  steps which ended in an applied outer step, over the whole run; ``steady_goodput``, the same
+  from the run's first applied outer step on (a run's start-up is no fault, and a shorter clean
+  play holds a larger share of it); ``relative_goodput`` divides the steady figure by the same
   figure of the scenario played without faults;
 - hash agreement: at every outer step, the workers that applied it hold one θ_global hash;
 - full rounds: applied rounds whose group held every worker that was alive, past its join, and
@@ -58,8 +60,9 @@ class Lifetimes:
         """Alive and running during the whole of [t0, t1]."""
         return any(a <= t0 and t1 <= b for a, b in self.segments.get(worker, []))
 
-    def seconds(self, worker: str) -> float:
-        return sum(b - a for a, b in self.segments.get(worker, []))
+    def seconds(self, worker: str, since: float = float("-inf")) -> float:
+        """Seconds alive and running, from ``since`` on."""
+        return sum(max(0.0, b - max(a, since)) for a, b in self.segments.get(worker, []))
 
 
 def _partition_sides(events: list[dict], world: dict) -> list[tuple[float, float, dict[str, int]]]:
@@ -86,6 +89,7 @@ def analyse(out_dir: str | Path, max_wait: float | None = None, clean: dict | No
     events = _events(out)
     end = next((e["time"] for e in events if e["kind"] == "stopping"), None) or \
         max((e["time"] for e in events), default=0.0)
+    begin = next((e["time"] for e in events if e["kind"] == "begin"), min((e["time"] for e in events), default=end))
     life = Lifetimes(events, end)
     partitions = _partition_sides(events, world)
     hosts = world["hosts"]
@@ -93,12 +97,18 @@ def analyse(out_dir: str | Path, max_wait: float | None = None, clean: dict | No
 
     rounds: dict[int, list[dict]] = defaultdict(list)  # outer step -> the applied records
     per_worker: dict[str, dict] = {}
+    records: dict[str, list[dict]] = {}
     for w in workers:
         offset = float(hosts[w].get("clock_offset_s", 0.0))
         path = out / "workers" / w / "metrics.jsonl"
-        recs = read_metrics(path) if path.exists() else []
-        for r in recs:
+        records[w] = read_metrics(path) if path.exists() else []
+        for r in records[w]:
             r["time"] = r["time"] - offset  # back to the runner's clock
+    # The run is warm from its first applied outer step: what came before is start-up, in a clean play too.
+    warm = min((r["time"] for recs in records.values() for r in recs if r["event"] == "outer_step" and r.get("ok")),
+               default=end)
+    for w in workers:
+        recs = records[w]
         outer = [r for r in recs if r["event"] == "outer_step"]
         applied = [r for r in outer if r.get("ok")]
         for r in applied:
@@ -127,6 +137,9 @@ def analyse(out_dir: str | Path, max_wait: float | None = None, clean: dict | No
             "inner_steps": steps, "contributed_steps": contributed, "dropped_steps": dropped,
             "step_s": step_s,
             "useful_s": contributed * step_s if step_s else 0.0,
+            "warm_useful_s": step_s * sum(r.get("contributed_steps") or 0 for r in outer if r["time"] > warm)
+            if step_s else 0.0,
+            "warm_live_s": life.seconds(w, warm),
             "longest_sync_s": max((r.get("sync_s") or 0.0 for r in outer), default=0.0),
             "launch_to_first_contribution_s": first_contrib,
             "resumed": [bool(s.get("resumed")) and (s.get("inner_step") or 0) > 0 for s in starts],
@@ -167,6 +180,8 @@ def analyse(out_dir: str | Path, max_wait: float | None = None, clean: dict | No
     live = sum(per_worker[w]["live_s"] for w in workers)
     useful = sum(per_worker[w]["useful_s"] for w in workers)
     goodput = useful / live if live else 0.0
+    warm_live = sum(per_worker[w]["warm_live_s"] for w in workers)
+    steady = sum(per_worker[w]["warm_useful_s"] for w in workers) / warm_live if warm_live else 0.0
     report = {
         "scenario": next((e.get("scenario") for e in events if e["kind"] == "begin"), out.name),
         "workers": per_worker,
@@ -175,6 +190,7 @@ def analyse(out_dir: str | Path, max_wait: float | None = None, clean: dict | No
                            "last_steps_agree": _last_steps_agree(rounds)},
         "full_rounds": full, "partial_rounds": partial_rounds[:50],
         "goodput": round(goodput, 4),
+        "steady_goodput": round(steady, 4), "warm_after_s": round(warm - begin, 1),
         "longest_stall_s": round(max((p["longest_sync_s"] for p in per_worker.values()), default=0.0), 2),
         "max_wait_s": max_wait,
         "tracebacks": sum(p["tracebacks"] for p in per_worker.values()),
@@ -182,9 +198,9 @@ def analyse(out_dir: str | Path, max_wait: float | None = None, clean: dict | No
                                                      "kill_bootstrap", "stop", "event_failed")],
         "transfer": _transfer(per_worker, out, world),
     }
-    if clean is not None and clean.get("goodput"):
-        report["clean_goodput"] = clean["goodput"]
-        report["relative_goodput"] = round(goodput / clean["goodput"], 4)
+    if clean is not None and clean.get("steady_goodput"):
+        report["clean_goodput"] = clean["steady_goodput"]
+        report["relative_goodput"] = round(steady / clean["steady_goodput"], 4)
     return report
 
 
@@ -239,7 +255,8 @@ def _transfer(per_worker: dict, out: Path, world: dict) -> dict:
 def summary(report: dict) -> str:
     """A short text of the report's headline figures."""
     lines = [f"scenario {report['scenario']}: {report['outer_steps']} outer steps, {report['groups']} groups"]
-    g = f"goodput {report['goodput']:.1%}"
+    g = (f"goodput {report['goodput']:.1%}; from the first outer step on ({report['warm_after_s']:.0f}s) "
+         f"{report['steady_goodput']:.1%}")
     if "relative_goodput" in report:
         g += f" ({report['relative_goodput']:.1%} of the same world without faults, {report['clean_goodput']:.1%})"
     lines.append(g)
