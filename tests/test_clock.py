@@ -7,6 +7,7 @@ import logging
 
 import pytest
 
+from opendiloco.pacing import Pace
 from opendiloco.swarm import clock as clock_module
 from opendiloco.swarm.clock import RunClock
 
@@ -135,3 +136,39 @@ def test_what_peers_can_make_it_keep_is_bounded():
     clock.observe({f"p{i}": c.wall for i in range(clock_module.MAX_PEERS + 500)})
     clock.observe({"x": float("nan"), "y": "soon", "z": float("inf"), "w": True})
     assert len(clock.offsets()) == clock_module.MAX_PEERS
+
+
+def test_a_peers_times_are_moved_into_this_clock_when_it_is_half_a_second_off_or_more():
+    c = Clocks()
+    clock = c.clock()
+    heartbeats(c, clock, {"ahead": 2.5, "close": 0.3}, delay=0.1)
+    t = c.wall
+    assert clock.in_mine("ahead", t + 2.5) == pytest.approx(t + 0.1)  # low by the read's delay, never high
+    assert clock.in_mine("close", t + 0.3) == t + 0.3  # within CORRECT_S: as published
+    assert clock.in_mine("stranger", t) == t
+    assert clock.now() == c.wall  # this worker's own clock is still not moved
+    c.wall += 3600.0  # a jump: every estimate was taken against the old clock
+    clock.now()
+    assert clock.in_mine("ahead", t) == t
+
+
+def test_a_worker_ahead_of_its_peers_enters_a_round_when_they_do():
+    """pace "swarm" extrapolates each peer's work from when its figures were true, on the peer's clock.
+    A worker 2.5 s ahead (skew.toml) saw every peer's figures 2.5 s older than they were, believed the
+    group's work 2.5 s further on, and entered every round that much early (10 inner steps instead of
+    20 at 4 steps a second), then waited for the others."""
+    from opendiloco.comm.base import Progress
+    from opendiloco.pacing import round_due
+    from opendiloco.swarm.records import WorkerRecord
+
+    c = Clocks()  # this worker's clock: the run's + 2.5 s
+    clock = c.clock()
+    heartbeats(c, clock, {"a": -2.5, "b": -2.5}, delay=0.05)
+    true_now = c.wall - 2.5
+    # Three workers at 4 inner steps a second, 15 steps into a round of H = 20: the group's 45 of its 60.
+    peers = [WorkerRecord.of(Progress(outer_step=3, round_work=15.0, work_rate=4.0, work_per_step=1.0,
+                                      pace_time=true_now), peer_id=p, time=true_now, left=False, config="")
+             for p in ("a", "b")]
+    own = Pace(work=15.0, rate=4.0, per_step=1.0, time=clock.now())
+    assert not round_due(own, [r.pace(clock) for r in peers], 20, own_step_s=0.25, local_step=15)
+    assert round_due(own, [r.pace() for r in peers], 20, own_step_s=0.25, local_step=15)  # as before: 5 steps early

@@ -13,9 +13,13 @@ first seen with a new time: the record's time minus this clock, low by the time 
 reach this reader, never high; the largest of the last ``WINDOW_S`` seconds is the estimate. A
 record that stops changing (a frozen or dead writer) gives no new samples, so it never looks like a
 clock that falls behind. The median of the run's clocks (this one's counted as zero) beyond
-``REPORT_S`` is said in one line. The offset is measured and told, not corrected: a correction from
-estimates this coarse would move this worker's waits on every busy read, and hivemind checks
-expirations with the raw clock of each process anyway.
+``REPORT_S`` is said in one line. This worker's clock is not corrected: hivemind checks expirations
+with the raw clock of each process anyway. What is corrected is a peer's time compared with this
+clock, where the comparison is a wait or a pace (``in_mine``: a peer's ready time, the start of its
+wait, when its pace figures were true), and only for a peer more than ``CORRECT_S`` off: within that,
+an estimate this coarse (low by the age of the record when read) would move waits on every busy
+read. Before, a worker 2.5 s ahead extrapolated its peers' work 2.5 s too far and entered every
+round about 2.5 s of inner steps early, then waited (``skew.toml``).
 
 A jump of this machine's clock (against its monotonic clock) is one line too. hivemind drops a record
 whose expiration has passed by the raw clock of the process that decodes it, so after a jump of more
@@ -47,6 +51,9 @@ JUMP_S = 2.0
 ISOLATING_JUMP_S = 5.0
 """A jump larger than this may hide every peer's record (see ``isolated``)."""
 
+CORRECT_S = 0.5
+"""A peer whose clock is this far off (or more) has its times moved into this clock (``in_mine``)."""
+
 MAX_PEERS = 1024
 """Peers whose offsets are tracked at once (a bound on what records can make this keep)."""
 
@@ -60,6 +67,7 @@ class RunClock:
         self._samples: dict[str, deque] = {}
         self._last_seen: dict[str, float] = {}  # each peer's last published time, to sample only news
         self._offset = 0.0
+        self._peers: dict[str, float] = {}  # each peer's clock minus this one, as last estimated
         self._told = 0.0  # the offset last reported in the log
         self._base = wall() - monotonic()
         self._jump: float | None = None  # the last jump, while no peer's record has been read since
@@ -105,6 +113,13 @@ class RunClock:
                 window.append((mono, float(their) - local))
             self._recompute(mono)
 
+    def in_mine(self, peer: str, t: float) -> float:
+        """A time ``peer`` published (on its clock), on this clock: moved by the peer's estimated offset
+        where that is ``CORRECT_S`` or more, else as it is."""
+        with self._lock:
+            off = self._peers.get(peer, 0.0)
+        return t - off if abs(off) >= CORRECT_S else t
+
     def offsets(self) -> dict[str, float]:
         """Each tracked peer's clock minus this one's (the best recent estimate)."""
         with self._lock:
@@ -123,7 +138,7 @@ class RunClock:
         return out
 
     def _recompute(self, mono: float) -> None:
-        estimates = self._estimates(mono)
+        estimates = self._peers = self._estimates(mono)
         self._offset = statistics.median([0.0, *estimates.values()])
         off = self._offset if abs(self._offset) > REPORT_S else 0.0
         if abs(off - self._told) <= REPORT_S / 2:
@@ -144,6 +159,7 @@ class RunClock:
                 return
             self._samples.clear()  # every sample was taken against the old clock
             self._last_seen.clear()
+            self._peers = {}
             self._offset = self._told = 0.0
             self._jump = jump
         log.warning("this machine's clock jumped by %+.1f s; its offset from the run's is estimated afresh from its "

@@ -424,7 +424,8 @@ class SwarmCommunicator(Communicator):
     def peer_paces(self, outer_step: int) -> list[Pace]:
         """The paces of the peers heading for ``outer_step`` whose word counts here (``partners.py``)."""
         snapshot = self.presence.partners.voters(self._workers_snapshot)
-        return [r.pace() for p, r in snapshot.items() if p != self._peer_id and r.heading == outer_step]
+        return [r.pace(self.records.clock) for p, r in snapshot.items()
+                if p != self._peer_id and r.heading == outer_step]
 
     # -- a round -------------------------------------------------------------------------------
     def start(self, flat, *, weight, key, out=None, error_out=None) -> Work:

@@ -387,7 +387,7 @@ class Matchmaker:
         """
         s = self.settings
         believed = record is not None and record.ready_at is not None and record.peer_id not in self.no_shows
-        expected = record.ready_at if believed else began
+        expected = self.records.clock.in_mine(record.peer_id, record.ready_at) if believed else began
         if not vouched:  # believed for one grace at most: an honest newcomer that joined through another member
             expected = min(expected, began + s.straggler_wait)
         return min(max(expected, began) + s.straggler_wait, began + s.max_wait)
@@ -395,8 +395,10 @@ class Matchmaker:
     def _shared_start(self, announcements: dict, began: float, now: float) -> float:
         """The earliest plausible ``since`` among compatible announcements (ours if none is)."""
         oldest = now - self.settings.max_wait - self.settings.matchmaking_timeout
-        times = [v.get("since") for v in announcements.values()]
-        return min([began] + [t for t in times if isinstance(t, (int, float)) and oldest <= t <= now])
+        clock = self.records.clock
+        times = [clock.in_mine(p, v["since"]) for p, v in announcements.items()
+                 if isinstance(v.get("since"), (int, float)) and not isinstance(v["since"], bool)]
+        return min([began] + [t for t in times if oldest <= t <= now])
 
     def _published(self, key: RoundKey, attempt: int, gkey: str, live: set[str],
                    announced: set[str]) -> tuple[str, ...] | None:

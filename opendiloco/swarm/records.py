@@ -73,9 +73,11 @@ class WorkerRecord(Progress):
         """The round this worker will enter next."""
         return self.next_round if self.next_round >= 0 else self.outer_step
 
-    def pace(self) -> Pace:
+    def pace(self, clock: RunClock | None = None) -> Pace:
+        """Its pace, with the time its figures were true on ``clock`` (a reader's: ``RunClock.in_mine``)."""
+        t = self.pace_time or self.time
         return Pace(work=self.round_work, rate=self.work_rate, per_step=self.work_per_step,
-                    time=self.pace_time or self.time, ready=self.ready)
+                    time=t if clock is None else clock.in_mine(self.peer_id, t), ready=self.ready)
 
     def to_value(self) -> dict:
         d = asdict(self)
