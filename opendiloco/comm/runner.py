@@ -400,11 +400,10 @@ class RoundRunner:
         """Whether this round still needs bytes from ``member``: its parts of our shard, or its shard."""
         return self.members.index(member) not in self._shard_digests or not self.reducer.has_all_parts(member)
 
-    async def give_up_on(self, member: str) -> None:
-        """``member``'s attempt failed (it asks how the round ended): what we still wait for from it will
-        never come, so the round fails here now instead of at its timeout."""
-        await self._fail(PeerFailure(f"{member[-8:]} failed its attempt before this worker had all it sends",
-                                     {member}))
+    async def give_up_on(self, member: str, why: str = "failed its attempt") -> None:
+        """What we still wait for from ``member`` will never come (its attempt failed: it asks how the round
+        ended; or it left the run), so the round fails here now instead of at its timeout."""
+        await self._fail(PeerFailure(f"{member[-8:]} {why} before this worker had all it sends", {member}))
 
     def may_have_completed(self) -> tuple[str, ...]:
         """The members that may have completed this round, whatever happened here (empty: nobody did).

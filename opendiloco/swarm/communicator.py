@@ -161,6 +161,9 @@ for seconds (hivemind's 3 s per request): not waited for. Unannounced, a worker 
 when its record expires (``record_ttl``)."""
 CLOSE_STEP_TIMEOUT = 1.0
 """How long ``close`` waits for each of its other steps (cancelling tasks, the p2p replica, the loop)."""
+VANISHED_S = 3.0
+"""A member the exchange still waits on whose record has been gone from the run this long (and from two
+reads of it) is given up on (``_give_up_on_vanished``)."""
 
 
 async def _cancel_other_tasks() -> None:
@@ -254,6 +257,7 @@ class SwarmCommunicator(Communicator):
             joiners=lambda step: self.state_server.recent_joiners(step, within=s.straggler_wait + 10.0),
             offenders=self.offenders, unreachable=self.unreachable)
         self._workers_snapshot: dict[str, records.WorkerRecord] = {}
+        self._snapshot_reads = 0  # successful reads of the run's workers so far
         self._pace_refresh = asyncio.run_coroutine_threadsafe(self._refresh_workers(), self._loop)
         self._leaving = asyncio.run_coroutine_threadsafe(self._leave_when_stopping(), self._loop)
 
@@ -417,6 +421,7 @@ class SwarmCommunicator(Communicator):
                 found = await self.dht.get(key, latest=True, return_future=True)
                 workers = self.records.workers_from(found, self.presence.max_ttl)
                 self._workers_snapshot = self.presence.same_settings(workers)
+                self._snapshot_reads += 1
             except Exception as e:  # the DHT may be busy or shutting down: keep the last snapshot
                 log.debug("refreshing the workers snapshot: %s", e)
             await asyncio.sleep(interval)
@@ -588,10 +593,38 @@ class SwarmCommunicator(Communicator):
             timeout=s.allreduce_timeout, confirm_timeout=s.verify_timeout, result_codec=self.result_codec,
             error_out=error_out, aggregation=s.aggregation, audit_chunks=s.audit_chunks)
         await self.rounds.register(runner)
+        watch = asyncio.create_task(self._give_up_on_vanished(runner, group))
         try:
             return await runner.run(self.reduce_streams.connect)
         finally:
+            watch.cancel()
             self.rounds.finish(group.group_id)
+
+    async def _give_up_on_vanished(self, runner: RoundRunner, group: Group) -> None:
+        """Fails the attempt as soon as a member it still waits on has left the run's records.
+
+        A member frozen or cut off mid-exchange (SIGSTOP, a partition) sends nothing and closes nothing,
+        so the attempt would wait out ``allreduce_timeout`` (60 s) while every other member idles. Its
+        record expires ``record_ttl`` after its last heartbeat; once it has been gone from two reads
+        and ``VANISHED_S``, the attempt fails as at its timeout and the next one forms without it (the
+        matchmaker expects only live workers). A member that is slow but alive keeps its record, and
+        is waited for as before."""
+        loop = asyncio.get_running_loop()
+        gone_since: dict[str, tuple[float, int]] = {}
+        while not runner.ended.is_set():
+            await asyncio.sleep(1.0)
+            live, reads, now = self._workers_snapshot, self._snapshot_reads, loop.time()
+            for m in group.members:
+                if m == self._peer_id or m in live or not runner.waits_on(m):
+                    gone_since.pop(m, None)
+                    continue
+                since, at_read = gone_since.setdefault(m, (now, reads))
+                if now - since >= VANISHED_S and reads - at_read >= 2:
+                    log.warning("round %s: member %s is gone from the run's records (no heartbeat for %.0f s) "
+                                "with its part of the exchange still owed: giving up on it", group.group_id,
+                                m[-8:], self.presence.record_ttl)
+                    await runner.give_up_on(m, "left the run's records")
+                    return
 
     # -- state for joiners -------------------------------------------------------------------
     def attach_state_provider(self, provider: StateProvider) -> None:
