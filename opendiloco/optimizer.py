@@ -21,7 +21,7 @@ from .errors import AveragingError, BehindError, DriftError, LocalRankFailure, R
 from .fragment import Fragment, make_fragments
 from .optimizer_state import SavedRound, check_checkpoint, joiner_position, settings_of
 from .outer import OptimizerFactory, OuterState, fragmented_hash
-from .pacing import PACES, Pace, round_due, seconds_to_target
+from .pacing import PACES, Pace, retry_delay, round_due, seconds_to_target
 from .staging import DeviceSnapshot
 from .state_check import ADAM_ENTRIES, Reference, adoptable_optimizer_state, check_state, reference_groups
 from .streaming import check_schedule, event_gap, event_start, fragment_of, fragments_from_groups, split_evenly
@@ -196,6 +196,8 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         self._step_samples = 0
         self._pace_work = 0.0
         """Work since the last round attempt: what the pacing rule counts."""
+        self._failed_in_a_row = 0
+        self._retry_at = 0.0  # (monotonic) under pace "swarm", no round before this (``retry_delay``)
         self._work_per_step = 0.0
         self._step_s = 0.0
         """Moving average of the seconds between two inner steps (outer steps left out)."""
@@ -288,6 +290,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         """θ_global moved (one fragment of it, or all): the swarm learns the new outer step, hash and
         this worker's fresh pace in one record, published at once."""
         self._hash = None
+        self._failed_in_a_row, self._retry_at = 0, 0.0
         for f in self.fragments if fragment is None else [fragment]:
             f.digest = None
         self.communicator.report_progress(outer_step=self._outer_step, global_hash=self.global_hash(),
@@ -343,8 +346,9 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
             return self._local_step >= gap
         # Timing-based: the ranks of a multi-process worker take their leader's decision.
         return self.communicator.shared_decision(
-            round_due(self._own_pace(), self.communicator.peer_paces(self._outer_step), gap,
-                      own_step_s=self._step_s, local_step=self._local_step))
+            time.monotonic() >= self._retry_at
+            and round_due(self._own_pace(), self.communicator.peer_paces(self._outer_step), gap,
+                          own_step_s=self._step_s, local_step=self._local_step))
 
     def _seconds_to_round(self) -> float | None:
         """When this worker expects to enter its next round; None until its step time is measured."""
@@ -544,6 +548,8 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         """θ_global stays; the local work stays too (the next round's pseudo-gradient holds it),
         unless it is not finite."""
         log.warning("outer step %d failed, θ_global kept: %s", self._outer_step, reason)
+        self._failed_in_a_row += 1
+        self._retry_at = time.monotonic() + retry_delay(self._failed_in_a_row)
         dropped = 0
         if not own_finite:
             self.outer.reset_local()  # local weights are poisoned: start over from θ_global

@@ -24,6 +24,9 @@ from dataclasses import dataclass
 PACES = ("fixed", "swarm")
 EXTRAPOLATE_S = 10.0
 """How far ahead of a peer's last published figures its work is extrapolated (several heartbeats)."""
+RETRY_S = 0.5
+RETRY_MAX_S = 8.0
+"""Under pace "swarm", a round that failed is tried again no sooner than ``retry_delay`` later."""
 
 
 @dataclass(frozen=True)
@@ -92,3 +95,17 @@ def seconds_to_target(own: Pace, others: Sequence[Pace], local_steps: int) -> fl
         return 0.0
     rate = sum(p.rate for p in members if not p.ready)
     return missing / rate if rate > 0 else math.inf
+
+
+def retry_delay(failed_in_a_row: int) -> float:
+    """Seconds before a worker whose last ``failed_in_a_row`` rounds failed (θ_global kept) enters the
+    next one under pace "swarm": 0 after a round that moved θ_global, then 0.5, 1, 2, 4, 8 s at most.
+
+    The pace rule alone makes such a worker due again at once (its peers are still in their round, all
+    "ready"). A worker that is left out of every group (its links to a member broke) then failed a round
+    every inner step, each attempt announced to every live worker, for minutes: in the long scenario,
+    two workers behind NAT made 88 such attempts. The run goes on meanwhile, and a worker that finds it
+    behind catches up at its next try."""
+    if failed_in_a_row <= 0:
+        return 0.0
+    return min(RETRY_MAX_S, RETRY_S * 2 ** (failed_in_a_row - 1))

@@ -2,13 +2,22 @@
 
 import copy
 import math
+import time
 
 import pytest
 import torch
 
 from opendiloco import AveragingError, DiLoCoOptimizer
 from opendiloco.comm import SingleWorker
-from opendiloco.pacing import EXTRAPOLATE_S, Pace, group_work, round_due, seconds_to_target, target_work
+from opendiloco.pacing import (
+    EXTRAPOLATE_S,
+    Pace,
+    group_work,
+    retry_delay,
+    round_due,
+    seconds_to_target,
+    target_work,
+)
 from tests.test_optimizer import ADAMW, batch, mlp, params, train_step
 
 H = 10
@@ -120,3 +129,54 @@ def test_schedule_step_never_goes_back_after_a_failed_round():
 def test_a_far_stale_peer_is_not_extrapolated_for_ever():
     stale = Pace(work=2, rate=2.5, per_step=1, time=0.0)
     assert stale.work_at(1e6) == 2 + 2.5 * EXTRAPOLATE_S
+
+
+def test_retry_delay_doubles_from_half_a_second_to_eight():
+    assert [retry_delay(n) for n in range(7)] == [0.0, 0.5, 1.0, 2.0, 4.0, 8.0, 8.0]
+
+
+class _Clock:
+    """``time`` as the optimizer sees it, with a monotonic clock the test moves."""
+
+    def __init__(self):
+        self.t = 1000.0
+
+    def monotonic(self):
+        return self.t
+
+    def __getattr__(self, name):
+        return getattr(time, name)
+
+
+def test_a_worker_whose_rounds_fail_tries_again_later_and_later(monkeypatch):
+    """Under pace "swarm" a failed round kept the worker due at once (its peers, in their round, are all
+    ready): a worker left out of every group announced a round every inner step. Now it waits
+    ``retry_delay``, and a round that moves θ_global starts the count again."""
+    from opendiloco import optimizer as optimizer_module
+    from opendiloco.comm.base import CompletedWork
+
+    clock = _Clock()
+    monkeypatch.setattr(optimizer_module, "time", clock)
+    tries, fail = [], [True]
+
+    class Flaky(SingleWorker):
+        def start(self, flat, *, weight, key, out=None):
+            tries.append(clock.t)
+            if fail[0]:
+                return CompletedWork(error=AveragingError("left out of the group"))
+            return super().start(flat, weight=weight, key=key, out=out)
+
+    model = mlp(0)
+    opt = DiLoCoOptimizer(model.parameters(), local_steps=5, inner_optimizer=ADAMW, communicator=Flaky(),
+                          pace="swarm")
+    for s in range(100):  # an inner step every 0.1 s: exact H (5 steps) alone would try every 0.5 s
+        train_step(model, opt, *batch(0, s))
+        clock.t += 0.1
+    gaps = [round(b - a, 1) for a, b in zip(tries, tries[1:])]
+    assert gaps == [0.5, 1.0, 2.0, 4.0] and opt.outer_step == 0, gaps
+    fail[0] = False
+    for s in range(100, 200):
+        train_step(model, opt, *batch(0, s))
+        clock.t += 0.1
+    assert opt.outer_step >= 2  # the first round that went through started the count again
+    assert [round(b - a, 1) for a, b in zip(tries[4:], tries[5:])][1:] == [0.5] * (len(tries) - 6)
