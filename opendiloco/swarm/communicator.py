@@ -161,6 +161,8 @@ for seconds (hivemind's 3 s per request): not waited for. Unannounced, a worker 
 when its record expires (``record_ttl``)."""
 CLOSE_STEP_TIMEOUT = 1.0
 """How long ``close`` waits for each of its other steps (cancelling tasks, the p2p replica, the loop)."""
+ATTEMPT_KEYS = 1024
+"""Round keys whose used attempt numbers a worker remembers (the least recently used are forgotten)."""
 VANISHED_S = 3.0
 """A member the exchange still waits on whose record has been gone from the run this long (and from two
 reads of it) is given up on (``_give_up_on_vanished``)."""
@@ -226,10 +228,13 @@ class SwarmCommunicator(Communicator):
         """The state of the latest round (for status and tests)."""
         self._runner: RoundRunner | None = None
         """The latest attempt's runner (what a stop in the middle of it may leave in doubt)."""
-        self._next_attempt: dict[RoundKey, int] = {}
-        """Per round key, the first attempt number this worker has not used yet. A round that failed is
-        tried again at the same key (the outer step did not move): its attempts go on from there, for a
-        used number names a group id its members have finished and refuse ("already finished")."""
+        self._next_attempt: collections.OrderedDict[RoundKey, int] = collections.OrderedDict()
+        """Per round key, the first attempt number this worker has not used yet (``ATTEMPT_KEYS`` keys at
+        most). A used number names a group id its members have finished and refuse ("already
+        finished"), and its group may still be in the records. A round that failed is tried again at
+        the same key (the outer step did not move); a round that completed is done again at its key by
+        a worker that went back to the run's state (the smaller side of a healed partition): either
+        way its attempts go on from there."""
         self.offenders = Offenders(s.exclude_rounds)
         """Members this worker caught sending malformed data: left out of its next groups."""
         self.unreachable = UnreachablePeers()
@@ -498,6 +503,7 @@ class SwarmCommunicator(Communicator):
                     self._note_offenders(group)
             except RoundCounted:  # the group completed it (or may have): adopt its state, never retry
                 self.state = RoundState.FAILED
+                self._used_attempt(key, attempt)
                 raise
             except AveragingError as e:
                 if isinstance(e, PeerFailure):  # one that refused us failed knowingly: it is back for the retry
@@ -505,10 +511,11 @@ class SwarmCommunicator(Communicator):
                     suspects |= e.peers - {self._peer_id} - (runner.refused_by if runner else set())
                 errors.append(f"attempt {attempt}: {e}")
                 log.warning("round %s, attempt %d with %d peers failed: %s", key, attempt, len(group.members), e)
+                self._used_attempt(key, attempt)
                 attempt += 1
-                self._next_attempt[key] = attempt
                 continue
             self.state = RoundState.DONE
+            self._used_attempt(key, attempt)
             self._loop.call_soon_threadsafe(self.rounds.completed, str(key), group.group_id)
             self.presence.last_group = set(group.members)
             self.presence.partners.add(group.members)
@@ -526,11 +533,14 @@ class SwarmCommunicator(Communicator):
 
     def _first_attempt(self, key: RoundKey) -> int:
         """Where this worker's attempts at ``key`` start: after those it used in earlier tries of it (the
-        matchmaker still moves up to a later attempt that its peers announce). Keys of earlier outer steps
-        are forgotten."""
-        for old in [k for k in self._next_attempt if k.outer_step < key.outer_step]:
-            del self._next_attempt[old]
+        matchmaker still moves up to a later attempt that its peers announce)."""
         return self._next_attempt.get(key, 0)
+
+    def _used_attempt(self, key: RoundKey, attempt: int) -> None:
+        self._next_attempt[key] = max(self._next_attempt.get(key, 0), attempt + 1)
+        self._next_attempt.move_to_end(key)
+        while len(self._next_attempt) > ATTEMPT_KEYS:
+            self._next_attempt.popitem(last=False)
 
     def _note_offenders(self, group: Group) -> None:
         """Remembers the members whose bytes failed this worker's own checks in this attempt, and the
@@ -607,8 +617,9 @@ class SwarmCommunicator(Communicator):
         so the attempt would wait out ``allreduce_timeout`` (60 s) while every other member idles. Its
         record expires ``record_ttl`` after its last heartbeat; once it has been gone from two reads
         and ``VANISHED_S``, the attempt fails as at its timeout and the next one forms without it (the
-        matchmaker expects only live workers). A member that is slow but alive keeps its record, and
-        is waited for as before."""
+        matchmaker expects only live workers). What the attempt waits on includes the audit's answers:
+        a member that froze once its parts and shard were in held eight others 36 s there. A member
+        that is slow but alive keeps its record, and is waited for as before."""
         loop = asyncio.get_running_loop()
         gone_since: dict[str, tuple[float, int]] = {}
         while not runner.ended.is_set():

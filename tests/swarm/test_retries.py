@@ -271,3 +271,16 @@ def test_a_worker_left_out_of_a_group_that_fails_goes_back_to_the_round(workers)
             r.wait(90)
         except AveragingError:
             pass
+
+
+def test_a_round_done_again_after_going_back_uses_attempts_it_has_not_used(workers):
+    """The smaller side of a healed partition goes back to the run's state and does again rounds it had
+    completed on its own, at the same keys. Its attempts started at 0 again: the group id of the
+    attempt it had completed, which its members refuse ("already finished"), and whose group is still
+    in the records (in the long scenario, three workers failed that attempt, waited out their peers as
+    no-shows and averaged alone again: a second fork)."""
+    pair = workers(2)
+    for key in (RoundKey(5), RoundKey(6), RoundKey(5)):  # back to outer step 5, as after a download of its state
+        out = together(pair, key)
+        assert all(not isinstance(r, Exception) for r in out), (key, out)
+        assert all(sorted(r.peers) == sorted(c.peer_id for c in pair) for r in out), out
