@@ -918,6 +918,73 @@ def _doubt(ask, members=("a", "b", "d"), held=None):
     return InDoubt("cut", set(ask), group_id="g", me="a", members=members, ask=ask, held=held)
 
 
+def test_a_round_given_up_on_a_member_ends_at_once_with_its_stream_still_hung():
+    """A member whose address changed mid-exchange neither answers nor closes its streams. Once the
+    others give up on it (its record expired: ``SwarmCommunicator``) their round ends then, not when a
+    task blocked on its stream times out: in the long scenario it ended 30 s after they gave up."""
+    timeout = 30.0
+    g = torch.Generator().manual_seed(7)
+    flats = [torch.randn(CUT_N, generator=g) for _ in MEMBERS]
+
+    async def scenario():
+        net = CutNetwork("c", "before-contribute", freeze=True, wait_for_group=2.0)
+        for m in MEMBERS:
+            net.add(m)
+        group = Group("g", MEMBERS, RoundKey(4))
+        runners = {m: RoundRunner(group, m, f, 1.0, get_codec("fp16"), part_numel=PART, timeout=timeout)
+                   for m, f in zip(MEMBERS, flats)}
+        for m, r in runners.items():
+            await net.rounds[m].register(r)
+        began = asyncio.get_running_loop().time()
+        tasks = {m: asyncio.ensure_future(runners[m].run(net.connector(m))) for m in ("a", "b")}
+        frozen = asyncio.ensure_future(runners["c"].run(net.connector("c")))
+        while not net.frozen:
+            await asyncio.sleep(0.01)
+        for m in ("a", "b"):
+            await runners[m].give_up_on("c", "left the run's records")
+        ended = await asyncio.gather(*tasks.values(), return_exceptions=True)
+        held = asyncio.get_running_loop().time() - began
+        frozen.cancel()
+        await asyncio.gather(frozen, return_exceptions=True)
+        await net.drain()
+        return ended, held
+
+    ended, held = run(scenario(), timeout=60)
+    for e in ended:
+        assert isinstance(e, AveragingError) and "c left the run's records" in str(e), e
+    assert held < timeout / 2, held
+
+
+def test_a_member_whose_audit_answers_are_still_to_come_is_waited_on():
+    """``waits_on`` (what a member that left the run's records is given up on for, ``SwarmCommunicator``)
+    covers the audit too: in the long scenario a member froze once every part and shard was in, and
+    eight others waited out their audit of it, 36 s, until it thawed."""
+    group = Group("g", ("a", "b"), RoundKey(0))
+
+    class Frozen:
+        remote = "b"
+
+        async def send(self, code, meta=None, payload=b""):
+            pass
+
+        async def recv(self, **kw):
+            await asyncio.sleep(3600)
+
+    async def scenario():
+        runner = _runner(group, "a")
+        runner._shard_digests[1] = "0" * 64  # b's shard and parts are in
+        runner.reducer._next_part["b"] = len(runner.reducer.parts)
+        assert not runner.waits_on("b")
+        asking = asyncio.ensure_future(runner._ask(1, Frozen(), [[1, 0, 0]]))
+        await asyncio.sleep(0.05)
+        assert runner.waits_on("b")  # its audit answers are owed
+        asking.cancel()
+        await asyncio.gather(asking, return_exceptions=True)
+        assert not runner.waits_on("b")
+
+    asyncio.run(scenario())
+
+
 def test_a_member_answers_once_its_round_has_ended():
     group = Group("g", ("a", "b"), RoundKey(0))
 

@@ -319,6 +319,7 @@ class RoundRunner:
         self._confirm_streams: dict[int, ByteStream] = {}
         self._failed = asyncio.Event()
         self._confirms: dict[str, str] = {}
+        self._auditing: set[str] = set()  # members whose audit answers are still to come
         self._serving: set[str] = set()
         self._parts_out: set[int] = set()
         """Owners this worker has sent (or begun sending) its last part of their shard to."""
@@ -344,13 +345,18 @@ class RoundRunner:
         others = [j for j in range(len(self.members)) if j != self.my_index]
         tasks = [asyncio.create_task(self._exchange(j, connect)) for j in others]
         tasks.append(asyncio.create_task(self._own_shard()))
+        # The round also ends the moment it fails here (``_fail``: ``give_up_on``, say), even with a
+        # task still blocked on a member that neither answers nor closes its stream.
+        work, failed = asyncio.gather(*tasks), asyncio.ensure_future(self._failed.wait())
         try:
-            done, pending = await asyncio.wait(tasks, timeout=self.timeout, return_when=asyncio.FIRST_EXCEPTION)
-            for task in done:
-                if task.exception() is not None:
-                    raise task.exception()
-            if pending:
-                silent = {self.members[j] for j, t in zip(others, tasks) if t in pending}
+            done, _ = await asyncio.wait([work, failed], timeout=self.timeout, return_when=asyncio.FIRST_COMPLETED)
+            failed.cancel()
+            if work in done:
+                work.result()  # the first exception of a task, if any
+            elif failed in done:
+                self._raise_if_failed()
+            else:
+                silent = {self.members[j] for j, t in zip(others, tasks) if not t.done()}
                 silent |= {m for m in self.members if m not in self.reducer.weights} - {self.me}
                 raise PeerFailure(f"no answer within {self.timeout:.0f}s from {sorted(p[-8:] for p in silent)}",
                                   silent or set(self.members) - {self.me})
@@ -359,13 +365,15 @@ class RoundRunner:
                 raise ProtocolError(f"shards report different total weights {sorted(totals)}")
             digest = self._whole_digest()
             if self.audit_chunks:
-                await self._audit()
+                await self._unless_failed(self._audit())
             confirmed, missing = await self._verify(digest)
         except BaseException as e:
+            failed.cancel()
             await self._fail(e if isinstance(e, Exception) else AveragingError("round cancelled"))
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            await asyncio.gather(work, return_exceptions=True)  # its exception is retrieved
             if isinstance(e, asyncio.CancelledError):
                 raise
             failure = e if isinstance(e, AveragingError) else AveragingError(f"{type(e).__name__}: {e}")
@@ -397,8 +405,10 @@ class RoundRunner:
         return frozenset(self._results_out)
 
     def waits_on(self, member: str) -> bool:
-        """Whether this round still needs bytes from ``member``: its parts of our shard, or its shard."""
-        return self.members.index(member) not in self._shard_digests or not self.reducer.has_all_parts(member)
+        """Whether this round still needs bytes from ``member``: its parts of our shard, its shard, or its
+        answers to our audit."""
+        return (self.members.index(member) not in self._shard_digests or not self.reducer.has_all_parts(member)
+                or member in self._auditing)
 
     async def give_up_on(self, member: str, why: str = "failed its attempt") -> None:
         """What we still wait for from ``member`` will never come (its attempt failed: it asks how the round
@@ -642,6 +652,7 @@ class RoundRunner:
     async def _ask(self, m: int, stream: ByteStream, asked: list) -> list[torch.Tensor]:
         """Member m's values of the ``asked`` chunks, each proven against its owner's committed root."""
         peer = self.members[m]
+        self._auditing.add(peer)
         try:
             await stream.send(Code.AUDIT, {"chunks": asked})
             out = []
@@ -662,6 +673,8 @@ class RoundRunner:
             return out
         except (ProtocolError, OSError, ConnectionError, asyncio.TimeoutError) as e:
             raise PeerFailure(f"audit answers from {peer[-8:]}: {type(e).__name__}: {e}", {peer}) from None
+        finally:
+            self._auditing.discard(peer)
 
     async def _answer_audit(self, stream: ByteStream, sender: str, meta: dict) -> None:
         """Our values of the chunks ``sender`` audits, with their Merkle paths (checked before any work)."""
