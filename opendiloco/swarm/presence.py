@@ -7,7 +7,9 @@ import concurrent.futures
 import dataclasses
 import functools
 import logging
+import math
 import threading
+import time
 
 from ..comm.base import Progress, check_progress
 from ..errors import BehindError, DriftError, SwarmError
@@ -69,6 +71,10 @@ class Presence:
         self.initial_peers = tuple(initial_peers)
         """Where its DHT node joined the run: dialled again if it loses every peer (``rejoin.py``)."""
         self._lost_peers = False
+        self._most_known = 0  # the most peers its DHT node knew at once (``_stay_joined``)
+        self._rejoined_at = -math.inf  # (monotonic) when its DHT node last found peers after knowing none
+        self.rejoin_settle_s = 2 * record_ttl
+        """After losing every peer, how long its node must have known the run again before a round of one."""
         self._foreign: set[str] = set()
         self._other_secrets: set[str] = set()
         self._unconfirmed_ahead = -1
@@ -143,12 +149,20 @@ class Presence:
 
     async def _stay_joined(self) -> None:
         """Dials the initial peers again if this worker's DHT node knows no peer (``rejoin.py``); says so once."""
+        below = max(1, (self._most_known + 1) // 2)  # fewer than half of the most it knew: a partition
         try:
             before, after = await asyncio.wait_for(self.records.dht.run_coroutine(
-                functools.partial(redial, initial_peers=self.initial_peers), return_future=True), 3 * REDIAL_TIMEOUT)
+                functools.partial(redial, initial_peers=self.initial_peers, below=below), return_future=True),
+                3 * REDIAL_TIMEOUT)
         except Exception as e:  # asyncio.TimeoutError included: the next heartbeat tries again
             log.debug("redialling the initial peers: %s", e)
             return
+        self._most_known = max(self._most_known, after)
+        if before == 0 and after:
+            self._rejoined_at = time.monotonic()
+        if 0 < before < after:
+            log.info("this worker's DHT node knew %d peer(s), fewer than half of the %d it knew at most: it dialled "
+                     "its initial peers again and knows %d now", before, self._most_known, after)
         if before == 0 and not self._lost_peers:
             log.warning("this worker's DHT node lost every peer (its address changed, or its links broke): %s",
                         f"it dialled its initial peers again and knows {after} peer(s) now" if after else
@@ -162,11 +176,19 @@ class Presence:
             return None
         future = self.records.dht.run_coroutine(functools.partial(redial, initial_peers=self.initial_peers),
                                                 return_future=True)
-        _, after = records.wait_dht(future, "redial", 3 * REDIAL_TIMEOUT, self.records.interrupted)
-        if after:
-            return None
-        return ("cut off from the run: its DHT node knows no peer and none of its initial peers answers "
-                "(a round of one would fork θ_global from the run it cannot see)")
+        before, after = records.wait_dht(future, "redial", 3 * REDIAL_TIMEOUT, self.records.interrupted)
+        if not after:
+            return ("cut off from the run: its DHT node knows no peer and none of its initial peers answers "
+                    "(a round of one would fork θ_global from the run it cannot see)")
+        if before == 0:
+            self._rejoined_at = time.monotonic()
+        since = time.monotonic() - self._rejoined_at
+        if since < self.rejoin_settle_s:
+            # Its node knows its initial peers again, not yet the run: a read now may find no other worker's
+            # record where they all are (a worker whose address changed went alone that way, a fork).
+            return (f"its DHT node lost every peer and found the run again {since:.0f}s ago: it does not average "
+                    f"alone before it has seen the run for {self.rejoin_settle_s:.0f}s")
+        return None
 
     async def _check_secrets(self) -> None:
         """Publishes which secret this worker holds (a tag of it) under the bare run id, and says in one

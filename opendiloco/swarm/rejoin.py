@@ -8,7 +8,11 @@ own records, and its worker, seeing no other live worker, trained alone for the 
 
 - ``redial`` (run in the DHT process, each heartbeat): a node that knows no peer connects to its
   initial peers again and pings them, which puts them back in its routing table, then looks up its
-  own neighbours to learn the rest of the run again.
+  own neighbours to learn the rest of the run again. So does a node that knows fewer than half the
+  peers it knew at most (``Presence``), dialling the initial peers its table lacks: the smaller
+  side of a partition keeps its few peers on its side, so it never knew none, and learnt of the
+  other side's records again only by chance, some 40 s after the partition healed, training on a
+  fork all the while (the long scenario); now within a heartbeat or two of the heal.
 - ``cut_off`` (``Presence.cut_off``): whether a node with initial peers still knows none after that.
   Such a worker does not apply a round alone (matchmaking): it cannot tell an empty run from one it
   cannot see, and a round of one would fork θ_global from the run's.
@@ -38,11 +42,15 @@ async def count_known_peers(_dht, node) -> int:
     return known_peers(node)
 
 
-async def redial(_dht, node, initial_peers: tuple[str, ...], timeout: float = REDIAL_TIMEOUT) -> tuple[int, int]:
-    """(peers known before, peers known after): if the node knows none, it dials ``initial_peers``
-    again (each a full multiaddr with ``/p2p/``) and, if one answers, finds its neighbours anew."""
+async def redial(_dht, node, initial_peers: tuple[str, ...], timeout: float = REDIAL_TIMEOUT,
+                 below: int = 1) -> tuple[int, int]:
+    """(peers known before, peers known after): if the node knows fewer than ``below`` peers, it dials
+    those of ``initial_peers`` (each a full multiaddr with ``/p2p/``) that its routing table lacks and,
+    if one answers, finds its neighbours anew."""
     before = known_peers(node)
-    if before or not initial_peers:
+    table = node.protocol.routing_table
+    initial_peers = tuple(m for m in initial_peers if PeerID.from_base58(Multiaddr(m)["p2p"]) not in table)
+    if before >= below or not initial_peers:
         return before, before
 
     async def dial(maddr: str) -> None:

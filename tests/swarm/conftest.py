@@ -7,8 +7,10 @@ end it is stopped, and any descendant still alive a few seconds later fails the 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -79,3 +81,16 @@ def swarm(tmp_path, _lingering):
     yield s
     leaked = s.stop(lingering=_lingering)
     assert not leaked, f"processes left behind by the swarm test (killed now): {leaked}"
+
+
+@pytest.fixture
+def loop():
+    """An asyncio loop running in a thread of its own (what a worker's communicator keeps)."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        yield loop
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 import time
 
 import hivemind
@@ -44,16 +43,6 @@ def public_nodes():
             node.shutdown()
 
 
-@pytest.fixture
-def loop():
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    try:
-        yield loop
-    finally:
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(10)
 
 
 def test_a_worker_behind_nat_with_many_initial_peers_is_seen_by_the_run(public_nodes, loop):

@@ -59,3 +59,69 @@ def test_a_node_whose_initial_peers_are_gone_stays_cut_off(bootstrap, joined):
     node.run_coroutine(forget_every_peer)
     assert node.run_coroutine(functools.partial(redial, initial_peers=peers, timeout=2.0)) == (0, 0)
     assert node.run_coroutine(count_known_peers) == 0
+
+
+async def forget_peers(_dht, node, peer_ids: tuple[str, ...]) -> int:
+    """What failed requests to these peers leave behind (run in the DHT process)."""
+    from hivemind.p2p import PeerID
+
+    table = node.protocol.routing_table
+    for peer in peer_ids:
+        uid = table.get(peer_id=PeerID.from_base58(peer))
+        if uid is not None:
+            del table[uid]
+    return len(table.uid_to_peer_id)
+
+
+def test_a_node_that_lost_most_of_its_peers_dials_the_initial_peers_it_lacks(bootstrap, joined):
+    """The smaller side of a partition keeps its peers on its side: it never knows none. A node that knows
+    fewer than ``below`` peers dials the initial peers its table lacks (and only those)."""
+    node, peers = joined
+    others = [hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=list(peers))
+              for _ in range(2)]
+    try:
+        for other in others:  # it learns the other nodes of the run
+            node.store(f"from-{other.peer_id}", 1, get_dht_time() + 60)
+            other.get(f"from-{other.peer_id}")
+        node.run_coroutine(functools.partial(redial, initial_peers=peers))  # knows some: a no-op
+        assert node.run_coroutine(count_known_peers) == 3
+        boot = str(bootstrap.peer_id)
+        assert node.run_coroutine(functools.partial(forget_peers, peer_ids=(boot, str(others[0].peer_id)))) == 1
+        assert node.run_coroutine(functools.partial(redial, initial_peers=peers, below=1)) == (1, 1)  # not below
+        before, after = node.run_coroutine(functools.partial(redial, initial_peers=peers, below=2))
+        assert before == 1 and after >= 2
+        # Its initial peer known, it dials nobody, however few it knows.
+        node.run_coroutine(functools.partial(forget_peers, peer_ids=tuple(str(o.peer_id) for o in others)))
+        assert node.run_coroutine(functools.partial(redial, initial_peers=peers, below=3)) == (1, 1)
+    finally:
+        for other in others:
+            other.shutdown()
+
+
+def test_a_worker_whose_node_found_the_run_again_does_not_average_alone_at_once(bootstrap, loop):
+    """A worker whose address changed lost every peer, dialled its initial peer again and, knowing that one
+    only, read no other worker's record yet: it averaged a round alone, a fork (the long scenario). After
+    finding the run again its node must have known it for ``rejoin_settle_s`` before a round of one."""
+    import asyncio
+
+    from opendiloco.swarm import records
+    from opendiloco.swarm.membership import Membership
+    from opendiloco.swarm.node import start_dht
+    from opendiloco.swarm.presence import Presence
+
+    peers = tuple(str(m) for m in bootstrap.get_visible_maddrs())
+    node = start_dht(initial_peers=list(peers), host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    presence = None
+    try:
+        presence = Presence(records.RunRecords(node, Membership.open("rejoin"), node.identity),
+                            node.identity.peer_id, loop, heartbeat_interval=1.0, record_ttl=10.0, initial_peers=peers)
+        assert presence.cut_off() is None  # joined at start: it may average alone (a run it started)
+        node.run_coroutine(forget_every_peer)
+        reason = presence.cut_off()  # dials its initial peer again: it knows one peer, and not yet the run
+        assert reason is not None and "found the run again" in reason, reason
+        presence.rejoin_settle_s = 0.0
+        assert presence.cut_off() is None
+    finally:
+        if presence is not None:
+            asyncio.run_coroutine_threadsafe(presence.leave(), loop).result(30)
+        node.shutdown()
