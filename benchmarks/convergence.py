@@ -193,7 +193,8 @@ def plan(args) -> list[dict]:
                                       "outer_momentum": args.outer_momentum})
                         if h in args.one_worker_hs:
                             specs.append({**base, "name": f"diloco1-{name}", "method": "diloco", "H": h,
-                                          "outer_lr": lr, "at": at, "workers": 1, "compression": wire})
+                                          "outer_lr": lr, "at": at, "workers": 1, "compression": wire,
+                                          "outer_momentum": args.outer_momentum})
             specs.append({**base, "name": f"data-parallel{tag}", "method": "data-parallel"})
             specs.append({**base, "name": f"single{tag}", "method": "single"})
     order = sorted(needed)
