@@ -125,7 +125,8 @@ def growth(run_dirs: list[Path]) -> str:
     from opendiloco.train.metrics import read_metrics
 
     rows = ["| workers | outer steps | round, last to arrive (median) | round, all members (median) | "
-            "failed rounds per 100 | full rounds | goodput |", "|---|---|---|---|---|---|---|"]
+            "failed rounds per 100 | full rounds | goodput | from the first outer step |",
+            "|---|---|---|---|---|---|---|---|"]
     for run_dir in run_dirs:
         report = json.loads((run_dir / "report.json").read_text())
         by_step: dict[int, list[dict]] = {}
@@ -142,7 +143,7 @@ def growth(run_dirs: list[Path]) -> str:
         every = [x.get("sync_s") or 0 for rs in by_step.values() for x in rs]
         rows.append(f"| {len(report['workers'])} | {report['outer_steps']} | {_median_s(last)} | {_median_s(every)} | "
                     f"{100 * failed / max(1, applied + failed):.1f} | {report['full_rounds']} of {report['groups']} | "
-                    f"{report['goodput']:.1%} |")
+                    f"{report['goodput']:.1%} | {report.get('steady_goodput', float('nan')):.1%} |")
     return "\n".join(rows)
 
 

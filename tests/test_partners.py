@@ -13,6 +13,7 @@ import pytest
 
 from opendiloco.comm.base import RoundKey
 from opendiloco.errors import BehindError
+from opendiloco.swarm.clock import RunClock
 from opendiloco.swarm.matchmaking import Matchmaker
 from opendiloco.swarm.partners import Partners
 from opendiloco.swarm.quorum import Claim, confirmed_ahead, drifted
@@ -119,7 +120,8 @@ def test_a_group_of_fresh_identities_does_not_leave_a_partner_behind():
 
 
 def test_a_ready_time_from_a_peer_whose_word_does_not_count_is_believed_for_one_grace_at_most():
-    mm = SimpleNamespace(settings=dataclasses.replace(SETTINGS, straggler_wait=5.0, max_wait=600.0), no_shows={})
+    mm = SimpleNamespace(settings=dataclasses.replace(SETTINGS, straggler_wait=5.0, max_wait=600.0), no_shows={},
+                         records=SimpleNamespace(clock=RunClock()))
     began = 1000.0
     assert Matchmaker._wait_until(mm, WorkerRecord("p", ready_at=1120.0), began, vouched=True) == 1125.0
     assert Matchmaker._wait_until(mm, WorkerRecord("p", ready_at=1120.0), began, vouched=False) == 1010.0

@@ -2,6 +2,7 @@
 
 from types import SimpleNamespace
 
+from opendiloco.swarm.clock import RunClock
 from opendiloco.swarm.matchmaking import Matchmaker, MatchmakingSettings
 from opendiloco.swarm.records import WorkerRecord
 from opendiloco.swarm.status import format_table
@@ -9,9 +10,19 @@ from opendiloco.swarm.status import format_table
 SETTINGS = MatchmakingSettings(run_id="r", straggler_wait=5.0, max_wait=600.0)
 
 
-def wait_until(record, began=1000.0, no_shows=()):
-    return Matchmaker._wait_until(SimpleNamespace(settings=SETTINGS, no_shows=dict.fromkeys(no_shows, 0)), record,
-                                  began)
+def wait_until(record, began=1000.0, no_shows=(), clock=None):
+    mm = SimpleNamespace(settings=SETTINGS, no_shows=dict.fromkeys(no_shows, 0),
+                         records=SimpleNamespace(clock=clock or RunClock()))
+    return Matchmaker._wait_until(mm, record, began)
+
+
+def test_a_ready_time_is_read_on_this_workers_clock():
+    """A peer whose clock is 2.5 s ahead publishes ready times 2.5 s late: it was waited for 2.5 s longer."""
+    wall = [1000.0]
+    clock = RunClock(wall=lambda: wall[0], monotonic=lambda: 5.0)
+    clock.observe({"p": 1002.5})  # its heartbeat, read at once: its clock is ours + 2.5 s
+    assert wait_until(WorkerRecord("p", ready_at=1022.5), clock=clock) == 1025.0
+    assert wait_until(WorkerRecord("q", ready_at=1022.5), clock=clock) == 1027.5  # no estimate: as published
 
 
 def test_a_slow_peer_is_waited_for_until_its_own_ready_time_plus_grace():
