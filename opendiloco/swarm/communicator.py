@@ -472,13 +472,18 @@ class SwarmCommunicator(Communicator):
             self.state = RoundState.FAILED
             raise
         attempt, errors, suspects = self._first_attempt(key), [], set()
+        first_read, checked = workers, []
+
+        def check(fresh):
+            checked.append(True)
+            self.presence.raise_if_drifted(key.outer_step, fresh)
+
         while len(errors) < s.max_attempts:
             self._raise_if_interrupted()
             self.state = RoundState.GROUP
             try:
                 group, attempt = self.matchmaker.form_group(
-                    key, attempt, flat.numel(), suspects, workers, provisional=snapshot or None,
-                    check=lambda fresh: self.presence.raise_if_drifted(key.outer_step, fresh))
+                    key, attempt, flat.numel(), suspects, workers, provisional=snapshot or None, check=check)
                 workers = snapshot = None  # a retry reads them afresh
             except AveragingError:
                 self.state = RoundState.FAILED
@@ -514,6 +519,8 @@ class SwarmCommunicator(Communicator):
                 self._used_attempt(key, attempt)
                 attempt += 1
                 continue
+            if not checked:  # the group closed before the read came: the drift check is made on it now
+                self._check_drift_late(key, first_read)
             self.state = RoundState.DONE
             self._used_attempt(key, attempt)
             self._loop.call_soon_threadsafe(self.rounds.completed, str(key), group.group_id)
@@ -530,6 +537,23 @@ class SwarmCommunicator(Communicator):
             return result
         self.state = RoundState.FAILED
         raise AveragingError(f"round {key}: no complete round in {s.max_attempts} attempts: " + "; ".join(errors))
+
+    def _check_drift_late(self, key: RoundKey, read: concurrent.futures.Future) -> None:
+        """The drift check on the read of the run's workers made at the round's start, where the group
+        closed on the recent view before it came (``form_group``). Without it a worker whose θ_global
+        drifted went undetected as long as its rounds came faster than that view was refreshed, its
+        peers' records always a step behind. Such a worker does not apply the round: ``DriftError``
+        makes it take the run's state (which holds the round) from a peer."""
+        try:
+            fresh = read.result(timeout=records.DHT_CALL_TIMEOUT)
+        except Exception as e:  # no read, no verdict: the next round's check is made
+            log.debug("round %s: the late drift check had no read of the workers: %s", key, e)
+            return
+        try:
+            self.presence.raise_if_drifted(key.outer_step, fresh)
+        except AveragingError:
+            self.state = RoundState.FAILED
+            raise
 
     def _first_attempt(self, key: RoundKey) -> int:
         """Where this worker's attempts at ``key`` start: after those it used in earlier tries of it (the
