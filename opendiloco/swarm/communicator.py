@@ -519,10 +519,10 @@ class SwarmCommunicator(Communicator):
                 self._used_attempt(key, attempt)
                 attempt += 1
                 continue
+            self._used_attempt(key, attempt)
             if not checked:  # the group closed before the read came: the drift check is made on it now
                 self._check_drift_late(key, first_read)
             self.state = RoundState.DONE
-            self._used_attempt(key, attempt)
             self._loop.call_soon_threadsafe(self.rounds.completed, str(key), group.group_id)
             self.presence.last_group = set(group.members)
             self.presence.partners.add(group.members)
