@@ -99,31 +99,3 @@ def test_a_node_that_lost_most_of_its_peers_dials_the_initial_peers_it_lacks(boo
         for other in others:
             other.shutdown()
 
-
-def test_a_worker_whose_node_found_the_run_again_does_not_average_alone_at_once(bootstrap, loop):
-    """A worker whose address changed lost every peer, dialled its initial peer again and, knowing that one
-    only, read no other worker's record yet: it averaged a round alone, a fork (the long scenario). After
-    finding the run again its node must have known it for ``rejoin_settle_s`` before a round of one."""
-    import asyncio
-
-    from opendiloco.swarm import records
-    from opendiloco.swarm.membership import Membership
-    from opendiloco.swarm.node import start_dht
-    from opendiloco.swarm.presence import Presence
-
-    peers = tuple(str(m) for m in bootstrap.get_visible_maddrs())
-    node = start_dht(initial_peers=list(peers), host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-    presence = None
-    try:
-        presence = Presence(records.RunRecords(node, Membership.open("rejoin"), node.identity),
-                            node.identity.peer_id, loop, heartbeat_interval=1.0, record_ttl=10.0, initial_peers=peers)
-        assert presence.cut_off() is None  # joined at start: it may average alone (a run it started)
-        node.run_coroutine(forget_every_peer)
-        reason = presence.cut_off()  # dials its initial peer again: it knows one peer, and not yet the run
-        assert reason is not None and "found the run again" in reason, reason
-        presence.rejoin_settle_s = 0.0
-        assert presence.cut_off() is None
-    finally:
-        if presence is not None:
-            asyncio.run_coroutine_threadsafe(presence.leave(), loop).result(30)
-        node.shutdown()
