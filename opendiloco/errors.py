@@ -28,6 +28,11 @@ class DriftError(BehindError):
         self.majority_hash = majority_hash
 
 
+class SplitHold(AveragingError):
+    """This worker's group lacks most of the workers it last averaged with (the run may be split): it
+    applies nothing and keeps its work for the next round (``swarm/majority.py``)."""
+
+
 class ProtocolError(AveragingError):
     """A peer sent something that does not fit the round (wrong group, size, code, non-finite, digest...)."""
 

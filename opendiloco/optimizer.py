@@ -17,7 +17,7 @@ from .comm.buffers import FlatBuffer, all_finite, unflatten
 from .comm.local import SingleWorker
 from .comm.subset import carry_unsent, start_subset
 from .comm.topk import TopK
-from .errors import AveragingError, BehindError, DriftError, LocalRankFailure, RoundCounted
+from .errors import AveragingError, BehindError, DriftError, LocalRankFailure, RoundCounted, SplitHold
 from .fragment import Fragment, make_fragments
 from .optimizer_state import SavedRound, check_checkpoint, joiner_position, settings_of
 from .outer import OptimizerFactory, OuterState, fragmented_hash
@@ -459,6 +459,8 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         except AveragingError as e:
             self._pending = None
             report = self._round_failed(str(e), time.perf_counter() - round_.began, round_.own_finite)
+            if isinstance(e, SplitHold):
+                report.extra["held"] = True
         else:
             n = fragment.size
             views = unflatten(averaged, contribution.views)

@@ -26,6 +26,8 @@ RECORDS = [
      "group_size": 1, "peers": ["12D3KooWme", "12D3KooWd"], "allreduce_s": 0.5, "sync_s": 0.75,
      "transfer_s": None, "matchmaking_s": 0.5, "bytes_sent": 500, "bytes_received": None, "round_compute_s": 3.0,
      "global_hash": "bb22", "contributed_steps": 0, "dropped_steps": 20},
+    {"event": "outer_step", "outer_step": 2, "inner_step": 45, "loss": 4.5, "ok": False, "held": True,
+     "group_size": 1, "peers": [], "sync_s": 0.0, "round_compute_s": 0.0, "global_hash": "bb22"},
     {"event": "checkpoint", "inner_step": 40, "outer_step": 2, "blocked_s": 0.125},
 ]
 
@@ -59,10 +61,11 @@ def test_a_scrape_shows_the_records_figures(exporter):
     assert value("opendiloco_inner_step") == 40 and value("opendiloco_outer_step") == 2
     assert value("opendiloco_train_loss") == 5.25 and value("opendiloco_tokens_per_second") == 1234.5
     assert value("opendiloco_learning_rate") == 3e-4 and value("opendiloco_grad_norm") == 0.75
-    assert value("opendiloco_eval_loss") == 4.25 and value("opendiloco_round_loss") == 4.75
+    assert value("opendiloco_eval_loss") == 4.25 and value("opendiloco_round_loss") == 4.5
     assert value("opendiloco_group_size") == 1
     assert value("opendiloco_peers_seen") == 3  # b, c, d: never itself
-    assert value("opendiloco_rounds_total", result="ok") == 1 and value("opendiloco_rounds_total", result="failed") == 1
+    assert value("opendiloco_rounds_total", result="ok") == 1 and value("opendiloco_rounds_total", result="failed") == 2
+    assert value("opendiloco_held_rounds_total") == 1
     assert value("opendiloco_sent_bytes_total") == 1500 and value("opendiloco_received_bytes_total") == 900
     assert value("opendiloco_contributed_steps_total") == 20 and value("opendiloco_dropped_steps_total") == 20
     assert value("opendiloco_round_seconds_total", phase="waiting") == 0.75

@@ -27,7 +27,7 @@ NOT_DEFAULT = {
     "matchmaking_timeout": 7.0, "allreduce_timeout": 9.0, "straggler_wait": 2.5, "max_attempts": 5,
     "verify_timeout": 1.5, "poll_interval": 0.5, "quiet_poll_interval": 2.0, "max_wait": 42.0, "part_numel": 4096,
     "aggregation": "centered-clip", "clip_ratio": 2.0, "max_weight_ratio": 3.0, "audit_chunks": 7,
-    "exclude_rounds": 3,
+    "exclude_rounds": 3, "partition_hold": 30.0,
 }
 """A valid value, other than the default, for every ``[swarm]`` key that sets a ``SwarmSettings`` field."""
 AGGREGATION_KEYS = {"aggregation", "clip_ratio", "max_weight_ratio"}

@@ -46,12 +46,13 @@ from ..comm.local import average_alone
 from ..comm.runner import DEFAULT_PART_NUMEL, Group, RoundOutcome, RoundRunner, Rounds, group_label, resolve
 from ..comm.wire import ByteStream, Code
 from ..comm.wire import field as meta_field
-from ..errors import AveragingError, InDoubt, Interrupted, PeerFailure, RoundCounted
+from ..errors import AveragingError, InDoubt, Interrupted, PeerFailure, RoundCounted, SplitHold
 from ..pacing import Pace
 from . import records
 from .doctor import startup_warnings
 from .exclusion import EXCLUDE_ROUNDS, Offenders, UnreachablePeers
 from .hooks import RoundHooks
+from .majority import RecentMembers
 from .matchmaking import Doorbell, Matchmaker, MatchmakingSettings
 from .membership import SECRET_FILE_ENV, Membership, RunSecret
 from .multi_donor import MAX_DONORS, DonorsAhead, Download, fetch_from_donors, tell_done
@@ -116,6 +117,10 @@ class SwarmSettings:
     exclude_rounds: int = EXCLUDE_ROUNDS
     """How many outer steps a member caught sending malformed data is left out of this worker's groups
     (``exclusion.py``)."""
+    partition_hold: float = 120.0
+    """The longest, in seconds, a worker whose groups lack most of the workers it last averaged with (a
+    partition, or a crash of most of them) holds its work instead of applying rounds apart from them
+    (``majority.py``); 0: never holds (both sides of a partition go on, and the smaller heals)."""
     config_fingerprint: str = ""
     """The hash of the settings every worker of the run must share: a worker with another one is
     refused at start when every live worker of the run has them (``refuse_other_settings``), and
@@ -149,6 +154,7 @@ class SwarmSettings:
             aggregation=Aggregation(cfg.aggregation, clip_ratio=cfg.clip_ratio, max_weight_ratio=cfg.max_weight_ratio),
             audit_chunks=cfg.audit_chunks,
             exclude_rounds=cfg.exclude_rounds,
+            partition_hold=cfg.partition_hold,
             config_fingerprint=config_fingerprint,
         )
 
@@ -236,6 +242,8 @@ class SwarmCommunicator(Communicator):
         a worker that went back to the run's state (the smaller side of a healed partition): either
         way its attempts go on from there."""
         self.offenders = Offenders(s.exclude_rounds)
+        self.recent = RecentMembers(self._peer_id, s.partition_hold)
+        """The members of this worker's last rounds: a group that lacks most of them holds (``majority.py``)."""
         """Members this worker caught sending malformed data: left out of its next groups."""
         self.unreachable = UnreachablePeers()
         """Members this worker could not dial: apart from it for a few outer steps."""
@@ -489,6 +497,12 @@ class SwarmCommunicator(Communicator):
                 self.state = RoundState.FAILED
                 raise
             mm_s = time.perf_counter() - began
+            held = self.recent.hold(group.members, self.records.departed())
+            if held:  # a side of a split run: nothing is exchanged, the work stays for the next round
+                self._used_attempt(key, attempt)
+                self._loop.call_soon_threadsafe(self.rounds.finish, group.group_id)  # its streams are refused at once
+                self.state = RoundState.FAILED
+                raise SplitHold(f"round {key}: {held}")
             settled = False
             try:
                 try:
@@ -526,6 +540,7 @@ class SwarmCommunicator(Communicator):
             self._loop.call_soon_threadsafe(self.rounds.completed, str(key), group.group_id)
             self.presence.last_group = set(group.members)
             self.presence.partners.add(group.members)
+            self.recent.completed(group.members)
             self.report_progress(last_sync_time=self.records.clock.now())
             result = AverageResult(outcome.flat, group.members, outcome.total_weight, time.perf_counter() - began,
                                      extra={"attempts": len(errors) + 1, "group_id": group.group_id,

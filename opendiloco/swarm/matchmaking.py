@@ -58,6 +58,10 @@ class MatchmakingSettings:
     """An announced attempt number more than this ahead of ours is ignored."""
 
 
+GROUP_READ_GRACE = 2.0
+"""Seconds a worker about to publish a group waits for a read of the attempt's groups still under way
+(about two round trips, where the DHT answers)."""
+
 SLOW_READ_EVERY = 5
 """While a worker waits, the announcements are read every poll, but what changes slowly or rings a
 doorbell when it changes (the live workers; a group its leader publishes) every this many polls: every
@@ -492,7 +496,8 @@ class Matchmaker:
         s, me = self.settings, self.me
         gkey = self.records.group_key(key, attempt)
         announce_key = self.records.round_key(key)
-        deadline = time.monotonic() + s.straggler_wait + s.matchmaking_timeout
+        adopting = time.monotonic()
+        deadline = adopting + s.straggler_wait + s.matchmaking_timeout
         polls = 0
         published_ours, rang = False, True
         gone = compatible - live  # a leader that died or went back is not waited for (``_gone``)
@@ -517,7 +522,13 @@ class Matchmaker:
                 raise AveragingError(f"round {key}: the {len(compatible - {me})} other peer(s) ready for the round "
                                      "left it or were grouped without this worker before its group closed; "
                                      "not applied alone")
-            if not published_ours and min(candidates) == me:
+            # A read of this attempt's groups still under way (made when nothing had been pushed here: this
+            # worker came late, say) may bring a group that went ahead without it: publishing a group of the
+            # same peers before it is in would only break this worker's attempt. Waited for a little only: a
+            # DHT that does not answer must not stop a group that the pushes let form.
+            reading = self._reading.get(gkey)
+            read_in = reading is None or reading.done() or time.monotonic() - adopting > GROUP_READ_GRACE
+            if not published_ours and min(candidates) == me and read_in:
                 members = sorted(candidates)
                 record = self.records.store(gkey, members, self.records.clock.now() + s.record_ttl, wait=False)
                 # To the members, with the announcements it is checked against (for a member that missed one), and to

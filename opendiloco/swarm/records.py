@@ -15,6 +15,7 @@ than its kind may (a forged record cannot outlive its writer's heartbeat by more
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import logging
 import math
@@ -120,6 +121,8 @@ class WorkerRecord(Progress):
 
 
 DHT_CALL_TIMEOUT = 30.0
+DEPARTED_KEPT = 4096
+"""Peers remembered as having left the run cleanly, at most (the oldest forgotten first)."""
 
 MAX_PUSHED_TTL = 24 * 3600.0
 """A pushed record set to live longer than this is dropped unread (readers apply their kind's own bound)."""
@@ -178,6 +181,9 @@ class RunRecords:
         """The relays the live workers' records name: where streams to workers behind NAT go."""
         self.view = RecordView()
         """The round and group records seen so far: read from the DHT, pushed by peers, or this worker's own."""
+        self._departed: collections.OrderedDict[str, None] = collections.OrderedDict()
+        """Peers whose latest record read says they left the run cleanly (``DEPARTED_KEPT`` at most)."""
+        self._departed_lock = threading.Lock()
 
     # -- keys --------------------------------------------------------------------------------------
     def workers_key(self) -> str:
@@ -318,9 +324,26 @@ class RunRecords:
         now = self.clock.now()
         workers = parse_workers({subkey: value for subkey, expiration, value in opened
                                  if now < expiration <= now + max_ttl})
+        self._note_departures({subkey for subkey, expiration, value in opened if now < expiration
+                               and isinstance(value, dict) and value.get("left") is True}, workers)
         for peer, rec in workers.items():
             self.relay_book.note(peer, rec.relays)
         return workers
+
+    def _note_departures(self, left: set[str], live: dict) -> None:
+        with self._departed_lock:
+            for peer in left - set(live):
+                self._departed[peer] = None
+                self._departed.move_to_end(peer)
+            for peer in set(live) & set(self._departed):  # it came back (restarted with the same identity)
+                del self._departed[peer]
+            while len(self._departed) > DEPARTED_KEPT:
+                self._departed.popitem(last=False)
+
+    def departed(self) -> frozenset[str]:
+        """Peers whose signed record said they left the run cleanly (a stop, not a crash or a partition)."""
+        with self._departed_lock:
+            return frozenset(self._departed)
 
     def read_workers(self, max_ttl: float = 3600.0) -> dict[str, WorkerRecord]:
         """Live workers of the run (those that left cleanly are dropped)."""

@@ -132,6 +132,7 @@ def analyse(out_dir: str | Path, max_wait: float | None = None, clean: dict | No
             "clock_offset_s": hosts[w].get("clock_offset_s", 0.0),
             "launches": len(life.launches.get(w, [])), "live_s": round(life.seconds(w), 1),
             "outer_steps_applied": len(applied), "rounds_failed": sum(1 for r in outer if not r.get("ok")),
+            "rounds_held": sum(1 for r in outer if r.get("held") is True),
             "caught_up": sum(1 for r in outer if "caught up" in (r.get("reason") or "")
                              or "healed drift" in (r.get("reason") or "")),
             "inner_steps": steps, "contributed_steps": contributed, "dropped_steps": dropped,
@@ -273,8 +274,8 @@ def summary(report: dict) -> str:
         first = ", ".join("-" if x is None else f"{x:.0f}s" for x in p["launch_to_first_contribution_s"])
         lines.append(f"  {w:<10} {p['region']:<6}{' nat' if p['nat'] else '    '} launches {p['launches']} "
                      f"rounds {p['rounds_in']}/{p['rounds_ready']} ({part}) contributed {p['contributed_steps']} "
-                     f"dropped {p['dropped_steps']} first-contribution [{first}] longest sync "
-                     f"{p['longest_sync_s']:.1f}s")
+                     f"dropped {p['dropped_steps']} held {p.get('rounds_held', 0)} first-contribution [{first}] "
+                     f"longest sync {p['longest_sync_s']:.1f}s")
     for k, v in report["transfer"].items():
         lines.append(f"transfer efficiency over {k}: {v['median_efficiency']:.1%} (median of {v['rounds']} rounds)")
     return "\n".join(lines)

@@ -323,6 +323,10 @@ class SwarmConfig(Section):
     exclude_rounds: int = Field(16, ge=0, le=1_000_000)
     """Outer steps for which a member caught sending malformed data is left out of this worker's
     groups (0: only for the retries of the round it was caught in); docs/trust.md."""
+    partition_hold: float = Field(120.0, ge=0, le=SECONDS_MAX)
+    """The longest, in seconds, a worker whose groups lack most of the workers it last averaged with
+    (a partition, or most of them crashed) keeps its work instead of applying rounds apart from them
+    (0: never: both sides of a partition go on, and the smaller one heals); docs/pacing.md."""
     secret_file: str | None = None
     """A file holding the run secret: only workers started with it take part (a closed run). Unset:
     $OPENDILOCO_RUN_SECRET, else $OPENDILOCO_RUN_SECRET_FILE. The secret itself is never a config

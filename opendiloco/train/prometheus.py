@@ -74,6 +74,8 @@ class PrometheusSink(Sink):
         self.compute_time = counter("compute_seconds", "seconds spent in inner steps of finished rounds")
         self.utilisation = gauge("round_utilisation_ratio", "compute / (compute + outer step) of the last round")
         self.rounds = counter("rounds", "outer steps, by result (ok: averaged; failed: not averaged)", ["result"])
+        self.held = counter("held_rounds", "failed rounds whose group lacked most of the workers this one last "
+                                           "averaged with (the run may be split): its work kept for the next one")
         self.sent = counter("sent_bytes", "bytes of pseudo-gradients and averages sent in rounds")
         self.received = counter("received_bytes", "bytes of pseudo-gradients and averages received in rounds")
         self.contributed = counter("contributed_steps", "inner steps whose work entered an average")
@@ -133,6 +135,8 @@ class PrometheusSink(Sink):
         put(self.eval_loss, "eval_loss")
         put(self.group_size, "group_size")
         self.rounds.labels("ok" if record.get("ok") else "failed").inc()
+        if record.get("held") is True:
+            self.held.inc()
         for phase, seconds in round_phases(record).items():
             self.last_round.labels(phase).set(seconds)
             self.round_time.labels(phase).inc(seconds)

@@ -657,7 +657,8 @@ class Trainer:
                            global_hash=report.global_hash, reason=report.reason, steps=report.steps,
                            contributed_steps=report.contributed_steps, dropped_steps=report.dropped_steps,
                            weight=report.weight, fragment=report.fragment,
-                           clipped=report.extra.get("clipped"), capped=report.extra.get("capped"))
+                           clipped=report.extra.get("clipped"), capped=report.extra.get("capped"),
+                           held=bool(report.extra.get("held")))
         tally.round_losses, tally.round_compute_s = [], 0.0
         tally.global_hash = report.global_hash or tally.global_hash
         # With streaming an outer step is one fragment's sync: count whole-model syncs.

@@ -61,6 +61,7 @@ def main():
     p.add_argument("--join-timeout", type=float, default=30.0)
     p.add_argument("--matchmaking-timeout", type=float, default=30.0)
     p.add_argument("--max-wait", type=float, default=600.0)
+    p.add_argument("--partition-hold", type=float, default=SwarmSettings.partition_hold)
     p.add_argument("--pace", default="fixed", choices=["fixed", "swarm"])
     p.add_argument("--fragments", type=int, default=1)
     p.add_argument("--overlap", type=int, default=0)
@@ -83,7 +84,7 @@ def main():
                              matchmaking_timeout=args.matchmaking_timeout, max_wait=args.max_wait,
                              heartbeat_interval=1.0, record_ttl=4.0, verify_timeout=3.0,
                              aggregation=Aggregation(args.aggregation), audit_chunks=args.audit_chunks,
-                             config_fingerprint=args.config_fingerprint)
+                             config_fingerprint=args.config_fingerprint, partition_hold=args.partition_hold)
     comm = Communicator(dht, settings, secret=RunSecret.from_environment())  # closed if the env says so
     stall = (int(args.stall_in_allreduce[0]), args.stall_in_allreduce[1]) if args.stall_in_allreduce else None
     fault = (int(args.fault_in_round[0]), args.fault_in_round[1]) if args.fault_in_round else None
