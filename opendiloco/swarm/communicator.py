@@ -60,7 +60,7 @@ from .node import start_dht, visible_maddrs
 from .presence import OtherSettings, Presence
 from .pushed_records import MAX_PUSH_BYTES, PushedRecord, decode_push, encode_push
 from .quorum import confirmed
-from .relays import RelayLinks
+from .relays import DIAL_TIMEOUT, RENEW_BEFORE_ROUND_S, RENEW_GRACE_S, RelayLinks
 from .signing import Identity
 from .state_transfer import StateServer, download_bound, fetch_state, own_check
 from .streams import P2PStreams
@@ -366,6 +366,7 @@ class SwarmCommunicator(Communicator):
             hold_streams = P2PStreams(self.p2p, f"opendiloco.{ns}.hold", m)
             links = RelayLinks(self.records.relay_book, self.p2p, hold_streams.connect)
             await hold_streams.listen(links.serve_hold)
+        self.relay_links = links
         self.reduce_streams = P2PStreams(self.p2p, f"opendiloco.{ns}.reduce", m, links)
         self.state_streams = P2PStreams(self.p2p, f"opendiloco.{ns}.state", m, links)
         await self.reduce_streams.listen(self.rounds.serve)
@@ -467,6 +468,11 @@ class SwarmCommunicator(Communicator):
         began, entered_at = time.perf_counter(), time.time()
         self._loop.call_soon_threadsafe(self.rounds.reopen, str(key))  # before any peer can hear of this round
         self.hooks.round_began(key, flat)
+        if self.relay_links is not None:  # a relayed connection about to reach its relay's time limit
+            try:
+                self._call(self.relay_links.renew(RENEW_BEFORE_ROUND_S), timeout=DIAL_TIMEOUT + 5)
+            except Exception as e:  # the round's streams dial anew
+                log.debug("renewing relayed connections: %s: %s", type(e).__name__, e)
         self.state = RoundState.ANNOUNCE
         self.report_progress(outer_step=key.outer_step)
         # The live workers are read while this worker announces itself on the last snapshot of them: a read
@@ -541,6 +547,8 @@ class SwarmCommunicator(Communicator):
             self.presence.last_group = set(group.members)
             self.presence.partners.add(group.members)
             self.recent.completed(group.members)
+            if self.relay_links is not None:  # each round on relayed connections with their whole quota
+                self._loop.call_soon_threadsafe(self._renew_relayed_later)
             self.report_progress(last_sync_time=self.records.clock.now())
             result = AverageResult(outcome.flat, group.members, outcome.total_weight, time.perf_counter() - began,
                                      extra={"attempts": len(errors) + 1, "group_id": group.group_id,
@@ -552,6 +560,18 @@ class SwarmCommunicator(Communicator):
             return result
         self.state = RoundState.FAILED
         raise AveragingError(f"round {key}: no complete round in {s.max_attempts} attempts: " + "; ".join(errors))
+
+    def _renew_relayed_later(self) -> None:
+        async def renew() -> None:
+            await asyncio.sleep(RENEW_GRACE_S)
+            try:
+                await self.relay_links.renew()
+            except Exception as e:  # the next stream dials anew
+                log.debug("renewing relayed connections: %s: %s", type(e).__name__, e)
+
+        task = self._loop.create_task(renew())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     def _check_drift_late(self, key: RoundKey, read: concurrent.futures.Future) -> None:
         """The drift check on the read of the run's workers made at the round's start, where the group

@@ -30,7 +30,12 @@ hivemind 1.1.12's daemon:
 - **a relayed connection carries at most 128 KiB in each direction** (the relay logs "relayed 131072
   bytes" and resets it): libp2p's default limit for relays, which this daemon applies whatever its
   ``-relayDataLimit`` says. A stream that crosses it fails. So a worker behind NAT owns no shard of a
-  round (``comm.runner.shard_bounds_for``): what two of them send each other is a few small frames.
+  round (``comm.runner.shard_bounds_for``): what two of them send each other is a few small frames;
+- the limit is per connection, not per stream: a connection held across rounds ran out of it every
+  7-8 rounds of the long scenario (about 17 KiB a round between two workers behind NAT), and that
+  round failed for every member. So a held connection is replaced by a fresh one after every round
+  (``RelayLinks.renew``), and before one if it is older than ``RENEW_BEFORE_ROUND_S`` (the relay also
+  ends a relayed connection after 2 minutes).
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from collections.abc import Awaitable, Callable, Sequence
 
 from hivemind.p2p import P2P, PeerID
@@ -54,6 +60,12 @@ DIAL_TIMEOUT = 10.0
 """Seconds a connection through a relay may take to open."""
 MAX_HELD = 64
 """Relayed connections one worker keeps open (the oldest is let go beyond that)."""
+RENEW_BEFORE_ROUND_S = 60.0
+"""A held relayed connection older than this is replaced before a round begins (a relay ends one after 2
+minutes: a round must not start on one about to end)."""
+RENEW_GRACE_S = 1.0
+"""After a round completed here, how long its last frames (other members' confirmations and audit answers)
+get before this worker's relayed connections are replaced."""
 MAX_HOLDS_PER_PEER = 2
 MAX_HOLDS = 256
 """Hold streams a worker accepts from one peer, and in all (more are closed at once)."""
@@ -176,7 +188,12 @@ class RelayLinks:
 
     def __init__(self, book: RelayBook, p2p: P2P, open_hold: Callable[[str], Awaitable[ByteStream]]):
         self.book, self.p2p, self.open_hold = book, p2p, open_hold
+        self.me = p2p.peer_id.to_base58()
         self._held: dict[str, ByteStream] = {}
+        self._since: dict[str, float] = {}
+        """When each held connection was made (monotonic)."""
+        self.renewed = 0
+        """Held connections replaced so far (for status and tests)."""
         self._locks: dict[str, asyncio.Lock] = {}
         self._watchers: set[asyncio.Task] = set()
         self._serving: dict[str, int] = {}
@@ -201,12 +218,40 @@ class RelayLinks:
                 log.debug("could not hold a relayed connection to %s: %s: %s", peer[-8:], type(e).__name__, e)
                 return
             self._held[peer] = hold
+            self._since[peer] = time.monotonic()
             watcher = asyncio.create_task(self._watch(peer, hold))
             self._watchers.add(watcher)
             watcher.add_done_callback(self._watchers.discard)
             while len(self._held) > MAX_HELD:
                 oldest = next(iter(self._held))
                 self._held.pop(oldest).close()
+                self._since.pop(oldest, None)
+
+    async def renew(self, older_than: float = 0.0) -> None:
+        """Replaces the held connections at least ``older_than`` seconds old with fresh ones: a relay limits
+        what one relayed connection carries and how long it lives (above), not what a stream does. Of two
+        workers behind NAT, the one with the smaller id renews their connection, so the two do not close
+        each other's new one; the other's hold ends with the old one, and its next stream uses the new."""
+        now = time.monotonic()
+        due = [p for p, t in list(self._since.items()) if now - t >= older_than and self.me < p]
+        await asyncio.gather(*(self._renew(p) for p in due))
+
+    async def _renew(self, peer: str) -> None:
+        lock = self._locks.setdefault(peer, asyncio.Lock())
+        async with lock:
+            hold = self._held.pop(peer, None)
+            self._since.pop(peer, None)
+            if hold is None:
+                return
+            hold.close()
+            try:
+                await asyncio.wait_for(self.p2p._client.disconnect(PeerID.from_base58(peer)), DIAL_TIMEOUT)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # gone already: the next stream dials anew either way
+                log.debug("closing the relayed connection to %s: %s: %s", peer[-8:], type(e).__name__, e)
+            self.renewed += 1
+        await self.ensure(peer)
 
     async def _watch(self, peer: str, hold: ByteStream) -> None:
         try:
@@ -217,6 +262,7 @@ class RelayLinks:
             hold.close()
             if self._held.get(peer) is hold:
                 del self._held[peer]
+                self._since.pop(peer, None)
 
     async def serve_hold(self, stream: ByteStream) -> None:
         """A peer's hold on its relayed connection to this worker: kept until it ends, bounded per peer."""
