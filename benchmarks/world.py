@@ -86,6 +86,8 @@ def timeline(run_dir: Path, png: Path) -> Path:
             color = cmap((r.get("group_size") or 1) / sizes) if ok else "#e6550d"
             if not ok and "caught up" in (r.get("reason") or ""):
                 color = "#756bb1"  # downloaded the state
+            elif not ok and r.get("held"):
+                color = "#636363"  # held: its group lacked most of the run (a partition)
             ax.barh(lane, max(sync, 0.2), left=t - sync, height=0.5, color=color)
             last = t
         if recs:
@@ -105,8 +107,8 @@ def timeline(run_dir: Path, png: Path) -> Path:
     ax.set_yticks(range(len(workers)))
     ax.set_yticklabels([f"{w} ({world['hosts'][w]['region']}{', nat' if world['hosts'][w].get('nat') else ''})"
                         for w in workers])
-    ax.set_title(f"{run_dir.name}: light blue training, rounds coloured by group size (orange failed, purple "
-                 "download); x kill, v/^ freeze/thaw, D new address, | launch")
+    ax.set_title(f"{run_dir.name}: light blue training, rounds coloured by group size (orange failed, grey held, "
+                 "purple download); x kill, v/^ freeze/thaw, D new address, | launch")
     loss_ax.set_ylabel("train loss")
     loss_ax.set_xlabel("seconds")
     loss_ax.legend(fontsize=7, ncol=4)
