@@ -188,7 +188,7 @@ class RelayLinks:
 
     def __init__(self, book: RelayBook, p2p: P2P, open_hold: Callable[[str], Awaitable[ByteStream]]):
         self.book, self.p2p, self.open_hold = book, p2p, open_hold
-        self.me = p2p.peer_id.to_base58()
+        self.me = p2p.peer_id.to_base58() if p2p is not None else ""
         self._held: dict[str, ByteStream] = {}
         self._since: dict[str, float] = {}
         """When each held connection was made (monotonic)."""
