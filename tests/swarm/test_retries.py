@@ -284,3 +284,69 @@ def test_a_round_done_again_after_going_back_uses_attempts_it_has_not_used(worke
         out = together(pair, key)
         assert all(not isinstance(r, Exception) for r in out), (key, out)
         assert all(sorted(r.peers) == sorted(c.peer_id for c in pair) for r in out), out
+
+
+class SilentInExchange(RoundHooks):
+    """Every attempt's exchange sends nothing until ``release``: a member whose connections died silently."""
+
+    def __init__(self):
+        self.entered, self.release = threading.Event(), threading.Event()
+        hooks = self
+
+        class Silent(RoundRunner):
+            async def run(self, connect):
+                hooks.entered.set()
+                while not hooks.release.is_set() and not self._failed.is_set():
+                    await asyncio.sleep(0.05)
+                raise self.error or AveragingError("released")
+
+        self.silent = Silent
+
+    def runner_for(self, group, default):
+        return self.silent
+
+
+def test_a_member_that_lost_its_connections_is_given_up_on_at_once(workers):
+    """A worker whose address changes mid-round loses its connections without a word: its streams hang,
+    while its DHT node finds the run again at once, so its record never expires and the others waited
+    out the exchange's timeout (37 s in the long world scenario, lab's new address). Its record now
+    counts such rejoins (``WorkerRecord.rejoins``), and a round that still waits on it gives up then."""
+    settings = dataclasses.replace(SETTINGS, allreduce_timeout=90.0, min_group_size=3)
+    trio = workers(3, settings)
+    silent = SilentInExchange()
+    trio[2].hooks = silent
+    out: list = [None] * 3
+
+    def run(i):
+        try:
+            out[i] = trio[i].start(torch.full((64,), float(i + 1)), weight=1.0, key=RoundKey(0)).wait(120)
+        except AveragingError as e:
+            out[i] = e
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    mine = trio[2].start(torch.full((64,), 3.0), weight=1.0, key=RoundKey(0))
+    try:
+        assert silent.entered.wait(60), "the group of three never formed"
+        # Its DHT node found the run again. Its own streams are dead in the world: it cannot tell anyone
+        # itself (its abandoning the attempt, below, is not what the others go by).
+        told = trio[2].presence.on_rejoined
+        trio[2].presence.on_rejoined = None
+        trio[2]._loop.call_soon_threadsafe(trio[2].presence._rejoined)
+        for t in threads:
+            t.join(120)
+        for r in out[:2]:
+            assert isinstance(r, AveragingError) and "lost its connections before this worker had" in str(r), out
+        assert trio[2].presence.rejoins == 1
+        # The worker itself abandons the attempt it is in (its streams wait on connections that are gone).
+        trio[2].presence.on_rejoined = told
+        trio[2]._loop.call_soon_threadsafe(trio[2].presence._rejoined)
+        with pytest.raises(AveragingError, match="abandoned: this worker lost its connections"):
+            mine.wait(60)
+    finally:
+        silent.release.set()
+        try:
+            mine.wait(60)
+        except AveragingError:
+            pass
