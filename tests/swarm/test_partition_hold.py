@@ -25,12 +25,18 @@ def held(swarm, name):
     return [r for r in swarm.records(name) if not r["ok"] and "the run may be split" in r["reason"]]
 
 
-def test_a_worker_cut_off_from_most_of_its_run_holds_its_work_and_the_run_does_not_fork(swarm):
+def three_together(swarm):
+    """Three workers that have averaged twice all together: their processes and names."""
     swarm.bootstrap()
     procs = [swarm.worker(f"w{i}", seed=i + 1, **OPTS) for i in range(3)]
     names = [f"w{i}" for i in range(3)]
     swarm.wait_for(lambda: all(sum(r["group_size"] == 3 for r in ok_syncs(swarm, n).values()) >= 2 for n in names),
                    150, "two rounds of all three", show=names)
+    return procs, names
+
+
+def test_a_worker_cut_off_from_most_of_its_run_holds_its_work_and_the_run_does_not_fork(swarm):
+    procs, names = three_together(swarm)
     for proc in procs[1:]:
         os.kill(proc.pid, signal.SIGSTOP)
     frozen_at = max(ok_syncs(swarm, "w0"))
@@ -68,11 +74,7 @@ def test_a_worker_cut_off_from_most_of_its_run_holds_its_work_and_the_run_does_n
 
 def test_workers_that_stop_cleanly_leave_the_rest_going_on_without_a_hold(swarm):
     """A worker stopped with SIGTERM says it left: it is not missing, and the rest do not hold for it."""
-    swarm.bootstrap()
-    procs = [swarm.worker(f"w{i}", seed=i + 1, **OPTS) for i in range(3)]
-    names = [f"w{i}" for i in range(3)]
-    swarm.wait_for(lambda: all(sum(r["group_size"] == 3 for r in ok_syncs(swarm, n).values()) >= 2 for n in names),
-                   150, "two rounds of all three", show=names)
+    procs, _ = three_together(swarm)
     for proc in procs[1:]:
         proc.send_signal(signal.SIGTERM)
     swarm.wait(procs[1:], timeout=60)
