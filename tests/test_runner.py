@@ -1132,3 +1132,27 @@ def test_a_done_from_a_member_that_cannot_have_completed_is_not_believed():
         return await resolve(_doubt(("d",)), net.connector("a"), group.key, timeout=30)
 
     assert run(scenario()) is None
+
+
+def test_a_member_that_left_the_run_while_its_dial_hangs_is_not_waited_for():
+    """d is cut off (a partition): a dial to it neither answers nor fails for as long as the daemon tries,
+    and its record expires meanwhile. It used to be asked until the settle's whole bound, and then, silent,
+    made every member drop its work ("may have completed"); 31 s of every worker in the long world scenario's
+    second partition. Gone from the run's records, it is not waited for: b failed, so the members retry."""
+
+    async def scenario():
+        net = MemoryNetwork()
+        net.add("b")
+        group = Group("g", ("a", "b", "d"), RoundKey(2))
+        await net.rounds["b"].register(_runner(group, "b", sent_to=["a", "d"]))
+        net.rounds["b"].finish("g")
+        base = net.connector("a")
+
+        async def connect(peer):
+            if peer == "d":
+                await asyncio.Event().wait()  # no answer, no error
+            return await base(peer)
+
+        return await resolve(_doubt(("b", "d")), connect, group.key, timeout=20, gone=lambda peer: peer == "d")
+
+    assert run(scenario()) is None

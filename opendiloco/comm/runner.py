@@ -1083,6 +1083,10 @@ async def ask_outcome(connect: Connect, peer: str, group_id: str, members: Seque
     return Answer(state, digest if state == "done" else "", frozenset(sent_to))
 
 
+GONE_POLL_S = 0.5
+"""While a member is asked whether it completed a round, how often the asker looks whether it has left the run."""
+
+
 async def find_outcome(connect: Connect, doubt: InDoubt, timeout: float, gone: Callable[[str], bool] | None = None,
                        pause: float = 0.25) -> tuple[str | None, dict[str, str]]:
     """Asks the other members of the round of ``doubt`` at once whether they completed it: (the digest,
@@ -1111,14 +1115,26 @@ async def find_outcome(connect: Connect, doubt: InDoubt, timeout: float, gone: C
         return bool(found) or all(answers[m] in ("failed", "gone") or ruled_out(m) for m in doubt.ask)
 
     async def ask(peer: str) -> None:
-        while (remaining := deadline - loop.time()) > 0:
+        while deadline - loop.time() > 0:
+            asking = asyncio.ensure_future(ask_outcome(connect, peer, doubt.group_id, doubt.members))
             try:
-                answer = await asyncio.wait_for(ask_outcome(connect, peer, doubt.group_id, doubt.members), remaining)
-            except asyncio.TimeoutError:
-                return
+                # A dial into a partition neither answers nor fails for as long as the daemon tries (30 s):
+                # a member that has left the run meanwhile is not waited for that long.
+                while not asking.done():
+                    if loop.time() >= deadline:
+                        return
+                    if gone is not None and gone(peer):
+                        answers[peer] = "gone"
+                        return
+                    await asyncio.wait({asking}, timeout=min(GONE_POLL_S, max(0.0, deadline - loop.time())))
+                answer = asking.result()
             except Exception as e:  # unreachable, refused, or out of form: not an answer
                 log.debug("asking %s about round %s: %s", peer[-8:], doubt.group_id, e)
                 answer = Answer("unanswered")
+            finally:
+                if not asking.done():
+                    asking.cancel()
+                    await asyncio.gather(asking, return_exceptions=True)
             answers[peer] = answer.state
             if answer.state == "unanswered" and gone is not None and gone(peer):
                 answers[peer] = "gone"
