@@ -701,8 +701,7 @@ class SwarmCommunicator(Communicator):
             await asyncio.sleep(1.0)
             live, reads, now = self._workers_snapshot, self._snapshot_reads, loop.time()
             for m in group.members:
-                if m != self._peer_id and m in live and m in rejoins and live[m].rejoins > rejoins[m] \
-                        and runner.waits_on(m):
+                if m in live and m in rejoins and live[m].rejoins > rejoins[m] and runner.waits_on(m):
                     log.warning("round %s: member %s lost its connections (its DHT node found the run again, its "
                                 "address changed say) with its part of the exchange still owed: giving up on it",
                                 group.group_id, m[-8:])
