@@ -415,11 +415,6 @@ class RoundRunner:
         ended; or it left the run), so the round fails here now instead of at its timeout."""
         await self._fail(PeerFailure(f"{member[-8:]} {why} before this worker had all it sends", {member}))
 
-    async def abandon(self, why: str) -> None:
-        """Fails the attempt here now: this worker can no longer do its part (``why``: its connections are
-        gone). Members that may have completed it are asked, as after any failure."""
-        await self._fail(AveragingError(f"abandoned: {why}"))
-
     def may_have_completed(self) -> tuple[str, ...]:
         """The members that may have completed this round, whatever happened here (empty: nobody did).
 

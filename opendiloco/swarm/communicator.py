@@ -258,7 +258,6 @@ class SwarmCommunicator(Communicator):
                                  heartbeat_interval=s.heartbeat_interval, record_ttl=s.record_ttl,
                                  config=s.config_fingerprint, relays=getattr(dht, "relays", ()),
                                  initial_peers=getattr(dht, "rejoin_peers", ()))
-        self.presence.on_rejoined = self._lost_connections
         self.matchmaker = Matchmaker(self.records, self.presence, MatchmakingSettings(
             run_id=s.run_id, min_group_size=s.min_group_size, matchmaking_timeout=s.matchmaking_timeout,
             straggler_wait=s.straggler_wait, max_wait=s.max_wait,
@@ -562,19 +561,6 @@ class SwarmCommunicator(Communicator):
         self.state = RoundState.FAILED
         raise AveragingError(f"round {key}: no complete round in {s.max_attempts} attempts: " + "; ".join(errors))
 
-    def _lost_connections(self) -> None:
-        """This worker's DHT node lost every peer and found the run again (on the event loop): the attempt in
-        flight waits on streams of connections that are gone, and fails now instead of at its timeout (its
-        members, told by its record, give up on it as well)."""
-        runner = self._runner
-        if runner is not None and not runner.ended.is_set():
-            log.warning("round %s: this worker lost its connections (its DHT node found the run again): the "
-                        "attempt fails now", runner.group.group_id)
-            task = self._loop.create_task(runner.abandon("this worker lost its connections (its address changed, "
-                                                         "or its links broke)"))
-            self._background.add(task)
-            task.add_done_callback(self._background.discard)
-
     def _renew_relayed_later(self) -> None:
         async def renew() -> None:
             await asyncio.sleep(RENEW_GRACE_S)
@@ -684,8 +670,7 @@ class SwarmCommunicator(Communicator):
             self.rounds.finish(group.group_id)
 
     async def _give_up_on_vanished(self, runner: RoundRunner, group: Group) -> None:
-        """Fails the attempt as soon as a member it still waits on has left the run's records, or says in
-        its record that it lost its connections (``WorkerRecord.rejoins``).
+        """Fails the attempt as soon as a member it still waits on has left the run's records.
 
         A member frozen or cut off mid-exchange (SIGSTOP, a partition) sends nothing and closes nothing,
         so the attempt would wait out ``allreduce_timeout`` (60 s) while every other member idles. Its
@@ -696,17 +681,10 @@ class SwarmCommunicator(Communicator):
         that is slow but alive keeps its record, and is waited for as before."""
         loop = asyncio.get_running_loop()
         gone_since: dict[str, tuple[float, int]] = {}
-        rejoins = {m: r.rejoins for m, r in self._workers_snapshot.items() if m in group.members}
         while not runner.ended.is_set():
             await asyncio.sleep(1.0)
             live, reads, now = self._workers_snapshot, self._snapshot_reads, loop.time()
             for m in group.members:
-                if m in live and m in rejoins and live[m].rejoins > rejoins[m] and runner.waits_on(m):
-                    log.warning("round %s: member %s lost its connections (its DHT node found the run again, its "
-                                "address changed say) with its part of the exchange still owed: giving up on it",
-                                group.group_id, m[-8:])
-                    await runner.give_up_on(m, "lost its connections")
-                    return
                 if m == self._peer_id or m in live or not runner.waits_on(m):
                     gone_since.pop(m, None)
                     continue

@@ -10,7 +10,6 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable
 
 from ..comm.base import Progress, check_progress
 from ..errors import BehindError, DriftError, SwarmError
@@ -74,10 +73,6 @@ class Presence:
         self._lost_peers = False
         self._most_known = 0  # the most peers its DHT node knew at once (``_stay_joined``)
         self._rejoined_at = -math.inf  # (monotonic) when its DHT node last found peers after knowing none
-        self.rejoins = 0
-        """Times its DHT node lost every peer and found the run again (published in its record)."""
-        self.on_rejoined: Callable[[], None] | None = None
-        """Called (on the event loop) when it does: the connections of a round in flight are gone."""
         self.rejoin_settle_s = 2 * record_ttl
         """After losing every peer, how long its node must have known the run again before a round of one."""
         self._foreign: set[str] = set()
@@ -128,7 +123,7 @@ class Presence:
             return
         with self._lock:
             rec = records.WorkerRecord.of(self._progress, peer_id=self.peer_id, time=self.records.clock.now(),
-                                          left=left, config=self.config, relays=self.relays, rejoins=self.rejoins)
+                                          left=left, config=self.config, relays=self.relays)
         await self.records.store_async(self.records.workers_key(), rec.to_value(),
                                         self.records.clock.now() + self.record_ttl)
 
@@ -164,7 +159,7 @@ class Presence:
             return
         self._most_known = max(self._most_known, after)
         if before == 0 and after:
-            self._rejoined()
+            self._rejoined_at = time.monotonic()
         if 0 < before < after:
             log.info("this worker's DHT node knew %d peer(s), fewer than half of the %d it knew at most: it dialled "
                      "its initial peers again and knows %d now", before, self._most_known, after)
@@ -186,7 +181,6 @@ class Presence:
             return ("cut off from the run: its DHT node knows no peer and none of its initial peers answers "
                     "(a round of one would fork θ_global from the run it cannot see)")
         if before == 0:
-            self.loop.call_soon_threadsafe(self._rejoined)
             self._rejoined_at = time.monotonic()
         since = time.monotonic() - self._rejoined_at
         if since < self.rejoin_settle_s:
@@ -195,17 +189,6 @@ class Presence:
             return (f"its DHT node lost every peer and found the run again {since:.0f}s ago: it does not average "
                     f"alone before it has seen the run for {self.rejoin_settle_s:.0f}s")
         return None
-
-    def _rejoined(self) -> None:
-        """Its DHT node lost every peer and found the run again (on the event loop): says so in its record
-        at once, and tells the round in flight that its connections are gone."""
-        self._rejoined_at = time.monotonic()
-        self.rejoins += 1
-        future = asyncio.ensure_future(self.publish())
-        self._publishing.add(future)
-        future.add_done_callback(self._publishing.discard)
-        if self.on_rejoined is not None:
-            self.on_rejoined()
 
     async def _check_secrets(self) -> None:
         """Publishes which secret this worker holds (a tag of it) under the bare run id, and says in one

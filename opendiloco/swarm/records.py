@@ -61,15 +61,12 @@ class WorkerRecord(Progress):
     """The fingerprint of the settings the run's workers must share (``config_fingerprint``)."""
     relays: tuple[str, ...] = ()
     """Where a worker behind NAT (client mode) can be reached: the relays it holds a slot on (``relays.py``)."""
-    rejoins: int = 0
-    """Times its DHT node lost every peer and found the run again (its address changed, or its links broke):
-    the connections it had before are gone, so a round still waiting on it over them gives up at once."""
 
     @classmethod
     def of(cls, progress: Progress, *, peer_id: str, time: float, left: bool, config: str,
-           relays: tuple[str, ...] = (), rejoins: int = 0) -> WorkerRecord:
+           relays: tuple[str, ...] = ()) -> WorkerRecord:
         """The record that publishes ``progress``."""
-        return cls(peer_id=peer_id, time=time, left=left, config=config, relays=relays, rejoins=rejoins,
+        return cls(peer_id=peer_id, time=time, left=left, config=config, relays=relays,
                    **{f.name: getattr(progress, f.name) for f in fields(Progress)})
 
     @property
@@ -110,9 +107,6 @@ class WorkerRecord(Progress):
                     return None
             rec.ready = bool(rec.ready)
             rec.next_round = int(rec.next_round)
-            rec.rejoins = int(rec.rejoins)
-            if rec.rejoins < 0:
-                return None
             if not isinstance(rec.name, str) or len(rec.name) > NAME_MAX:
                 return None
             rec.relays = checked_relays(rec.relays)
