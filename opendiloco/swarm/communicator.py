@@ -242,9 +242,9 @@ class SwarmCommunicator(Communicator):
         a worker that went back to the run's state (the smaller side of a healed partition): either
         way its attempts go on from there."""
         self.offenders = Offenders(s.exclude_rounds)
+        """Members this worker caught sending malformed data: left out of its next groups."""
         self.recent = RecentMembers(self._peer_id, s.partition_hold)
         """The members of this worker's last rounds: a group that lacks most of them holds (``majority.py``)."""
-        """Members this worker caught sending malformed data: left out of its next groups."""
         self.unreachable = UnreachablePeers()
         """Members this worker could not dial: apart from it for a few outer steps."""
 
