@@ -108,4 +108,5 @@ def retry_delay(failed_in_a_row: int) -> float:
     behind catches up at its next try."""
     if failed_in_a_row <= 0:
         return 0.0
-    return min(RETRY_MAX_S, RETRY_S * 2 ** (failed_in_a_row - 1))
+    # The exponent is bounded: 2 ** 1024 is no float, and a worker kept apart for hours gets that far.
+    return min(RETRY_MAX_S, RETRY_S * 2 ** min(failed_in_a_row - 1, 64))

@@ -133,6 +133,8 @@ def test_a_far_stale_peer_is_not_extrapolated_for_ever():
 
 def test_retry_delay_doubles_from_half_a_second_to_eight():
     assert [retry_delay(n) for n in range(7)] == [0.0, 0.5, 1.0, 2.0, 4.0, 8.0, 8.0]
+    # A worker whose rounds failed for hours (2 ** 1024 overflowed a float: the worker crashed).
+    assert retry_delay(1100) == retry_delay(10 ** 6) == 8.0
 
 
 class _Clock:

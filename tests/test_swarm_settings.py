@@ -27,7 +27,7 @@ NOT_DEFAULT = {
     "matchmaking_timeout": 7.0, "allreduce_timeout": 9.0, "straggler_wait": 2.5, "max_attempts": 5,
     "verify_timeout": 1.5, "poll_interval": 0.5, "quiet_poll_interval": 2.0, "max_wait": 42.0, "part_numel": 4096,
     "aggregation": "centered-clip", "clip_ratio": 2.0, "max_weight_ratio": 3.0, "audit_chunks": 7,
-    "exclude_rounds": 3, "partition_hold": 30.0,
+    "exclude_rounds": 3, "partition_hold": 30.0, "cut_off_after": 40.0,
 }
 """A valid value, other than the default, for every ``[swarm]`` key that sets a ``SwarmSettings`` field."""
 AGGREGATION_KEYS = {"aggregation", "clip_ratio", "max_weight_ratio"}
@@ -148,7 +148,7 @@ def test_a_group_of_one_averages_alone_the_same_everywhere(codec):
 
 def test_a_record_is_the_progress_and_what_presence_adds():
     progress = {f.name for f in dataclasses.fields(Progress)}
-    added = {"peer_id", "time", "left", "config", "relays"}
+    added = {"peer_id", "time", "left", "config", "relays", "abandoned"}
     assert {f.name for f in dataclasses.fields(WorkerRecord)} == progress | added
     assert set(PROGRESS_FIELDS) == progress | {"ready_in"}
     assert WorkerRecord("p", outer_step=4).heading == 4  # the peer id stays the one positional field
@@ -161,11 +161,13 @@ def test_the_wire_format_of_a_record_is_unchanged():
         "outer_step": -1, "inner_step": 0, "samples_per_s": 0.0, "loss": None, "global_hash": "",
         "last_sync_time": 0.0, "ready_at": None, "ready": False, "next_round": -1, "round_work": 0.0,
         "work_rate": 0.0, "work_per_step": 0.0, "pace_time": 0.0, "steps_per_s": 0.0, "contributed_steps": 0,
-        "dropped_steps": 0, "time": 0.0, "left": False, "config": "", "name": "", "relays": (),
+        "dropped_steps": 0, "time": 0.0, "left": False, "config": "", "name": "", "relays": (), "abandoned": "",
     }  # keys are only added (a reader of another version ignores those it does not know)
     rec = WorkerRecord.of(Progress(outer_step=3, loss=1.5, ready=True, name="eu-1"), peer_id="p", time=9.0,
-                          left=False, config="c")
+                          left=False, config="c", abandoned="a" * 24)
     assert WorkerRecord.from_value("p", rec.to_value()) == rec
+    for bad in (7, "a" * 65):  # a record is input from the network: a malformed one is dropped
+        assert WorkerRecord.from_value("p", {**rec.to_value(), "abandoned": bad}) is None
 
 
 @pytest.mark.parametrize("fields, message", [

@@ -330,6 +330,8 @@ class RoundRunner:
         """The whole average's digest, once the round has completed here."""
         self.ended = asyncio.Event()
         """Set when ``run`` has returned or raised: the round's outcome here is final."""
+        self.heard_at = time.monotonic()
+        """(monotonic) When a frame of this attempt last came in from any member (from its start)."""
 
     # -- the round, as the member that started it sees it -------------------------------------------
     async def run(self, connect: Connect) -> RoundOutcome:
@@ -410,6 +412,27 @@ class RoundRunner:
         return (self.members.index(member) not in self._shard_digests or not self.reducer.has_all_parts(member)
                 or member in self._auditing)
 
+    def silent_for(self) -> float:
+        """Seconds since any member sent this worker a frame of this attempt, while two members or more
+        still owe it parts of its shard (the other one, in a group of two); else 0.
+
+        Every member sends its parts at once, whatever the others do, so a worker whose connections broke
+        misses parts from every member it had not had them all from. Results wait on every member's parts:
+        a worker that lacks only those of a single member, or only results, hears nothing while it waits
+        on someone else's trouble."""
+        owing = sum(not self.reducer.has_all_parts(m) for m in self.members if m != self.me)
+        if owing < min(2, len(self.members) - 1):
+            return 0.0
+        return time.monotonic() - self.heard_at
+
+    def _heard(self) -> None:
+        self.heard_at = time.monotonic()
+
+    async def abandon(self, why: str) -> None:
+        """Fails the attempt here now: this worker cannot do its part (``why``). Members that may have
+        completed it are asked, as after any failure."""
+        await self._fail(AveragingError(f"abandoned: {why}"))
+
     async def give_up_on(self, member: str, why: str = "failed its attempt") -> None:
         """What we still wait for from ``member`` will never come (its attempt failed: it asks how the round
         ended; or it left the run), so the round fails here now instead of at its timeout."""
@@ -469,6 +492,7 @@ class RoundRunner:
 
             async def read_results():
                 first = await stream.recv(max_payload=0, expect=Code.RESULT)
+                self._heard()
                 total = meta_field(first.meta, "total_weight", (int, float))
                 if not (math.isfinite(total) and 0 < total <= MAX_WEIGHT * len(self.members)):
                     raise ProtocolError(f"invalid total weight {total!r}")
@@ -480,6 +504,7 @@ class RoundRunner:
                 for i, (pa, pb) in enumerate(parts):
                     frame = await stream.recv(max_payload=self.result_codec.wire_bytes(pb - pa),
                                               expect=Code.RESULT_PART)
+                    self._heard()
                     if meta_field(frame.meta, "i", int) != i:
                         raise ProtocolError(f"result part {frame.meta.get('i')!r} where part {i} was due")
                     target = self.out[a + pa : a + pb]
@@ -494,6 +519,7 @@ class RoundRunner:
                         manifest["norms"].append(norms)
                     self.bytes_received += payload_size(frame.payload)
                 end = await stream.recv(max_payload=0, expect=Code.RESULT_END)
+                self._heard()
                 if meta_field(end.meta, "digest", str) != hasher.hexdigest():
                     raise ProtocolError("averaged shard does not match its digest")
                 for kind in self._bounded:  # whom the owner cut: members only, each named once
@@ -660,6 +686,7 @@ class RoundRunner:
                 _, numel, ca, cb = self._chunk_span(j, i, c)
                 frame = await asyncio.wait_for(stream.recv(max_payload=4 * (cb - ca), expect=Code.AUDIT_ANSWER),
                                                self.timeout)
+                self._heard()
                 self.bytes_received += payload_size(frame.payload)
                 if payload_size(frame.payload) != 4 * (cb - ca):
                     raise ProtocolError(f"an audit answer of {payload_size(frame.payload)} bytes")
@@ -753,6 +780,7 @@ class RoundRunner:
             writer = asyncio.create_task(self._send_results(stream))
             for i in range(len(self.reducer.parts)):
                 frame = await self._unless_failed(stream.recv(max_payload=self.reducer.part_bytes(i), expect=Code.PART))
+                self._heard()
                 self.bytes_received += payload_size(frame.payload)
                 await self._add_part(sender, meta_field(frame.meta, "i", int), frame.payload)
             await self._unless_failed(writer)

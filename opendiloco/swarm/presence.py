@@ -68,6 +68,8 @@ class Presence:
         if checked_relays(self.relays) is None:  # its readers would drop every record it writes, silently
             raise ValueError(f"a worker record names at most {MAX_RELAYS} relays of at most {MAX_RELAY_CHARS} "
                              f"characters each, given {len(self.relays)}: {self.relays}")
+        self.abandoned = ""
+        """The attempt this worker last abandoned, cut off from its group (``say_abandoned``)."""
         self.initial_peers = tuple(initial_peers)
         """Where its DHT node joined the run: dialled again if it loses every peer (``rejoin.py``)."""
         self._lost_peers = False
@@ -123,9 +125,15 @@ class Presence:
             return
         with self._lock:
             rec = records.WorkerRecord.of(self._progress, peer_id=self.peer_id, time=self.records.clock.now(),
-                                          left=left, config=self.config, relays=self.relays)
+                                          left=left, config=self.config, relays=self.relays, abandoned=self.abandoned)
         await self.records.store_async(self.records.workers_key(), rec.to_value(),
                                         self.records.clock.now() + self.record_ttl)
+
+    async def say_abandoned(self, group_id: str) -> None:
+        """Publishes at once that this worker abandoned attempt ``group_id``, having heard nothing from
+        its members: those still waiting on it there give up on it (``WorkerRecord.abandoned``)."""
+        self.abandoned = group_id
+        await self.publish()
 
     async def _beat(self) -> None:
         beats, checking, rejoining = 0, None, None

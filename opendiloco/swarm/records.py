@@ -43,6 +43,8 @@ log = logging.getLogger(__name__)
 
 NAME_MAX = 64
 """Characters of a worker's name in its record (a longer one makes the record malformed)."""
+GROUP_ID_MAX = 64
+"""Characters of a group id in a record (``abandoned``; ids are 24)."""
 
 
 @dataclass
@@ -61,12 +63,15 @@ class WorkerRecord(Progress):
     """The fingerprint of the settings the run's workers must share (``config_fingerprint``)."""
     relays: tuple[str, ...] = ()
     """Where a worker behind NAT (client mode) can be reached: the relays it holds a slot on (``relays.py``)."""
+    abandoned: str = ""
+    """The group id of the last attempt this worker abandoned because it heard nothing from any member
+    (its address changed, its links broke): a member still waiting on it there gives up at once."""
 
     @classmethod
     def of(cls, progress: Progress, *, peer_id: str, time: float, left: bool, config: str,
-           relays: tuple[str, ...] = ()) -> WorkerRecord:
+           relays: tuple[str, ...] = (), abandoned: str = "") -> WorkerRecord:
         """The record that publishes ``progress``."""
-        return cls(peer_id=peer_id, time=time, left=left, config=config, relays=relays,
+        return cls(peer_id=peer_id, time=time, left=left, config=config, relays=relays, abandoned=abandoned,
                    **{f.name: getattr(progress, f.name) for f in fields(Progress)})
 
     @property
@@ -108,6 +113,8 @@ class WorkerRecord(Progress):
             rec.ready = bool(rec.ready)
             rec.next_round = int(rec.next_round)
             if not isinstance(rec.name, str) or len(rec.name) > NAME_MAX:
+                return None
+            if not isinstance(rec.abandoned, str) or len(rec.abandoned) > GROUP_ID_MAX:
                 return None
             rec.relays = checked_relays(rec.relays)
             if rec.relays is None:

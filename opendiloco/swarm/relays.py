@@ -178,6 +178,16 @@ async def dial_via(p2p: P2P, peer: str, relays: Sequence[str], timeout: float = 
         return False
 
 
+async def close_connections(p2p: P2P, peer: str) -> None:
+    """Closes the node's connections to ``peer`` (best effort): the next stream or call dials anew."""
+    try:
+        await asyncio.wait_for(p2p._client.disconnect(PeerID.from_base58(peer)), DIAL_TIMEOUT)
+    except asyncio.CancelledError:
+        raise
+    except Exception as e:  # gone already: the next stream dials anew either way
+        log.debug("closing the connections to %s: %s: %s", peer[-8:], type(e).__name__, e)
+
+
 class RelayLinks:
     """The relayed connections this worker (itself in client mode) keeps to peers behind NAT, one hold
     stream each.
@@ -244,12 +254,7 @@ class RelayLinks:
             if hold is None:
                 return
             hold.close()
-            try:
-                await asyncio.wait_for(self.p2p._client.disconnect(PeerID.from_base58(peer)), DIAL_TIMEOUT)
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:  # gone already: the next stream dials anew either way
-                log.debug("closing the relayed connection to %s: %s: %s", peer[-8:], type(e).__name__, e)
+            await close_connections(self.p2p, peer)
             self.renewed += 1
         await self.ensure(peer)
 

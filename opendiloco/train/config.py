@@ -327,6 +327,11 @@ class SwarmConfig(Section):
     """The longest, in seconds, a worker whose groups lack most of the workers it last averaged with
     (a partition, or most of them crashed) keeps its work instead of applying rounds apart from them
     (0: never: both sides of a partition go on, and the smaller one heals); docs/pacing.md."""
+    cut_off_after: float = Field(15.0, ge=0, le=SECONDS_MAX)
+    """Seconds a member of a round may hear nothing from any other member, while it waits on them,
+    before it takes itself for cut off (its address changed): it abandons the attempt, dials anew and
+    says so, and the others stop waiting for it (0: never; raise it on links that take longer for one
+    part from each member); docs/pacing.md."""
     secret_file: str | None = None
     """A file holding the run secret: only workers started with it take part (a closed run). Unset:
     $OPENDILOCO_RUN_SECRET, else $OPENDILOCO_RUN_SECRET_FILE. The secret itself is never a config

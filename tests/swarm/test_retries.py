@@ -284,3 +284,81 @@ def test_a_round_done_again_after_going_back_uses_attempts_it_has_not_used(worke
         out = together(pair, key)
         assert all(not isinstance(r, Exception) for r in out), (key, out)
         assert all(sorted(r.peers) == sorted(c.peer_id for c in pair) for r in out), out
+
+
+class CutOffInExchange(RoundHooks):
+    """Every attempt's exchange on this worker sends nothing and reads nothing until ``release``, as a
+    worker whose address changed mid-round: its streams, and the others' to it, hang on connections
+    that are gone, while its DHT node (here: the same one) keeps its record fresh."""
+
+    def __init__(self):
+        self.entered, self.release = threading.Event(), threading.Event()
+        hooks = self
+
+        class CutOff(RoundRunner):
+            async def run(self, connect):
+                hooks.entered.set()
+                try:
+                    while not hooks.release.is_set() and not self._failed.is_set():
+                        await asyncio.sleep(0.05)
+                    self._raise_if_failed()
+                    raise AveragingError("released")
+                finally:
+                    self.ended.set()
+
+            async def serve(self, stream, opening):  # the others' parts never arrive, nor does its close
+                while not hooks.release.is_set():
+                    await asyncio.sleep(0.05)
+                stream.close()
+
+        self.runner = CutOff
+
+    def runner_for(self, group, default):
+        return self.runner
+
+
+def test_a_member_cut_off_mid_round_abandons_it_and_the_others_stop_waiting(workers):
+    """A member whose connections died silently (its address changed) held every worker of its round
+    39-58 s in the world scenario: its record stays fresh, so the round waited out its exchange's
+    timeout. Now the member, hearing nothing from any other member for ``cut_off_after`` seconds while
+    it waits on them, abandons the attempt and says so in its record (``WorkerRecord.abandoned``), and the
+    others give up on it then: far inside the exchange's timeout. The two others, who heard from each
+    other, do not take themselves for cut off."""
+    settings = dataclasses.replace(SETTINGS, allreduce_timeout=90.0, min_group_size=3, cut_off_after=3.0)
+    trio = workers(3, settings)
+    cut = CutOffInExchange()
+    trio[2].hooks = cut
+
+    async def connections_gone_already(peers):  # its closing them reaches nobody in the world
+        cut.closed = set(peers)
+
+    trio[2]._disconnect = connections_gone_already
+    out: list = [None] * 3
+    took: list = [None] * 3
+
+    def run(i):
+        t0 = time.monotonic()
+        try:
+            out[i] = trio[i].start(torch.full((64,), float(i + 1)), weight=1.0, key=RoundKey(0)).wait(120)
+        except AveragingError as e:
+            out[i] = e
+        took[i] = time.monotonic() - t0
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    try:
+        assert cut.entered.wait(60), "the group of three never formed"
+        for t in threads:
+            t.join(120)
+        assert isinstance(out[2], AveragingError) and "heard nothing from any member" in str(out[2]), out
+        assert trio[2].presence.abandoned, "its record does not say it was cut off"
+        assert cut.closed == {c.peer_id for c in trio[:2]}, "it did not drop its connections to dial anew"
+        # One of the two read its record first; the other's attempt ended with that one's (a refusal).
+        assert any("was cut off from its group" in str(r) for r in out[:2]), out
+        for i in range(2):
+            assert isinstance(out[i], AveragingError), out
+            assert took[i] < settings.allreduce_timeout / 2, took  # not the exchange's timeout
+            assert not trio[i].presence.abandoned, f"worker {i} took itself for cut off"
+    finally:
+        cut.release.set()
