@@ -721,6 +721,7 @@ class SwarmCommunicator(Communicator):
                                 "with its part of the exchange still owed: giving up on it", group.group_id,
                                 m[-8:], self.presence.record_ttl)
                     await runner.give_up_on(m, "left the run's records")
+                    await self._disconnect({m})  # if it comes back (a new address, say), on a new connection
                     return
 
     async def _cut_off(self, runner: RoundRunner, group: Group) -> None:

@@ -13,6 +13,9 @@ own records, and its worker, seeing no other live worker, trained alone for the 
   side of a partition keeps its few peers on its side, so it never knew none, and learnt of the
   other side's records again only by chance, some 40 s after the partition healed, training on a
   fork all the while (the long scenario); now within a heartbeat or two of the heal.
+  An initial peer that does not answer over the connection the daemon holds to it is dialled anew:
+  after an address change that connection is gone, and the daemon, which dials nobody it holds a
+  connection to, let every redial wait on it until its transport noticed (32 s in the world).
 - ``cut_off`` (``Presence.cut_off``): whether a node with initial peers still knows none after that.
   Such a worker does not apply a round alone (matchmaking): it cannot tell an empty run from one it
   cannot see, and a round of one would fork θ_global from the run's.
@@ -26,10 +29,13 @@ import logging
 from hivemind.p2p import PeerID
 from hivemind.utils.multiaddr import Multiaddr
 
+from .relays import close_connections
+
 log = logging.getLogger(__name__)
 
-REDIAL_TIMEOUT = 5.0
-"""Seconds one initial peer gets to answer a redial (connect and ping)."""
+REDIAL_TIMEOUT = 10.0
+"""Seconds one initial peer gets to answer a redial (connect and ping; again on a new connection if the
+first ping, of hivemind's 3 s, found none)."""
 
 
 def known_peers(node) -> int:
@@ -56,8 +62,15 @@ async def redial(_dht, node, initial_peers: tuple[str, ...], timeout: float = RE
     async def dial(maddr: str) -> None:
         addr = Multiaddr(maddr)
         peer = PeerID.from_base58(addr["p2p"])
-        await node.p2p._client.connect(peer, [addr.decapsulate(Multiaddr(f"/p2p/{addr['p2p']}"))])
-        await node.protocol.call_ping(peer)
+        where = [addr.decapsulate(Multiaddr(f"/p2p/{addr['p2p']}"))]
+        await node.p2p._client.connect(peer, where)
+        if await node.protocol.call_ping(peer) is None:
+            # The daemon may still hold a connection that is gone (this node's address changed): it dials
+            # nothing while it has one, and every request waits on it until the transport gives up on it
+            # (30-40 s in the world scenario). Closed, the next connect dials anew.
+            await close_connections(node.p2p, addr["p2p"])
+            await node.p2p._client.connect(peer, where)
+            await node.protocol.call_ping(peer)
 
     dials = [asyncio.ensure_future(asyncio.wait_for(dial(m), timeout)) for m in initial_peers]
     await asyncio.wait(dials)

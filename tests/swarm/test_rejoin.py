@@ -4,7 +4,9 @@ never dials its initial peers again: the test empties the table as a broken link
 
 from __future__ import annotations
 
+import asyncio
 import functools
+import threading
 
 import hivemind
 import pytest
@@ -12,7 +14,7 @@ from hivemind.utils import get_dht_time
 
 from opendiloco.swarm.rejoin import count_known_peers, redial
 
-pytestmark = [pytest.mark.swarm, pytest.mark.timeout(90)]
+pytestmark = [pytest.mark.swarm, pytest.mark.timeout(120)]
 
 
 async def forget_every_peer(_dht, node) -> int:
@@ -99,3 +101,89 @@ def test_a_node_that_lost_most_of_its_peers_dials_the_initial_peers_it_lacks(boo
         for other in others:
             other.shutdown()
 
+
+
+class FreezingProxy:
+    """A TCP proxy on 127.0.0.1 whose connections can be made to go silent, while new ones still pass:
+    what a host whose address changed sees (its old connections dead without a word, a dial from the
+    new address working)."""
+
+    def __init__(self, target_port: int):
+        self.target_port = target_port
+        self.frozen = False
+        self._old: list = []
+        self._loop = asyncio.new_event_loop()
+        self._server = None
+        started = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(started,), daemon=True)
+        self._thread.start()
+        assert started.wait(10), "the proxy did not start"
+
+    def _run(self, started: threading.Event) -> None:
+        asyncio.set_event_loop(self._loop)
+
+        async def start():
+            self._server = await asyncio.start_server(self._pass, "127.0.0.1", 0)
+            self.port = self._server.sockets[0].getsockname()[1]
+            started.set()
+
+        self._loop.run_until_complete(start())
+        self._loop.run_forever()
+
+    async def _pass(self, reader, writer) -> None:
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
+        conn = {"frozen": False}
+        self._old.append(conn)
+
+        async def pump(src, dst):
+            try:
+                while data := await src.read(65536):
+                    while conn["frozen"]:  # silent: nothing passes, nothing closes
+                        await asyncio.sleep(0.1)
+                    dst.write(data)
+                    await dst.drain()
+            except (ConnectionError, OSError):
+                pass
+
+        await asyncio.gather(pump(reader, up_writer), pump(up_reader, writer))
+
+    def freeze_existing(self) -> int:
+        """Silences every connection made so far; returns how many."""
+        for conn in self._old:
+            conn["frozen"] = True
+        return len(self._old)
+
+    def close(self) -> None:
+        async def stop():
+            self._server.close()
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        asyncio.run_coroutine_threadsafe(stop(), self._loop).result(10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+        self._loop.close()
+
+
+def test_a_node_whose_connection_died_silently_dials_its_initial_peer_anew(bootstrap):
+    """A node whose address changed keeps, in its p2p daemon, a connection to its initial peer that is
+    gone without a word. The daemon dials nobody it holds a connection to, so the redial pinged over the
+    dead one and failed, heartbeat after heartbeat, until the transport gave up on it (32 s in the world
+    scenario ``midround.toml``). Now a peer that does not answer there is dialled on a new connection."""
+    boot_port = int(next(str(m) for m in bootstrap.get_visible_maddrs()).split("/tcp/")[1].split("/")[0])
+    proxy = FreezingProxy(boot_port)
+    peers = (f"/ip4/127.0.0.1/tcp/{proxy.port}/p2p/{bootstrap.peer_id}",)
+    # Listening nowhere: the bootstrap cannot dial it back, so the proxied connection is its only one.
+    node = hivemind.DHT(start=True, host_maddrs=[], initial_peers=list(peers), client_mode=True)
+    try:
+        assert node.run_coroutine(count_known_peers) == 1
+        assert proxy.freeze_existing() >= 1
+        assert node.run_coroutine(forget_every_peer) == 0
+        assert node.run_coroutine(functools.partial(redial, initial_peers=peers)) == (0, 1)
+        bootstrap.store("run.workers", "a record", get_dht_time() + 60)
+        assert node.get("run.workers", latest=True).value == "a record"  # over the new connection
+    finally:
+        node.shutdown()
+        proxy.close()
