@@ -59,24 +59,34 @@ async def redial(_dht, node, initial_peers: tuple[str, ...], timeout: float = RE
     if before >= below or not initial_peers:
         return before, before
 
-    async def dial(maddr: str) -> None:
+    async def dial(maddr: str) -> bool:
+        """Whether the peer answered only on a new connection: the one the daemon held was dead."""
         addr = Multiaddr(maddr)
         peer = PeerID.from_base58(addr["p2p"])
         where = [addr.decapsulate(Multiaddr(f"/p2p/{addr['p2p']}"))]
         await node.p2p._client.connect(peer, where)
-        if await node.protocol.call_ping(peer) is None:
-            # The daemon may still hold a connection that is gone (this node's address changed): it dials
-            # nothing while it has one, and every request waits on it until the transport gives up on it
-            # (30-40 s in the world scenario). Closed, the next connect dials anew.
-            await close_connections(node.p2p, addr["p2p"])
-            await node.p2p._client.connect(peer, where)
-            await node.protocol.call_ping(peer)
+        if await node.protocol.call_ping(peer) is not None:
+            return False
+        # The daemon may still hold a connection that is gone (this node's address changed): it dials
+        # nothing while it has one, and every request waits on it until the transport gives up on it
+        # (30-40 s in the world scenario). Closed, the next connect dials anew.
+        await close_connections(node.p2p, addr["p2p"])
+        await node.p2p._client.connect(peer, where)
+        return await node.protocol.call_ping(peer) is not None
 
     dials = [asyncio.ensure_future(asyncio.wait_for(dial(m), timeout)) for m in initial_peers]
     await asyncio.wait(dials)
-    for task in dials:
-        if not task.cancelled() and task.exception() is not None:
-            log.debug("redial: %s", task.exception())
+    renewed = set()
+    for maddr, task in zip(initial_peers, dials):
+        if task.cancelled() or task.exception() is not None:
+            log.debug("redial: %s", "cancelled" if task.cancelled() else task.exception())
+        elif task.result():
+            renewed.add(Multiaddr(maddr)["p2p"])
+    if before == 0 and renewed:
+        # Knowing nobody, with a dead connection to an initial peer that answers on a new one: this
+        # node's address changed, and every connection its daemon holds is as dead (streams of rounds,
+        # records pushed, the DHT's requests to the rest of the run would all wait on them).
+        await _close_all_but(node.p2p, renewed)
     for _ in range(20):  # call_ping puts an answering peer in the table from a task of its own
         if known_peers(node):
             break
@@ -87,3 +97,14 @@ async def redial(_dht, node, initial_peers: tuple[str, ...], timeout: float = RE
         except Exception as e:  # the table holds the initial peers already: the rest comes with use
             log.debug("redial: finding neighbours: %s", e)
     return before, known_peers(node)
+
+
+async def _close_all_but(p2p, keep: set[str]) -> None:
+    try:
+        held = await asyncio.wait_for(p2p.list_peers(), REDIAL_TIMEOUT)
+    except Exception as e:  # the next redial, if it comes to that, tries again
+        log.debug("redial: listing connections: %s", e)
+        return
+    peers = {info.peer_id.to_base58() for info in held} - keep
+    log.info("redial: this node's connections were dead (its address changed): closing the %d it holds", len(peers))
+    await asyncio.gather(*(close_connections(p2p, peer) for peer in sorted(peers)))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import socket
 import threading
 
 import hivemind
@@ -167,23 +168,57 @@ class FreezingProxy:
         self._loop.close()
 
 
-def test_a_node_whose_connection_died_silently_dials_its_initial_peer_anew(bootstrap):
-    """A node whose address changed keeps, in its p2p daemon, a connection to its initial peer that is
-    gone without a word. The daemon dials nobody it holds a connection to, so the redial pinged over the
+def port_of(dht) -> int:
+    return int(str(dht.get_visible_maddrs()[0]).split("/tcp/")[1].split("/")[0])
+
+
+async def connect_through(_dht, node, peer_id: str, port: int) -> int:
+    """Connects the node's daemon to ``peer_id`` at 127.0.0.1:``port``; the peers it then holds."""
+    from hivemind.p2p import PeerID
+    from hivemind.utils.multiaddr import Multiaddr
+
+    await node.p2p._client.connect(PeerID.from_base58(peer_id), [Multiaddr(f"/ip4/127.0.0.1/tcp/{port}")])
+    return len(await node.p2p.list_peers())
+
+
+async def ping(_dht, node, peer_id: str) -> bool:
+    from hivemind.p2p import PeerID
+
+    return await node.protocol.call_ping(PeerID.from_base58(peer_id)) is not None
+
+
+def test_a_node_whose_connections_died_silently_dials_anew_and_drops_the_dead_ones(bootstrap):
+    """A node whose address changed keeps, in its p2p daemon, connections that are gone without a word.
+    The daemon dials nobody it holds a connection to, so the redial pinged its initial peer over the
     dead one and failed, heartbeat after heartbeat, until the transport gave up on it (32 s in the world
-    scenario ``midround.toml``). Now a peer that does not answer there is dialled on a new connection."""
-    boot_port = int(next(str(m) for m in bootstrap.get_visible_maddrs()).split("/tcp/")[1].split("/")[0])
-    proxy = FreezingProxy(boot_port)
+    scenario ``midround.toml``). Now a peer that does not answer there is dialled on a new connection;
+    and since that means the node's address changed, its other connections, as dead, are closed too
+    (its record, stored over them, was lost to the run while its routing table was back)."""
+    proxy = FreezingProxy(port_of(bootstrap))
     peers = (f"/ip4/127.0.0.1/tcp/{proxy.port}/p2p/{bootstrap.peer_id}",)
-    # Listening nowhere: the bootstrap cannot dial it back, so the proxied connection is its only one.
+    with socket.socket() as s:  # a port for the other node, known before it starts
+        s.bind(("127.0.0.1", 0))
+        other_port = s.getsockname()[1]
+    other_proxy = FreezingProxy(other_port)
+    # Another node of the run, that tells everyone to dial it through its proxy.
+    other = hivemind.DHT(start=True, host_maddrs=[f"/ip4/127.0.0.1/tcp/{other_port}"],
+                         announce_maddrs=[f"/ip4/127.0.0.1/tcp/{other_proxy.port}"],
+                         initial_peers=[str(m) for m in bootstrap.get_visible_maddrs()])
+    # Listening nowhere: nobody dials it back, so the proxied connections are its only ones.
     node = hivemind.DHT(start=True, host_maddrs=[], initial_peers=list(peers), client_mode=True)
     try:
-        assert node.run_coroutine(count_known_peers) == 1
-        assert proxy.freeze_existing() >= 1
+        assert node.run_coroutine(count_known_peers) >= 1
+        node.run_coroutine(functools.partial(connect_through, peer_id=str(other.peer_id), port=other_proxy.port))
+        assert proxy.freeze_existing() >= 1 and other_proxy.freeze_existing() >= 1
         assert node.run_coroutine(forget_every_peer) == 0
-        assert node.run_coroutine(functools.partial(redial, initial_peers=peers)) == (0, 1)
+        assert node.run_coroutine(functools.partial(redial, initial_peers=peers))[0] == 0
+        assert node.run_coroutine(count_known_peers) >= 1
         bootstrap.store("run.workers", "a record", get_dht_time() + 60)
         assert node.get("run.workers", latest=True).value == "a record"  # over the new connection
+        # The other peer answers: the daemon holds no dead connection to it any more.
+        assert node.run_coroutine(functools.partial(ping, peer_id=str(other.peer_id)))
     finally:
         node.shutdown()
+        other.shutdown()
         proxy.close()
+        other_proxy.close()
