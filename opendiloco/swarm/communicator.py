@@ -264,6 +264,7 @@ class SwarmCommunicator(Communicator):
                                  heartbeat_interval=s.heartbeat_interval, record_ttl=s.record_ttl,
                                  config=s.config_fingerprint, relays=getattr(dht, "relays", ()),
                                  initial_peers=getattr(dht, "rejoin_peers", ()))
+        self.presence.on_reconnected = self._lost_connections
         self.matchmaker = Matchmaker(self.records, self.presence, MatchmakingSettings(
             run_id=s.run_id, min_group_size=s.min_group_size, matchmaking_timeout=s.matchmaking_timeout,
             straggler_wait=s.straggler_wait, max_wait=s.max_wait,
@@ -276,6 +277,8 @@ class SwarmCommunicator(Communicator):
             joiners=lambda step: self.state_server.recent_joiners(step, within=s.straggler_wait + 10.0),
             offenders=self.offenders, unreachable=self.unreachable)
         self._workers_snapshot: dict[str, records.WorkerRecord] = {}
+        self._reconnects_seen: dict[str, int] = {}
+        """Per peer, the ``reconnected`` count of its record when this worker last read it."""
         self._snapshot_reads = 0  # successful reads of the run's workers so far
         self._pace_refresh = asyncio.run_coroutine_threadsafe(self._refresh_workers(), self._loop)
         self._leaving = asyncio.run_coroutine_threadsafe(self._leave_when_stopping(), self._loop)
@@ -442,9 +445,35 @@ class SwarmCommunicator(Communicator):
                 workers = self.records.workers_from(found, self.presence.max_ttl)
                 self._workers_snapshot = self.presence.same_settings(workers)
                 self._snapshot_reads += 1
+                await self._drop_renewed(self._workers_snapshot)
             except Exception as e:  # the DHT may be busy or shutting down: keep the last snapshot
                 log.debug("refreshing the workers snapshot: %s", e)
             await asyncio.sleep(interval)
+
+    async def _drop_renewed(self, workers: dict[str, records.WorkerRecord]) -> None:
+        """Closes this node's connections to the peers whose record says they renewed theirs since the last
+        read (``WorkerRecord.reconnected``): theirs to this node are on an address that is gone, and new
+        streams to them would wait on them. The next stream dials them where they are now."""
+        renewed = {p for p, r in workers.items()
+                   if p != self._peer_id and r.reconnected > self._reconnects_seen.get(p, r.reconnected)}
+        self._reconnects_seen.update({p: r.reconnected for p, r in workers.items()})
+        if renewed:
+            log.info("peer(s) %s renewed their connections (a new address): dialling them anew",
+                     sorted(p[-8:] for p in renewed))
+            await self._disconnect(renewed)
+
+    def _lost_connections(self) -> None:
+        """This worker's connections were found dead and renewed (on the event loop): the attempt in flight
+        waits on streams of connections that are gone, and fails now instead of at its timeout (its
+        members, told by its record, give up on it as well)."""
+        runner = self._runner
+        if runner is not None and not runner.ended.is_set():
+            log.warning("round %s: this worker's connections were dead (its address changed): the attempt fails "
+                        "now", runner.group.group_id)
+            task = self._loop.create_task(runner.abandon("this worker's connections were dead (its address "
+                                                         "changed)"))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
 
     def peer_paces(self, outer_step: int) -> list[Pace]:
         """The paces of the peers heading for ``outer_step`` whose word counts here (``partners.py``)."""
@@ -695,6 +724,7 @@ class SwarmCommunicator(Communicator):
         loop = asyncio.get_running_loop()
         gone_since: dict[str, tuple[float, int]] = {}
         cut_off_after = self.settings.cut_off_after
+        reconnects = {m: r.reconnected for m, r in self._workers_snapshot.items() if m in group.members}
         while not runner.ended.is_set():
             await asyncio.sleep(1.0)
             if cut_off_after and runner.silent_for() >= cut_off_after:
@@ -705,6 +735,11 @@ class SwarmCommunicator(Communicator):
                 if m == self._peer_id or not runner.waits_on(m):
                     gone_since.pop(m, None)
                     continue
+                if m in live and live[m].reconnected > reconnects.get(m, live[m].reconnected):
+                    log.warning("round %s: member %s renewed its connections (its address changed) with its part "
+                                "of the exchange still owed: giving up on it", group.group_id, m[-8:])
+                    await runner.give_up_on(m, "renewed its connections")
+                    return
                 if m in live and live[m].abandoned == group.group_id:
                     log.warning("round %s: member %s heard nothing from its group and abandoned this attempt (its "
                                 "address changed, say) with its part of the exchange still owed: giving up on it",

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import NamedTuple
 
 from hivemind.p2p import PeerID
 from hivemind.utils.multiaddr import Multiaddr
@@ -38,6 +39,15 @@ REDIAL_TIMEOUT = 10.0
 first ping, of hivemind's 3 s, found none)."""
 
 
+class Redial(NamedTuple):
+    """What ``redial`` did: peers its node knew before and after, and whether its connections were found
+    dead (an initial peer answered only on a new connection: its address changed) and renewed."""
+
+    before: int
+    after: int
+    renewed: bool = False
+
+
 def known_peers(node) -> int:
     """How many peers the DHT node's routing table holds."""
     return len(node.protocol.routing_table.uid_to_peer_id)
@@ -49,15 +59,15 @@ async def count_known_peers(_dht, node) -> int:
 
 
 async def redial(_dht, node, initial_peers: tuple[str, ...], timeout: float = REDIAL_TIMEOUT,
-                 below: int = 1) -> tuple[int, int]:
-    """(peers known before, peers known after): if the node knows fewer than ``below`` peers, it dials
+                 below: int = 1) -> Redial:
+    """If the node knows fewer than ``below`` peers, it dials
     those of ``initial_peers`` (each a full multiaddr with ``/p2p/``) that its routing table lacks and,
     if one answers, finds its neighbours anew."""
     before = known_peers(node)
     table = node.protocol.routing_table
     initial_peers = tuple(m for m in initial_peers if PeerID.from_base58(Multiaddr(m)["p2p"]) not in table)
     if before >= below or not initial_peers:
-        return before, before
+        return Redial(before, before)
 
     async def dial(maddr: str) -> bool:
         """Whether the peer answered only on a new connection: the one the daemon held was dead."""
@@ -86,7 +96,7 @@ async def redial(_dht, node, initial_peers: tuple[str, ...], timeout: float = RE
         # Knowing nobody, with a dead connection to an initial peer that answers on a new one: this
         # node's address changed, and every connection its daemon holds is as dead (streams of rounds,
         # records pushed, the DHT's requests to the rest of the run would all wait on them).
-        await _close_all_but(node.p2p, renewed)
+        await _reconnect_all_but(node.p2p, renewed)
     for _ in range(20):  # call_ping puts an answering peer in the table from a task of its own
         if known_peers(node):
             break
@@ -96,15 +106,25 @@ async def redial(_dht, node, initial_peers: tuple[str, ...], timeout: float = RE
             await asyncio.wait_for(node.find_nearest_nodes([node.node_id]), timeout)
         except Exception as e:  # the table holds the initial peers already: the rest comes with use
             log.debug("redial: finding neighbours: %s", e)
-    return before, known_peers(node)
+    return Redial(before, known_peers(node), before == 0 and bool(renewed))
 
 
-async def _close_all_but(p2p, keep: set[str]) -> None:
+async def _reconnect_all_but(p2p, keep: set[str]) -> None:
+    """Closes every connection the daemon holds but to ``keep``, and dials each peer anew where it was:
+    the new connections tell them this node's new address (libp2p's identify)."""
     try:
         held = await asyncio.wait_for(p2p.list_peers(), REDIAL_TIMEOUT)
-    except Exception as e:  # the next redial, if it comes to that, tries again
+    except Exception as e:  # its peers still learn of it from its record
         log.debug("redial: listing connections: %s", e)
         return
-    peers = {info.peer_id.to_base58() for info in held} - keep
-    log.info("redial: this node's connections were dead (its address changed): closing the %d it holds", len(peers))
-    await asyncio.gather(*(close_connections(p2p, peer) for peer in sorted(peers)))
+    held = [info for info in held if info.peer_id.to_base58() not in keep]
+    log.info("redial: this node's connections were dead (its address changed): renewing the %d it holds", len(held))
+
+    async def renew(info) -> None:
+        await close_connections(p2p, info.peer_id.to_base58())
+        try:
+            await asyncio.wait_for(p2p._client.connect(info.peer_id, list(info.addrs)), REDIAL_TIMEOUT)
+        except Exception as e:  # a peer behind NAT, or gone: dialled when a stream needs it
+            log.debug("redial: reconnecting %s: %s", info.peer_id.to_base58()[-8:], e)
+
+    await asyncio.gather(*(renew(info) for info in held))

@@ -51,16 +51,17 @@ def test_a_node_that_lost_every_peer_dials_its_initial_peers_again_and_reads_the
     bootstrap.store("run.workers", "a record", get_dht_time() + 60)
     assert node.run_coroutine(forget_every_peer) == 0
     assert node.get("run.workers", latest=True) is None  # cut off: it reads nothing, for ever
-    assert node.run_coroutine(functools.partial(redial, initial_peers=peers)) == (0, 1)
+    # Its connection lives: the redial pings over it, and takes nothing for dead.
+    assert node.run_coroutine(functools.partial(redial, initial_peers=peers)) == (0, 1, False)
     assert node.get("run.workers", latest=True).value == "a record"
-    assert node.run_coroutine(functools.partial(redial, initial_peers=peers)) == (1, 1)  # knows one: no dial
+    assert node.run_coroutine(functools.partial(redial, initial_peers=peers))[:2] == (1, 1)  # knows one: no dial
 
 
 def test_a_node_whose_initial_peers_are_gone_stays_cut_off(bootstrap, joined):
     node, peers = joined
     bootstrap.shutdown()
     node.run_coroutine(forget_every_peer)
-    assert node.run_coroutine(functools.partial(redial, initial_peers=peers, timeout=2.0)) == (0, 0)
+    assert node.run_coroutine(functools.partial(redial, initial_peers=peers, timeout=2.0))[:2] == (0, 0)
     assert node.run_coroutine(count_known_peers) == 0
 
 
@@ -90,13 +91,13 @@ def test_a_node_that_lost_most_of_its_peers_dials_the_initial_peers_it_lacks(boo
         assert node.run_coroutine(count_known_peers) == 3
         boot = str(bootstrap.peer_id)
         assert node.run_coroutine(functools.partial(forget_peers, peer_ids=(boot, str(others[0].peer_id)))) == 1
-        assert node.run_coroutine(functools.partial(redial, initial_peers=peers, below=1)) == (1, 1)  # not below
-        before, after = node.run_coroutine(functools.partial(redial, initial_peers=peers, below=2))
+        assert node.run_coroutine(functools.partial(redial, initial_peers=peers, below=1))[:2] == (1, 1)  # not below
+        before, after, _ = node.run_coroutine(functools.partial(redial, initial_peers=peers, below=2))
         assert before == 1 and after >= 2
         # Its initial peer known, it dials nobody, however few it knows (without a dial the count is read once;
         # the table may meanwhile learn a peer that sends it a request).
         node.run_coroutine(functools.partial(forget_peers, peer_ids=tuple(str(o.peer_id) for o in others)))
-        before, after = node.run_coroutine(functools.partial(redial, initial_peers=peers, below=100))
+        before, after, _ = node.run_coroutine(functools.partial(redial, initial_peers=peers, below=100))
         assert before == after
     finally:
         for other in others:
@@ -211,7 +212,8 @@ def test_a_node_whose_connections_died_silently_dials_anew_and_drops_the_dead_on
         node.run_coroutine(functools.partial(connect_through, peer_id=str(other.peer_id), port=other_proxy.port))
         assert proxy.freeze_existing() >= 1 and other_proxy.freeze_existing() >= 1
         assert node.run_coroutine(forget_every_peer) == 0
-        assert node.run_coroutine(functools.partial(redial, initial_peers=peers))[0] == 0
+        before, after, renewed = node.run_coroutine(functools.partial(redial, initial_peers=peers))
+        assert before == 0 and after >= 1 and renewed
         assert node.run_coroutine(count_known_peers) >= 1
         bootstrap.store("run.workers", "a record", get_dht_time() + 60)
         assert node.get("run.workers", latest=True).value == "a record"  # over the new connection
