@@ -60,7 +60,7 @@ from .node import start_dht, visible_maddrs
 from .presence import OtherSettings, Presence
 from .pushed_records import MAX_PUSH_BYTES, PushedRecord, decode_push, encode_push
 from .quorum import confirmed
-from .relays import DIAL_TIMEOUT, RENEW_BEFORE_ROUND_S, RENEW_GRACE_S, RelayLinks, close_connections
+from .relays import DIAL_TIMEOUT, RENEW_BEFORE_ROUND_S, RENEW_GRACE_S, RelayLinks, close_connections, dial_via
 from .signing import Identity
 from .state_transfer import StateServer, download_bound, fetch_state, own_check
 from .streams import P2PStreams
@@ -470,10 +470,18 @@ class SwarmCommunicator(Communicator):
         if runner is not None and not runner.ended.is_set():
             log.warning("round %s: this worker's connections were dead (its address changed): the attempt fails "
                         "now", runner.group.group_id)
-            task = self._loop.create_task(runner.abandon("this worker's connections were dead (its address "
-                                                         "changed)"))
-            self._background.add(task)
-            task.add_done_callback(self._background.discard)
+            self._in_background(runner.abandon("this worker's connections were dead (its address changed)"))
+        # Workers behind NAT cannot dial this one's new address, which they would learn only from a new
+        # connection: it reaches them through their relays (as it reached their old one on theirs).
+        behind_nat = {p: r.relays for p, r in self._workers_snapshot.items() if r.relays and p != self._peer_id}
+        for peer, relays in behind_nat.items():
+            self._in_background(dial_via(self.p2p, peer, relays))
+
+    def _in_background(self, coro) -> None:
+        """Runs ``coro`` on the event loop (from the loop's thread), kept until done."""
+        task = self._loop.create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     def peer_paces(self, outer_step: int) -> list[Pace]:
         """The paces of the peers heading for ``outer_step`` whose word counts here (``partners.py``)."""
@@ -604,9 +612,7 @@ class SwarmCommunicator(Communicator):
             except Exception as e:  # the next stream dials anew
                 log.debug("renewing relayed connections: %s: %s", type(e).__name__, e)
 
-        task = self._loop.create_task(renew())
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        self._in_background(renew())
 
     def _check_drift_late(self, key: RoundKey, read: concurrent.futures.Future) -> None:
         """The drift check on the read of the run's workers made at the round's start, where the group
@@ -776,6 +782,9 @@ class SwarmCommunicator(Communicator):
         except Exception as e:  # the next heartbeat says it too
             log.debug("publishing that this worker was cut off: %s: %s", type(e).__name__, e)
         await runner.abandon("heard nothing from any member (cut off)")
+        # Behind NAT, a router's new address leaves the DHT's routing table as it was: its redial never
+        # looks. Here every connection may be dead (the relay's too, where its slot is held).
+        self._in_background(self.presence.check_connections())
 
     async def _disconnect(self, peers: set[str]) -> None:
         """Closes this node's connections to ``peers``: ones that hang are then dialled anew."""

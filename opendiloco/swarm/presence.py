@@ -17,7 +17,7 @@ from ..errors import BehindError, DriftError, SwarmError
 from . import records
 from .partners import Partners
 from .quorum import Claim, confirmed_ahead, drifted
-from .rejoin import REDIAL_TIMEOUT, redial
+from .rejoin import REDIAL_TIMEOUT, check_connections, redial
 from .relays import MAX_RELAY_CHARS, MAX_RELAYS, checked_relays
 
 log = logging.getLogger(__name__)
@@ -184,6 +184,22 @@ class Presence:
                         f"it dialled its initial peers again and knows {after} peer(s) now" if after else
                         "none of its initial peers answers; it averages with nobody, alone included, until one does")
         self._lost_peers = before == 0 and after == 0
+
+    async def check_connections(self) -> bool:
+        """Whether its connections were dead and are renewed (``rejoin.check_connections``); if so it says
+        so as ``redial`` does."""
+        if not self.initial_peers:
+            return False
+        try:
+            renewed = await asyncio.wait_for(self.records.dht.run_coroutine(
+                functools.partial(check_connections, initial_peers=self.initial_peers), return_future=True),
+                3 * REDIAL_TIMEOUT)
+        except Exception as e:  # asyncio.TimeoutError included: its heartbeat's redial still looks
+            log.debug("checking this worker's connections: %s", e)
+            return False
+        if renewed:
+            self._reconnected()
+        return renewed
 
     def _reconnected(self) -> None:
         """Its DHT node found its connections dead and renewed them (on the event loop): says so in its

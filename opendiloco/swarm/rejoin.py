@@ -69,29 +69,8 @@ async def redial(_dht, node, initial_peers: tuple[str, ...], timeout: float = RE
     if before >= below or not initial_peers:
         return Redial(before, before)
 
-    async def dial(maddr: str) -> bool:
-        """Whether the peer answered only on a new connection: the one the daemon held was dead."""
-        addr = Multiaddr(maddr)
-        peer = PeerID.from_base58(addr["p2p"])
-        where = [addr.decapsulate(Multiaddr(f"/p2p/{addr['p2p']}"))]
-        await node.p2p._client.connect(peer, where)
-        if await node.protocol.call_ping(peer) is not None:
-            return False
-        # The daemon may still hold a connection that is gone (this node's address changed): it dials
-        # nothing while it has one, and every request waits on it until the transport gives up on it
-        # (30-40 s in the world scenario). Closed, the next connect dials anew.
-        await close_connections(node.p2p, addr["p2p"])
-        await node.p2p._client.connect(peer, where)
-        return await node.protocol.call_ping(peer) is not None
-
-    dials = [asyncio.ensure_future(asyncio.wait_for(dial(m), timeout)) for m in initial_peers]
-    await asyncio.wait(dials)
-    renewed = set()
-    for maddr, task in zip(initial_peers, dials):
-        if task.cancelled() or task.exception() is not None:
-            log.debug("redial: %s", "cancelled" if task.cancelled() else task.exception())
-        elif task.result():
-            renewed.add(Multiaddr(maddr)["p2p"])
+    answered = await _dial_all(node, initial_peers, timeout)
+    renewed = {peer for peer, anew in answered.items() if anew}
     if before == 0 and renewed:
         # Knowing nobody, with a dead connection to an initial peer that answers on a new one: this
         # node's address changed, and every connection its daemon holds is as dead (streams of rounds,
@@ -107,6 +86,49 @@ async def redial(_dht, node, initial_peers: tuple[str, ...], timeout: float = RE
         except Exception as e:  # the table holds the initial peers already: the rest comes with use
             log.debug("redial: finding neighbours: %s", e)
     return Redial(before, known_peers(node), before == 0 and bool(renewed))
+
+
+async def check_connections(_dht, node, initial_peers: tuple[str, ...], timeout: float = REDIAL_TIMEOUT) -> bool:
+    """Whether this node's connections were dead, and are renewed: no initial peer answered over the
+    connection the daemon holds to it, and one did on a new one (this node's address changed). Its
+    other connections are then renewed too. Asked by a worker that heard nothing from its round's
+    members (``SwarmCommunicator._cut_off``): a node behind NAT whose router got a new address may
+    still know its peers, so ``redial`` never looks."""
+    answered = await _dial_all(node, initial_peers, timeout)
+    if not answered or not all(answered.values()):
+        return False
+    await _reconnect_all_but(node.p2p, set(answered))
+    return True
+
+
+async def _dial_all(node, initial_peers: tuple[str, ...], timeout: float) -> dict[str, bool]:
+    """Connects to and pings each initial peer; of those that answered, whether only on a new connection."""
+    async def dial(maddr: str) -> bool:
+        addr = Multiaddr(maddr)
+        peer = PeerID.from_base58(addr["p2p"])
+        where = [addr.decapsulate(Multiaddr(f"/p2p/{addr['p2p']}"))]
+        await node.p2p._client.connect(peer, where)
+        if await node.protocol.call_ping(peer) is not None:
+            return False
+        # The daemon may still hold a connection that is gone (this node's address changed): it dials
+        # nothing while it has one, and every request waits on it until the transport gives up on it
+        # (30-40 s in the world scenario). Closed, the next connect dials anew.
+        await close_connections(node.p2p, addr["p2p"])
+        await node.p2p._client.connect(peer, where)
+        if await node.protocol.call_ping(peer) is None:
+            raise ConnectionError(f"{addr['p2p'][-8:]} does not answer")
+        return True
+
+    dials = [asyncio.ensure_future(asyncio.wait_for(dial(m), timeout)) for m in initial_peers]
+    if dials:
+        await asyncio.wait(dials)
+    answered = {}
+    for maddr, task in zip(initial_peers, dials):
+        if task.cancelled() or task.exception() is not None:
+            log.debug("redial: %s", "cancelled" if task.cancelled() else task.exception())
+        else:
+            answered[Multiaddr(maddr)["p2p"]] = task.result()
+    return answered
 
 
 async def _reconnect_all_but(p2p, keep: set[str]) -> None:

@@ -13,7 +13,7 @@ import hivemind
 import pytest
 from hivemind.utils import get_dht_time
 
-from opendiloco.swarm.rejoin import count_known_peers, redial
+from opendiloco.swarm.rejoin import check_connections, count_known_peers, redial
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(120)]
 
@@ -224,3 +224,22 @@ def test_a_node_whose_connections_died_silently_dials_anew_and_drops_the_dead_on
         other.shutdown()
         proxy.close()
         other_proxy.close()
+
+
+def test_a_node_that_still_knows_its_peers_finds_its_dead_connections_when_asked(bootstrap):
+    """Behind NAT, a router's new address leaves the routing table as it was, so ``redial`` never looks.
+    A worker that heard nothing from its round asks ``check_connections``: nothing is renewed while the
+    initial peer answers over the connection held; once that connection is dead, it is renewed."""
+    proxy = FreezingProxy(port_of(bootstrap))
+    peers = (f"/ip4/127.0.0.1/tcp/{proxy.port}/p2p/{bootstrap.peer_id}",)
+    node = hivemind.DHT(start=True, host_maddrs=[], initial_peers=list(peers), client_mode=True)
+    try:
+        assert node.run_coroutine(count_known_peers) == 1
+        assert node.run_coroutine(functools.partial(check_connections, initial_peers=peers)) is False
+        assert proxy.freeze_existing() >= 1
+        assert node.run_coroutine(functools.partial(redial, initial_peers=peers))[:2] == (1, 1)  # knows it: no look
+        assert node.run_coroutine(functools.partial(check_connections, initial_peers=peers)) is True
+        assert node.run_coroutine(functools.partial(ping, peer_id=str(bootstrap.peer_id)))
+    finally:
+        node.shutdown()
+        proxy.close()
