@@ -60,7 +60,7 @@ from .node import start_dht, visible_maddrs
 from .presence import OtherSettings, Presence
 from .pushed_records import MAX_PUSH_BYTES, PushedRecord, decode_push, encode_push
 from .quorum import confirmed
-from .relays import DIAL_TIMEOUT, RENEW_BEFORE_ROUND_S, RENEW_GRACE_S, RelayLinks, close_connections, dial_via
+from .relays import DIAL_TIMEOUT, RENEW_BEFORE_ROUND_S, RENEW_GRACE_S, RelayLinks, close_connections
 from .signing import Identity
 from .state_transfer import StateServer, download_bound, fetch_state, own_check
 from .streams import P2PStreams
@@ -264,7 +264,6 @@ class SwarmCommunicator(Communicator):
                                  heartbeat_interval=s.heartbeat_interval, record_ttl=s.record_ttl,
                                  config=s.config_fingerprint, relays=getattr(dht, "relays", ()),
                                  initial_peers=getattr(dht, "rejoin_peers", ()))
-        self.presence.on_reconnected = self._lost_connections
         self.matchmaker = Matchmaker(self.records, self.presence, MatchmakingSettings(
             run_id=s.run_id, min_group_size=s.min_group_size, matchmaking_timeout=s.matchmaking_timeout,
             straggler_wait=s.straggler_wait, max_wait=s.max_wait,
@@ -277,8 +276,6 @@ class SwarmCommunicator(Communicator):
             joiners=lambda step: self.state_server.recent_joiners(step, within=s.straggler_wait + 10.0),
             offenders=self.offenders, unreachable=self.unreachable)
         self._workers_snapshot: dict[str, records.WorkerRecord] = {}
-        self._reconnects_seen: dict[str, int] = {}
-        """Per peer, the ``reconnected`` count of its record when this worker last read it."""
         self._snapshot_reads = 0  # successful reads of the run's workers so far
         self._pace_refresh = asyncio.run_coroutine_threadsafe(self._refresh_workers(), self._loop)
         self._leaving = asyncio.run_coroutine_threadsafe(self._leave_when_stopping(), self._loop)
@@ -445,43 +442,9 @@ class SwarmCommunicator(Communicator):
                 workers = self.records.workers_from(found, self.presence.max_ttl)
                 self._workers_snapshot = self.presence.same_settings(workers)
                 self._snapshot_reads += 1
-                await self._drop_renewed(self._workers_snapshot)
             except Exception as e:  # the DHT may be busy or shutting down: keep the last snapshot
                 log.debug("refreshing the workers snapshot: %s", e)
             await asyncio.sleep(interval)
-
-    async def _drop_renewed(self, workers: dict[str, records.WorkerRecord]) -> None:
-        """Closes this node's connections to the peers whose record says they renewed theirs since the last
-        read (``WorkerRecord.reconnected``): theirs to this node are on an address that is gone, and new
-        streams to them would wait on them. The next stream dials them where they are now."""
-        renewed = {p for p, r in workers.items()
-                   if p != self._peer_id and r.reconnected > self._reconnects_seen.get(p, r.reconnected)}
-        self._reconnects_seen.update({p: r.reconnected for p, r in workers.items()})
-        if renewed:
-            log.info("peer(s) %s renewed their connections (a new address): dialling them anew",
-                     sorted(p[-8:] for p in renewed))
-            await self._disconnect(renewed)
-
-    def _lost_connections(self) -> None:
-        """This worker's connections were found dead and renewed (on the event loop): the attempt in flight
-        waits on streams of connections that are gone, and fails now instead of at its timeout (its
-        members, told by its record, give up on it as well)."""
-        runner = self._runner
-        if runner is not None and not runner.ended.is_set():
-            log.warning("round %s: this worker's connections were dead (its address changed): the attempt fails "
-                        "now", runner.group.group_id)
-            self._in_background(runner.abandon("this worker's connections were dead (its address changed)"))
-        # Workers behind NAT cannot dial this one's new address, which they would learn only from a new
-        # connection: it reaches them through their relays (as it reached their old one on theirs).
-        behind_nat = {p: r.relays for p, r in self._workers_snapshot.items() if r.relays and p != self._peer_id}
-        for peer, relays in behind_nat.items():
-            self._in_background(dial_via(self.p2p, peer, relays))
-
-    def _in_background(self, coro) -> None:
-        """Runs ``coro`` on the event loop (from the loop's thread), kept until done."""
-        task = self._loop.create_task(coro)
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
 
     def peer_paces(self, outer_step: int) -> list[Pace]:
         """The paces of the peers heading for ``outer_step`` whose word counts here (``partners.py``)."""
@@ -612,7 +575,9 @@ class SwarmCommunicator(Communicator):
             except Exception as e:  # the next stream dials anew
                 log.debug("renewing relayed connections: %s: %s", type(e).__name__, e)
 
-        self._in_background(renew())
+        task = self._loop.create_task(renew())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     def _check_drift_late(self, key: RoundKey, read: concurrent.futures.Future) -> None:
         """The drift check on the read of the run's workers made at the round's start, where the group
@@ -730,7 +695,6 @@ class SwarmCommunicator(Communicator):
         loop = asyncio.get_running_loop()
         gone_since: dict[str, tuple[float, int]] = {}
         cut_off_after = self.settings.cut_off_after
-        reconnects = {m: r.reconnected for m, r in self._workers_snapshot.items() if m in group.members}
         while not runner.ended.is_set():
             await asyncio.sleep(1.0)
             if cut_off_after and runner.silent_for() >= cut_off_after:
@@ -741,11 +705,6 @@ class SwarmCommunicator(Communicator):
                 if m == self._peer_id or not runner.waits_on(m):
                     gone_since.pop(m, None)
                     continue
-                if m in live and live[m].reconnected > reconnects.get(m, live[m].reconnected):
-                    log.warning("round %s: member %s renewed its connections (its address changed) with its part "
-                                "of the exchange still owed: giving up on it", group.group_id, m[-8:])
-                    await runner.give_up_on(m, "renewed its connections")
-                    return
                 if m in live and live[m].abandoned == group.group_id:
                     log.warning("round %s: member %s heard nothing from its group and abandoned this attempt (its "
                                 "address changed, say) with its part of the exchange still owed: giving up on it",
@@ -762,7 +721,6 @@ class SwarmCommunicator(Communicator):
                                 "with its part of the exchange still owed: giving up on it", group.group_id,
                                 m[-8:], self.presence.record_ttl)
                     await runner.give_up_on(m, "left the run's records")
-                    await self._disconnect({m})  # if it comes back (a new address, say), on a new connection
                     return
 
     async def _cut_off(self, runner: RoundRunner, group: Group) -> None:
@@ -782,9 +740,6 @@ class SwarmCommunicator(Communicator):
         except Exception as e:  # the next heartbeat says it too
             log.debug("publishing that this worker was cut off: %s: %s", type(e).__name__, e)
         await runner.abandon("heard nothing from any member (cut off)")
-        # Behind NAT, a router's new address leaves the DHT's routing table as it was: its redial never
-        # looks. Here every connection may be dead (the relay's too, where its slot is held).
-        self._in_background(self.presence.check_connections())
 
     async def _disconnect(self, peers: set[str]) -> None:
         """Closes this node's connections to ``peers``: ones that hang are then dialled anew."""

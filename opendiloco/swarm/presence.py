@@ -10,14 +10,13 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable
 
 from ..comm.base import Progress, check_progress
 from ..errors import BehindError, DriftError, SwarmError
 from . import records
 from .partners import Partners
 from .quorum import Claim, confirmed_ahead, drifted
-from .rejoin import REDIAL_TIMEOUT, check_connections, redial
+from .rejoin import REDIAL_TIMEOUT, redial
 from .relays import MAX_RELAY_CHARS, MAX_RELAYS, checked_relays
 
 log = logging.getLogger(__name__)
@@ -71,10 +70,6 @@ class Presence:
                              f"characters each, given {len(self.relays)}: {self.relays}")
         self.abandoned = ""
         """The attempt this worker last abandoned, cut off from its group (``say_abandoned``)."""
-        self.reconnected = 0
-        """Times its DHT node found its connections dead and renewed them (``rejoin.redial``)."""
-        self.on_reconnected: Callable[[], None] | None = None
-        """Called on the event loop when it does: a round in flight waits on connections that are gone."""
         self.initial_peers = tuple(initial_peers)
         """Where its DHT node joined the run: dialled again if it loses every peer (``rejoin.py``)."""
         self._lost_peers = False
@@ -130,8 +125,7 @@ class Presence:
             return
         with self._lock:
             rec = records.WorkerRecord.of(self._progress, peer_id=self.peer_id, time=self.records.clock.now(),
-                                          left=left, config=self.config, relays=self.relays, abandoned=self.abandoned,
-                                          reconnected=self.reconnected)
+                                          left=left, config=self.config, relays=self.relays, abandoned=self.abandoned)
         await self.records.store_async(self.records.workers_key(), rec.to_value(),
                                         self.records.clock.now() + self.record_ttl)
 
@@ -165,14 +159,12 @@ class Presence:
         """Dials the initial peers again if this worker's DHT node knows no peer (``rejoin.py``); says so once."""
         below = max(1, (self._most_known + 1) // 2)  # fewer than half of the most it knew: a partition
         try:
-            before, after, renewed = await asyncio.wait_for(self.records.dht.run_coroutine(
+            before, after = await asyncio.wait_for(self.records.dht.run_coroutine(
                 functools.partial(redial, initial_peers=self.initial_peers, below=below), return_future=True),
                 3 * REDIAL_TIMEOUT)
         except Exception as e:  # asyncio.TimeoutError included: the next heartbeat tries again
             log.debug("redialling the initial peers: %s", e)
             return
-        if renewed:
-            self._reconnected()
         self._most_known = max(self._most_known, after)
         if before == 0 and after:
             self._rejoined_at = time.monotonic()
@@ -185,33 +177,6 @@ class Presence:
                         "none of its initial peers answers; it averages with nobody, alone included, until one does")
         self._lost_peers = before == 0 and after == 0
 
-    async def check_connections(self) -> bool:
-        """Whether its connections were dead and are renewed (``rejoin.check_connections``); if so it says
-        so as ``redial`` does."""
-        if not self.initial_peers:
-            return False
-        try:
-            renewed = await asyncio.wait_for(self.records.dht.run_coroutine(
-                functools.partial(check_connections, initial_peers=self.initial_peers), return_future=True),
-                3 * REDIAL_TIMEOUT)
-        except Exception as e:  # asyncio.TimeoutError included: its heartbeat's redial still looks
-            log.debug("checking this worker's connections: %s", e)
-            return False
-        if renewed:
-            self._reconnected()
-        return renewed
-
-    def _reconnected(self) -> None:
-        """Its DHT node found its connections dead and renewed them (on the event loop): says so in its
-        record at once, and tells the round in flight."""
-        self.reconnected += 1
-        log.warning("this worker's connections were dead (its address changed): it dialled its peers anew")
-        future = asyncio.ensure_future(self.publish())
-        self._publishing.add(future)
-        future.add_done_callback(self._publishing.discard)
-        if self.on_reconnected is not None:
-            self.on_reconnected()
-
     def cut_off(self) -> str | None:
         """Why this worker cannot see the run (its DHT node knows no peer, and none of its initial peers
         answers a redial), or None. A worker with no initial peers started the run: never cut off."""
@@ -219,9 +184,7 @@ class Presence:
             return None
         future = self.records.dht.run_coroutine(functools.partial(redial, initial_peers=self.initial_peers),
                                                 return_future=True)
-        before, after, renewed = records.wait_dht(future, "redial", 3 * REDIAL_TIMEOUT, self.records.interrupted)
-        if renewed:
-            self.loop.call_soon_threadsafe(self._reconnected)
+        before, after = records.wait_dht(future, "redial", 3 * REDIAL_TIMEOUT, self.records.interrupted)
         if not after:
             return ("cut off from the run: its DHT node knows no peer and none of its initial peers answers "
                     "(a round of one would fork θ_global from the run it cannot see)")

@@ -66,16 +66,13 @@ class WorkerRecord(Progress):
     abandoned: str = ""
     """The group id of the last attempt this worker abandoned because it heard nothing from any member
     (its address changed, its links broke): a member still waiting on it there gives up at once."""
-    reconnected: int = 0
-    """Times this worker found its connections dead and renewed them (its address changed): a peer that
-    sees the count grow closes its own connections to it, as dead, and stops waiting on it in a round."""
 
     @classmethod
     def of(cls, progress: Progress, *, peer_id: str, time: float, left: bool, config: str,
-           relays: tuple[str, ...] = (), abandoned: str = "", reconnected: int = 0) -> WorkerRecord:
+           relays: tuple[str, ...] = (), abandoned: str = "") -> WorkerRecord:
         """The record that publishes ``progress``."""
         return cls(peer_id=peer_id, time=time, left=left, config=config, relays=relays, abandoned=abandoned,
-                   reconnected=reconnected, **{f.name: getattr(progress, f.name) for f in fields(Progress)})
+                   **{f.name: getattr(progress, f.name) for f in fields(Progress)})
 
     @property
     def heading(self) -> int:
@@ -118,8 +115,6 @@ class WorkerRecord(Progress):
             if not isinstance(rec.name, str) or len(rec.name) > NAME_MAX:
                 return None
             if not isinstance(rec.abandoned, str) or len(rec.abandoned) > GROUP_ID_MAX:
-                return None
-            if isinstance(rec.reconnected, bool) or not isinstance(rec.reconnected, int) or rec.reconnected < 0:
                 return None
             rec.relays = checked_relays(rec.relays)
             if rec.relays is None:

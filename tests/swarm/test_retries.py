@@ -317,10 +317,14 @@ class CutOffInExchange(RoundHooks):
         return self.runner
 
 
-def cut_off_mid_round(workers, settings, renew_connections: bool):
-    """Three workers in a round; the third's exchange is silent (``CutOffInExchange``). With
-    ``renew_connections``, its DHT node then finds its connections dead and renews them. The three
-    outcomes, the seconds each took, and the hooks."""
+def test_a_member_cut_off_mid_round_abandons_it_and_the_others_stop_waiting(workers):
+    """A member whose connections died silently (its address changed) held every worker of its round
+    39-58 s in the world scenario: its record stays fresh, so the round waited out its exchange's
+    timeout. Now the member, hearing nothing from any other member for ``cut_off_after`` seconds while
+    it waits on them, abandons the attempt and says so in its record (``WorkerRecord.abandoned``), and the
+    others give up on it then: far inside the exchange's timeout. The two others, who heard from each
+    other, do not take themselves for cut off."""
+    settings = dataclasses.replace(SETTINGS, allreduce_timeout=90.0, min_group_size=3, cut_off_after=3.0)
     trio = workers(3, settings)
     cut = CutOffInExchange()
     trio[2].hooks = cut
@@ -345,49 +349,16 @@ def cut_off_mid_round(workers, settings, renew_connections: bool):
         t.start()
     try:
         assert cut.entered.wait(60), "the group of three never formed"
-        if renew_connections:  # what rejoin.redial reports when an initial peer answers only on a new connection
-            trio[2]._loop.call_soon_threadsafe(trio[2].presence._reconnected)
         for t in threads:
             t.join(120)
+        assert isinstance(out[2], AveragingError) and "heard nothing from any member" in str(out[2]), out
+        assert trio[2].presence.abandoned, "its record does not say it was cut off"
+        assert cut.closed == {c.peer_id for c in trio[:2]}, "it did not drop its connections to dial anew"
+        # One of the two read its record first; the other's attempt ended with that one's (a refusal).
+        assert any("was cut off from its group" in str(r) for r in out[:2]), out
+        for i in range(2):
+            assert isinstance(out[i], AveragingError), out
+            assert took[i] < settings.allreduce_timeout / 2, took  # not the exchange's timeout
+            assert not trio[i].presence.abandoned, f"worker {i} took itself for cut off"
     finally:
         cut.release.set()
-    return trio, out, took, cut
-
-
-def test_a_member_cut_off_mid_round_abandons_it_and_the_others_stop_waiting(workers):
-    """A member whose connections died silently (its address changed) held every worker of its round
-    39-58 s in the world scenario: its record stays fresh, so the round waited out its exchange's
-    timeout. Now the member, hearing nothing from any other member for ``cut_off_after`` seconds while
-    it waits on them, abandons the attempt and says so in its record (``WorkerRecord.abandoned``), and the
-    others give up on it then: far inside the exchange's timeout. The two others, who heard from each
-    other, do not take themselves for cut off."""
-    settings = dataclasses.replace(SETTINGS, allreduce_timeout=90.0, min_group_size=3, cut_off_after=3.0)
-    trio, out, took, cut = cut_off_mid_round(workers, settings, renew_connections=False)
-    assert isinstance(out[2], AveragingError) and "heard nothing from any member" in str(out[2]), out
-    assert trio[2].presence.abandoned, "its record does not say it was cut off"
-    assert cut.closed == {c.peer_id for c in trio[:2]}, "it did not drop its connections to dial anew"
-    # One of the two read its record first; the other's attempt ended with that one's (a refusal).
-    assert any("was cut off from its group" in str(r) for r in out[:2]), out
-    for i in range(2):
-        assert isinstance(out[i], AveragingError), out
-        assert took[i] < settings.allreduce_timeout / 2, took  # not the exchange's timeout
-        assert not trio[i].presence.abandoned, f"worker {i} took itself for cut off"
-
-
-def test_a_member_whose_connections_were_renewed_is_given_up_on_and_dialled_anew(workers):
-    """A member whose DHT node found its connections dead and renewed them (its address changed:
-    ``rejoin.redial``) abandons the attempt it is in, and says so in its record
-    (``WorkerRecord.reconnected``). The others stop waiting for it then, and close their own
-    connections to it (as dead as its were), without waiting for its silence to be noticed."""
-    settings = dataclasses.replace(SETTINGS, allreduce_timeout=90.0, min_group_size=3, cut_off_after=0.0)
-    trio, out, took, _ = cut_off_mid_round(workers, settings, renew_connections=True)
-    assert isinstance(out[2], AveragingError) and "connections were dead" in str(out[2]), out
-    assert trio[2].presence.reconnected == 1
-    # Each of the two failed on it (on its record, or its streams to it closed with the connections).
-    for i in range(2):
-        assert isinstance(out[i], AveragingError), out
-        assert took[i] < settings.allreduce_timeout / 2, took
-    deadline = time.monotonic() + 30  # and each reads the count (and drops its connections to it)
-    while not all(c._reconnects_seen.get(trio[2].peer_id) == 1 for c in trio[:2]):
-        assert time.monotonic() < deadline, [c._reconnects_seen for c in trio[:2]]
-        time.sleep(0.2)
