@@ -96,13 +96,14 @@ def test_a_shard_owner_cannot_decide_its_shard(swarm, result):
         # Training as usual: its result in a round took θ_global to 1e4-1e16 within a few rounds. One
         # batch's loss moves (a worker that lost a round to the attack may step back for a round), so
         # the bounds are the target's own scale (its values lie in [-1, 1]: predicting zero costs about
-        # 0.8; twice that is allowed) and the trend over three rounds, and θ_global stays of the size
-        # honest training gives it (about 1.3 after 6 rounds). Once trained, one batch's loss alone can
-        # read 2.7x its neighbours' (0.27 among 0.10-0.16 in one run).
+        # 0.8; twice that is allowed), the late rounds well under it, and θ_global stays of the size
+        # honest training gives it (about 1.3 after 6 rounds). Not a trend against the first rounds:
+        # training reaches 0.1-0.2 within the first round, and from there one batch's loss alone can
+        # read 2.7x its neighbours' (0.27 among 0.10-0.16 in one run; 0.191 against 0.178 in another).
         seen = [(round(r["loss"], 3), r["ok"], round(r["theta_max"], 2), r["reason"]) for r in rounds]
         losses = [r["loss"] for r in rounds]
         assert all(math.isfinite(x) and x < 2.0 for x in losses), seen
-        assert sorted(losses[-3:])[1] < max(losses[:3]), seen  # the median: one batch of the three may be hard
+        assert sorted(losses[-3:])[1] < 0.5, seen  # the median: one batch of the three may be hard
         assert all(r["theta_max"] < 10.0 for r in rounds), seen
     # It was caught by the audit (in some member's log), and left out after that.
     logs = "".join(swarm.log(n, tail=400000) for n in names)
