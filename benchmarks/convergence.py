@@ -15,8 +15,10 @@ is DiLoCo's held-out loss after k·H inner steps, divided by:
   averaged in every step, which is what ``benchmarks.baseline`` does over gloo;
 - the loss of one AdamW worker (batch 8).
 
-One-worker DiLoCo (``SingleWorker``) is measured against one AdamW worker too. Each
-configuration is a separate process; ``--jobs`` run at once.
+One-worker DiLoCo is measured against one AdamW worker too, as ``opendiloco train`` runs a worker
+without a swarm: a ``SingleWorker`` and the outer step of ``[optim] solo_outer_lr`` and
+``solo_outer_momentum`` (``--solo-outers`` sweeps them). Each configuration is a separate process;
+``--jobs`` run at once.
 """
 
 from __future__ import annotations
@@ -39,17 +41,19 @@ MODEL = ["--model.hidden-size", "64", "--model.num-layers", "2", "--model.num-he
 
 def config(run_dir: Path, worker: str, *, h: int, outer_lr: float, batch: int, warmup: int, total: int,
            eval_batches: int, inner: str = "adamw", seed: int = 0, compression: str = "fp16",
-           outer_momentum: float | None = None):
+           outer_momentum: float | None = None, solo: bool = False):
     from opendiloco.train.config import load_config
+
+    outer = "solo-outer" if solo else "outer"  # a lone worker's outer step has keys of its own
 
     return load_config(ROOT / "configs" / "tiny.toml", [
         "--optim.inner", inner, "--model.init-seed", str(seed), "--train.seed", str(seed),
         *MODEL, "--train.batch-size", str(batch), "--train.threads", "1", "--train.device", "cpu",
         "--train.eval-batches", str(eval_batches), "--train.total-steps", str(total),
-        "--optim.local-steps", str(h), "--optim.outer-lr", str(outer_lr), "--optim.warmup-steps", str(warmup),
+        "--optim.local-steps", str(h), f"--optim.{outer}-lr", str(outer_lr), "--optim.warmup-steps", str(warmup),
         "--optim.min-lr-ratio", "1.0", "--optim.pace", "fixed", "--run.worker", worker,
         "--run.dir", str(run_dir / worker), "--run.progress", "false", "--swarm.compression", compression,
-        *([] if outer_momentum is None else ["--optim.outer-momentum", str(outer_momentum)])])
+        *([] if outer_momentum is None else [f"--optim.{outer}-momentum", str(outer_momentum)])])
 
 
 def trainers(n: int, run_dir: Path, communicators, **kw):
@@ -104,9 +108,11 @@ def job(spec: dict) -> dict:
     if spec["method"] == "diloco":
         n = spec["workers"]
         compression = spec.get("compression", "fp16")  # error feedback as the trainer sets it for the format
-        group = InProcessGroup(n, compression=compression, timeout=600)
-        ts = trainers(n, run_dir, group.members, h=spec["H"], outer_lr=spec["outer_lr"], compression=compression,
-                      outer_momentum=spec.get("outer_momentum"),
+        solo = spec.get("solo", False)  # one worker without a swarm, as the trainer runs it
+        members = [SingleWorker(compression=compression)] if solo else \
+            InProcessGroup(n, compression=compression, timeout=600).members
+        ts = trainers(n, run_dir, members, h=spec["H"], outer_lr=spec["outer_lr"], compression=compression,
+                      outer_momentum=spec.get("outer_momentum"), solo=solo,
                       **common)
 
         local_losses: dict[int, float] = {}
@@ -191,10 +197,13 @@ def plan(args) -> list[dict]:
                         specs.append({**base, "name": f"diloco-{name}", "method": "diloco", "H": h,
                                       "outer_lr": lr, "at": at, "compression": wire,
                                       "outer_momentum": args.outer_momentum})
-                        if h in args.one_worker_hs:
+                if h in args.one_worker_hs:
+                    for lr, momentum in args.solo_outers:
+                        for wire in args.compressions:
+                            name = f"H{h}-solo{lr:g}m{momentum:g}{tag}" + ("" if wire == "fp16" else f"-{wire}")
                             specs.append({**base, "name": f"diloco1-{name}", "method": "diloco", "H": h,
                                           "outer_lr": lr, "at": at, "workers": 1, "compression": wire,
-                                          "outer_momentum": args.outer_momentum})
+                                          "outer_momentum": momentum, "solo": True})
             specs.append({**base, "name": f"data-parallel{tag}", "method": "data-parallel"})
             specs.append({**base, "name": f"single{tag}", "method": "single"})
     order = sorted(needed)
@@ -212,6 +221,9 @@ def main(argv=None) -> int:
     p.add_argument("--outer-steps", type=lambda s: [int(x) for x in s.split(",")], default=[8, 32, 128])
     p.add_argument("--max-inner-steps", type=int, default=3840, help="points beyond this many inner steps are left out")
     p.add_argument("--one-worker-hs", type=lambda s: [int(x) for x in s.split(",")], default=[30])
+    p.add_argument("--solo-outers", default=[(0.5, 0.0)],
+                   type=lambda s: [tuple(float(v) for v in pair.split(":")) for pair in s.split(",")],
+                   help="one-worker runs' outer lr:momentum pairs ([optim] solo_outer_lr, solo_outer_momentum)")
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--warmup", type=int, default=50)
@@ -267,19 +279,22 @@ def table(out: dict) -> str:
     def adamw(name, r):
         return runs[f"{name}{suffix('adamw', r.get('seed', 0))}"]["losses"]
 
-    lines = ["| inner | wire | seed | workers | H | outer lr | outer steps | inner steps | held-out loss "
-             "| / data-parallel | / one worker | / data-parallel AdamW | / one AdamW |", "|---" * 13 + "|"]
+    lines = ["| inner | wire | seed | workers | H | outer lr | momentum | outer steps | inner steps | held-out loss "
+             "| / data-parallel | / one worker | / data-parallel AdamW | / one AdamW |", "|---" * 14 + "|"]
     for r in runs.values():
         if r["method"] != "diloco":
             continue
         dp, single = base("data-parallel", r), base("single", r)
         dp_adamw = adamw("data-parallel", r) if f"data-parallel{suffix('adamw', r.get('seed', 0))}" in runs else None
         single_adamw = adamw("single", r) if dp_adamw is not None else None
+        momentum = r.get("outer_momentum")
+        momentum = (0.0 if r.get("solo") else 0.9) if momentum is None else momentum  # the config's defaults
         for step, loss in sorted(r["losses"].items(), key=lambda kv: int(kv[0])):
             vs = [f"{loss / b[step]:.3f}" if b is not None else "-" for b in (dp, single, dp_adamw, single_adamw)]
             lines.append(f"| {r.get('inner', 'adamw')} | {r.get('compression', 'fp16')} | {r.get('seed', 0)} "
                          f"| {r['workers']} | {r['H']} "
-                         f"| {r['outer_lr']:g} | {int(step) // r['H']} | {step} | {loss:.4f} | {' | '.join(vs)} |")
+                         f"| {r['outer_lr']:g} | {momentum:g} | {int(step) // r['H']} | {step} | {loss:.4f} "
+                         f"| {' | '.join(vs)} |")
     lines += ["", "| baseline | inner | seed | inner steps | held-out loss |", "|---|---|---|---|---|"]
     for r in runs.values():
         if r["method"] == "diloco":

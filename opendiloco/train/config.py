@@ -186,6 +186,11 @@ class OptimConfig(Section):
     outer_lr: float = Field(0.4, gt=0)
     outer_momentum: float = Field(0.9, ge=0, lt=1)
     outer_nesterov: bool = True
+    solo_outer_lr: float = Field(0.5, gt=0)
+    solo_outer_momentum: float = Field(0.0, ge=0, lt=1)
+    """The outer step of a worker that trains alone (no swarm), in place of outer_lr and
+    outer_momentum: its pseudo-gradient is nobody's average, and momentum tuned for averages
+    overshoots it. 0.5 without momentum is Lookahead's step (docs/benchmarks.md, "One worker")."""
     fragments: int = Field(1, ge=1)
     """Streaming DiLoCo: the model is cut into this many fragments that synchronise in turn, one
     every local_steps / fragments inner steps (1: the whole model at once)."""

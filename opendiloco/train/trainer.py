@@ -74,6 +74,13 @@ def check_membership(cfg: Config, *, warn: bool = True) -> bool:
     return secret is not None
 
 
+def trains_alone(cfg: Config, comm: Communicator) -> bool:
+    """True for a worker without a swarm (``make_communicator``'s ``SingleWorker``, or the ranks of one
+    multi-process worker around it): its outer step is ``[optim] solo_outer_lr`` and
+    ``solo_outer_momentum``. A group handed in by a caller (``InProcessGroup``) averages, so it is not."""
+    return not cfg.swarm.enabled and isinstance(comm, (SingleWorker, LocalRanks))
+
+
 def make_communicator(cfg: Config, run_dir: Path) -> Communicator:
     """The one place that decides how this worker averages with others."""
     if not cfg.swarm.enabled:
@@ -254,13 +261,15 @@ class Trainer:
         scaler and the checkpoint manager. After ``build_model_and_data``."""
         self.comm = comm
         cfg, o = self.cfg, self.cfg.optim
+        outer_lr, outer_momentum = (o.solo_outer_lr, o.solo_outer_momentum) if trains_alone(cfg, comm) \
+            else (o.outer_lr, o.outer_momentum)
         self.opt = DiLoCoOptimizer(
             self.model.parameters(),
             local_steps=o.local_steps,
             inner_optimizer=inner_optimizer(o.inner, self.model, lr=o.lr, betas=tuple(o.betas), eps=o.eps,
                                             weight_decay=o.weight_decay, muon_momentum=o.muon_momentum),
-            outer_optimizer=functools.partial(torch.optim.SGD, lr=o.outer_lr, momentum=o.outer_momentum,
-                                              nesterov=o.outer_nesterov and o.outer_momentum > 0),
+            outer_optimizer=functools.partial(torch.optim.SGD, lr=outer_lr, momentum=outer_momentum,
+                                              nesterov=o.outer_nesterov and outer_momentum > 0),
             communicator=self.comm,
             module=PersistentBuffers(self.model),
             weight_by_samples=cfg.swarm.weight_by_samples,
