@@ -56,7 +56,7 @@ from .majority import RecentMembers
 from .matchmaking import Doorbell, Matchmaker, MatchmakingSettings
 from .membership import SECRET_FILE_ENV, Membership, RunSecret
 from .multi_donor import MAX_DONORS, DonorsAhead, Download, fetch_from_donors, tell_done
-from .node import start_dht, visible_maddrs
+from .node import start_dht, visible_maddrs, worker_identity
 from .presence import OtherSettings, Presence
 from .pushed_records import MAX_PUSH_BYTES, PushedRecord, decode_push, encode_push
 from .quorum import confirmed
@@ -286,9 +286,12 @@ class SwarmCommunicator(Communicator):
         refuses a run whose live workers have other settings (``OtherSettings``). The run secret comes
         from the environment or ``cfg.secret_file`` (``RunSecret.from_environment``)."""
         secret = RunSecret.from_environment(cfg.secret_file)
+        # Its own identity in its run dir, unless one is given: restarted there, it is the same peer.
+        own = cfg.identity_path is None and run_dir is not None
         dht = start_dht(initial_peers=cfg.initial_peers, host_maddrs=cfg.host_maddrs,
-                        announce_maddrs=cfg.announce_maddrs, identity_path=cfg.identity_path,
-                        client_mode=cfg.client_mode)
+                        announce_maddrs=cfg.announce_maddrs,
+                        identity_path=worker_identity(str(run_dir)) if own else cfg.identity_path,
+                        identity_locked=own, client_mode=cfg.client_mode)
         settings = SwarmSettings.from_config(cfg, config_fingerprint)
         comm = cls(dht, settings, secret=secret)
         try:

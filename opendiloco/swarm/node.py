@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import errno
 import logging
 import os
@@ -102,6 +103,31 @@ def ensure_identity(path: str) -> None:
         log.info("created a new peer identity at %s", path)
 
 
+WORKER_IDENTITY = "peer.key"
+"""The file in a worker's run dir that holds its peer identity (``worker_identity``)."""
+
+
+def worker_identity(run_dir: str) -> str:
+    """The path of the peer identity a worker keeps in its run dir, created on its first start.
+
+    A worker restarted in the same run dir (``--resume`` after a crash) comes back as the same peer, so
+    the workers it averaged with still know it: the run's majority (``majority.py``) counts it as back
+    instead of missing, and its record replaces its old one. With a fresh identity per launch, a
+    survivor whose last rounds were with workers that crashed and came back held its rounds for
+    ``partition_hold`` as if the run were split. The run dir's lock keeps two processes from using the
+    file at once; a copied run dir brings the identity along (delete ``peer.key`` in the copy)."""
+    path = os.path.join(run_dir, WORKER_IDENTITY)
+    if not os.path.exists(path):
+        os.makedirs(run_dir, exist_ok=True)
+        partial = f"{path}.{os.getpid()}.tmp"  # written whole, then renamed: a crash leaves no torn key
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(partial)
+        Identity.generate(partial)
+        os.replace(partial, path)
+        log.info("created this worker's peer identity at %s", path)
+    return path
+
+
 def _keep_tasks_referenced() -> None:
     """Holds a strong reference to every asyncio task of this process until it is done.
 
@@ -194,11 +220,15 @@ def start_dht(
     client_mode: bool = False,
     use_relay: bool = True,
     startup_timeout: float = 30.0,
+    identity_locked: bool = False,
 ) -> hivemind.DHT:
     """Starts a DHT node (joining ``initial_peers`` if any), with clear errors on bad input.
 
     The node stores only records signed by their writer (``SignedRecordValidator``). Without an
     ``identity_path`` it gets a fresh identity; either way its key is kept as ``dht.identity``.
+    ``identity_locked``: the caller holds a lock that keeps any other process from using the identity
+    (a worker's own, ``worker_identity``), so hivemind's check that no live peer holds it is skipped:
+    that check reads RSA keys only, and dials the peer id, which after a crash only finds the dead node.
     """
     initial_peers = parse_maddrs(initial_peers, what="initial peer", require_peer_id=True)
     host_maddrs = parse_maddrs(host_maddrs, what="host_maddrs")
@@ -217,6 +247,8 @@ def start_dht(
     temporary = None
     if identity_path:
         ensure_identity(identity_path)
+        if identity_locked:
+            kwargs["check_if_identity_free"] = False
     else:  # a fresh Ed25519 key: nobody else can hold it, so hivemind's check (RSA files only) is skipped
         _, identity_path = temporary = Identity.temporary()
         kwargs["check_if_identity_free"] = False

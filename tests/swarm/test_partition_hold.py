@@ -9,10 +9,16 @@ move while the two are away, it keeps training, and the work of those steps goes
 round with them, which all three apply alike.
 """
 
+import contextlib
+import json
 import os
 import signal
+import sys
 
 import pytest
+
+from opendiloco.testing.proctree import descendants
+from tests.test_train_loop import SMALL
 
 from .test_resilience import assert_hashes_agree, ok_syncs
 
@@ -84,3 +90,56 @@ def test_workers_that_stop_cleanly_leave_the_rest_going_on_without_a_hold(swarm)
     procs[0].send_signal(signal.SIGTERM)
     swarm.wait(procs[:1], timeout=60)
     assert not held(swarm, "w0"), held(swarm, "w0")
+
+
+@pytest.mark.timeout(420)
+def test_workers_crashed_and_resumed_come_back_as_the_same_peers_and_nobody_holds(swarm, tmp_path):
+    """Three ``opendiloco train`` workers; two crash (SIGKILL, with their daemons) and are restarted with
+    ``--resume``. They keep their peer identities (``peer.key`` in the run dir), so the third counts them
+    as back and the three average together again. With a new peer id per launch (the code before), the
+    third's last rounds held two members that never came back: it held every round for
+    ``partition_hold`` (an hour here) while the two averaged without it."""
+    peers = swarm.bootstrap()
+    common = ["--swarm.initial-peers", *peers, "--swarm.open", "--swarm.host-maddrs", "/ip4/127.0.0.1/tcp/0",
+              "--swarm.min-group-size", "2", "--swarm.join-timeout", "1", "--swarm.straggler-wait", "3",
+              "--swarm.allreduce-timeout", "8", "--swarm.partition-hold", "3600", "--train.throttle", "0.1",
+              "--train.total-steps", "100000", "--checkpoint.every-outer-steps", "1"]
+    names = ["a", "b", "c"]
+    dirs = {n: tmp_path / n for n in names}
+
+    def launch(name, *extra):
+        return swarm.spawn([sys.executable, "-m", "opendiloco", "train", *SMALL, "--run.dir", str(dirs[name]),
+                            "--run.worker", name, *common, *extra], name)
+
+    def rounds(name):
+        path = dirs[name] / "metrics.jsonl"
+        records = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+        return [r for r in records if r["event"] == "outer_step"]
+
+    def peer_ids(name):
+        path = dirs[name] / "metrics.jsonl"
+        return [json.loads(line)["peer_id"] for line in path.read_text().splitlines() if '"event": "start"' in line]
+
+    procs = {n: launch(n) for n in names}
+    swarm.wait_for(lambda: all(sum(r["ok"] and r["group_size"] == 3 for r in rounds(n)) >= 2 for n in names),
+                   200, "two rounds of all three", show=names)
+    for name in ("a", "b"):  # a crash: the worker and its DHT process and daemon, no goodbye
+        pids = [procs[name].pid, *descendants(procs[name].pid)]
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        procs[name].wait(30)
+    crashed_at = len(rounds("c"))
+    for name in ("a", "b"):
+        procs[name] = launch(name, "--resume")
+    back = lambda: [r for r in rounds("c")[crashed_at:] if r["ok"] and r["group_size"] == 3]  # noqa: E731
+    swarm.wait_for(lambda: len(back()) >= 2, 240, "two rounds of all three after the restarts",
+                   alive=[procs["c"]], show=names)
+    for proc in procs.values():
+        proc.send_signal(signal.SIGTERM)
+    swarm.wait(list(procs.values()), timeout=90)
+    for name in ("a", "b"):
+        ids = peer_ids(name)
+        assert len(ids) == 2 and ids[0] == ids[1], ids
+    # It never held: every group it could form held most of its last rounds' members.
+    assert not [r for r in rounds("c")[crashed_at:] if r["held"]], rounds("c")[crashed_at:]
