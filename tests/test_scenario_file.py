@@ -117,3 +117,22 @@ def test_an_event_waits_for_its_workers_checkpoint_within_the_runs_bound(runner)
     ckpt.mkdir()
     (ckpt / "step-000000010.pt").write_bytes(b"x")
     assert runner._wait_until(lambda: runner._has_checkpoint("a"), runner._now() + 30) is True
+
+
+def test_a_step_reapplied_after_a_heal_is_not_a_lasting_split():
+    """The CI scenario once "failed" on a healed fork: worker a applied outer step 1 alone (twice,
+    each time healing back to step 0), then again with d, and every later step agreed. Per worker the
+    last application of a step stands; a split that lasts is still caught."""
+    from opendiloco.testing.scenario_report import _last_steps_agree
+
+    def rec(worker, step, digest, time):
+        return {"worker": worker, "outer_step": step, "global_hash": digest, "time": time}
+
+    healed = {1: [rec("a", 1, "alone", 1.0), rec("a", 1, "alone2", 2.0), rec("a", 1, "h1", 5.0),
+                  rec("d", 1, "h1", 5.1)],
+              2: [rec("a", 2, "h2", 6.0), rec("d", 2, "h2", 6.1), rec("b", 2, "h2", 6.2)]}
+    assert _last_steps_agree(healed)
+    forked = {**healed, 3: [rec("a", 3, "x", 7.0), rec("d", 3, "y", 7.1)]}
+    assert not _last_steps_agree(forked)
+    went_back = {1: [rec("a", 1, "h1", 1.0), rec("d", 1, "h1", 1.1), rec("a", 1, "alone", 9.0)]}
+    assert not _last_steps_agree(went_back)  # the one that stands is the later, lone one

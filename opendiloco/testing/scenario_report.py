@@ -207,9 +207,13 @@ def analyse(out_dir: str | Path, max_wait: float | None = None, clean: dict | No
 
 def _last_steps_agree(rounds: dict[int, list[dict]], last: int = 5) -> bool:
     """No split lasts: the last ``last`` outer steps applied by two or more workers hold one hash each
-    (a fork that the run healed shows in ``disagreements``, not here)."""
-    shared = [k for k in sorted(rounds) if len({r["worker"] for r in rounds[k]}) >= 2][-last:]
-    return bool(shared) and all(len({r.get("global_hash") for r in rounds[k]}) == 1 for k in shared)
+    (a fork that the run healed shows in ``disagreements``, not here). Per worker, an outer step's last
+    application is the one that stands: a worker that applied a step alone, healed back to the run's
+    state and applied the step again with the others has not split the run."""
+    standing = {k: list({r["worker"]: r for r in sorted(recs, key=lambda r: r["time"])}.values())
+                for k, recs in rounds.items()}
+    shared = [k for k in sorted(standing) if len(standing[k]) >= 2][-last:]
+    return bool(shared) and all(len({r.get("global_hash") for r in standing[k]}) == 1 for k in shared)
 
 
 def _groups(recs: list[dict]) -> list[list[dict]]:
