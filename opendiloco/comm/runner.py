@@ -332,6 +332,8 @@ class RoundRunner:
         """Set when ``run`` has returned or raised: the round's outcome here is final."""
         self.heard_at = time.monotonic()
         """(monotonic) When a frame of this attempt last came in from any member (from its start)."""
+        self.heard_from: set[str] = set()
+        """The members that sent this worker a frame of this attempt."""
 
     # -- the round, as the member that started it sees it -------------------------------------------
     async def run(self, connect: Connect) -> RoundOutcome:
@@ -425,8 +427,9 @@ class RoundRunner:
             return 0.0
         return time.monotonic() - self.heard_at
 
-    def _heard(self) -> None:
+    def _heard(self, member: str) -> None:
         self.heard_at = time.monotonic()
+        self.heard_from.add(member)
 
     async def abandon(self, why: str) -> None:
         """Fails the attempt here now: this worker cannot do its part (``why``). Members that may have
@@ -492,7 +495,7 @@ class RoundRunner:
 
             async def read_results():
                 first = await stream.recv(max_payload=0, expect=Code.RESULT)
-                self._heard()
+                self._heard(peer)
                 total = meta_field(first.meta, "total_weight", (int, float))
                 if not (math.isfinite(total) and 0 < total <= MAX_WEIGHT * len(self.members)):
                     raise ProtocolError(f"invalid total weight {total!r}")
@@ -504,7 +507,7 @@ class RoundRunner:
                 for i, (pa, pb) in enumerate(parts):
                     frame = await stream.recv(max_payload=self.result_codec.wire_bytes(pb - pa),
                                               expect=Code.RESULT_PART)
-                    self._heard()
+                    self._heard(peer)
                     if meta_field(frame.meta, "i", int) != i:
                         raise ProtocolError(f"result part {frame.meta.get('i')!r} where part {i} was due")
                     target = self.out[a + pa : a + pb]
@@ -519,7 +522,7 @@ class RoundRunner:
                         manifest["norms"].append(norms)
                     self.bytes_received += payload_size(frame.payload)
                 end = await stream.recv(max_payload=0, expect=Code.RESULT_END)
-                self._heard()
+                self._heard(peer)
                 if meta_field(end.meta, "digest", str) != hasher.hexdigest():
                     raise ProtocolError("averaged shard does not match its digest")
                 for kind in self._bounded:  # whom the owner cut: members only, each named once
@@ -686,7 +689,7 @@ class RoundRunner:
                 _, numel, ca, cb = self._chunk_span(j, i, c)
                 frame = await asyncio.wait_for(stream.recv(max_payload=4 * (cb - ca), expect=Code.AUDIT_ANSWER),
                                                self.timeout)
-                self._heard()
+                self._heard(peer)
                 self.bytes_received += payload_size(frame.payload)
                 if payload_size(frame.payload) != 4 * (cb - ca):
                     raise ProtocolError(f"an audit answer of {payload_size(frame.payload)} bytes")
@@ -780,7 +783,7 @@ class RoundRunner:
             writer = asyncio.create_task(self._send_results(stream))
             for i in range(len(self.reducer.parts)):
                 frame = await self._unless_failed(stream.recv(max_payload=self.reducer.part_bytes(i), expect=Code.PART))
-                self._heard()
+                self._heard(sender)
                 self.bytes_received += payload_size(frame.payload)
                 await self._add_part(sender, meta_field(frame.meta, "i", int), frame.payload)
             await self._unless_failed(writer)

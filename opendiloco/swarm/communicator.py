@@ -674,13 +674,23 @@ class SwarmCommunicator(Communicator):
         watch = asyncio.create_task(self._give_up_on_vanished(runner, group))
         try:
             return await runner.run(self.reduce_streams.connect)
+        except AveragingError:
+            # It sends nothing more in this attempt: members still waiting on it there stop at once, where
+            # its refusal does not reach them (a stream stuck in a relay left one waiting 60 s).
+            self._say_abandoned(group)
+            raise
         finally:
             watch.cancel()
             self.rounds.finish(group.group_id)
 
+    def _say_abandoned(self, group: Group) -> None:
+        task = self._loop.create_task(self.presence.say_abandoned(group.group_id))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
     async def _give_up_on_vanished(self, runner: RoundRunner, group: Group) -> None:
         """Fails the attempt as soon as a member it still waits on has left the run's records, or says
-        in its record that it abandoned this attempt as cut off; or as soon as this worker is.
+        in its record that it ended this attempt (failed it there); or as soon as this worker is cut off.
 
         A member frozen or cut off mid-exchange (SIGSTOP, a partition) sends nothing and closes nothing,
         so the attempt would wait out ``allreduce_timeout`` (60 s) while every other member idles. Its
@@ -694,7 +704,9 @@ class SwarmCommunicator(Communicator):
         from the new address), while every stream of the attempt, its own and the others' to it, hangs
         on a connection that is gone: in the world scenario that held every worker 39-58 s. Such a
         member hears nothing from anyone; after ``cut_off_after`` seconds of that it abandons the
-        attempt (``_cut_off``), and its record tells the others to stop waiting for it."""
+        attempt (``_cut_off``), and its record tells the others to stop waiting for it. Any member that
+        fails an attempt says so the same way (``WorkerRecord.abandoned``): a refusal, its other word for
+        it, does not reach a member whose stream to it is stuck (in a relay, say)."""
         loop = asyncio.get_running_loop()
         gone_since: dict[str, tuple[float, int]] = {}
         cut_off_after = self.settings.cut_off_after
@@ -709,11 +721,11 @@ class SwarmCommunicator(Communicator):
                     gone_since.pop(m, None)
                     continue
                 if m in live and live[m].abandoned == group.group_id:
-                    log.warning("round %s: member %s heard nothing from its group and abandoned this attempt (its "
-                                "address changed, say) with its part of the exchange still owed: giving up on it",
-                                group.group_id, m[-8:])
-                    await runner.give_up_on(m, "was cut off from its group")
-                    await self._disconnect({m})  # its new connection is the one to use
+                    log.warning("round %s: member %s ended this attempt (it failed there) with its part of the "
+                                "exchange still owed: giving up on it", group.group_id, m[-8:])
+                    await runner.give_up_on(m, "ended its attempt")
+                    if m not in runner.heard_from:  # cut off (a new address, say): the connection to it is dead
+                        await self._disconnect({m})
                     return
                 if m in live:
                     gone_since.pop(m, None)
@@ -736,13 +748,7 @@ class SwarmCommunicator(Communicator):
                     "(this worker's address changed, or its links broke): abandoning the attempt and dialling anew",
                     group.group_id, len(others), runner.silent_for())
         await self._disconnect(others)
-        try:
-            await asyncio.wait_for(self.presence.say_abandoned(group.group_id), DIAL_TIMEOUT)
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:  # the next heartbeat says it too
-            log.debug("publishing that this worker was cut off: %s: %s", type(e).__name__, e)
-        await runner.abandon("heard nothing from any member (cut off)")
+        await runner.abandon("heard nothing from any member (cut off)")  # which its record then says
 
     async def _disconnect(self, peers: set[str]) -> None:
         """Closes this node's connections to ``peers``: ones that hang are then dialled anew."""

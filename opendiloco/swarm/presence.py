@@ -69,7 +69,7 @@ class Presence:
             raise ValueError(f"a worker record names at most {MAX_RELAYS} relays of at most {MAX_RELAY_CHARS} "
                              f"characters each, given {len(self.relays)}: {self.relays}")
         self.abandoned = ""
-        """The attempt this worker last abandoned, cut off from its group (``say_abandoned``)."""
+        """The attempt this worker last failed (``say_abandoned``)."""
         self.initial_peers = tuple(initial_peers)
         """Where its DHT node joined the run: dialled again if it loses every peer (``rejoin.py``)."""
         self._lost_peers = False
@@ -130,8 +130,8 @@ class Presence:
                                         self.records.clock.now() + self.record_ttl)
 
     async def say_abandoned(self, group_id: str) -> None:
-        """Publishes at once that this worker abandoned attempt ``group_id``, having heard nothing from
-        its members: those still waiting on it there give up on it (``WorkerRecord.abandoned``)."""
+        """Publishes at once that this worker failed attempt ``group_id`` (and sends nothing more there):
+        its members still waiting on it there give up on it (``WorkerRecord.abandoned``)."""
         self.abandoned = group_id
         await self.publish()
 

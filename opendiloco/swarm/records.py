@@ -64,8 +64,9 @@ class WorkerRecord(Progress):
     relays: tuple[str, ...] = ()
     """Where a worker behind NAT (client mode) can be reached: the relays it holds a slot on (``relays.py``)."""
     abandoned: str = ""
-    """The group id of the last attempt this worker abandoned because it heard nothing from any member
-    (its address changed, its links broke): a member still waiting on it there gives up at once."""
+    """The group id of the last attempt this worker failed (it heard nothing from any member, its
+    address changed, say; or any other failure there): a member still waiting on it there gives up at
+    once, where its refusal may never arrive."""
 
     @classmethod
     def of(cls, progress: Progress, *, peer_id: str, time: float, left: bool, config: str,
