@@ -120,7 +120,9 @@ def test_a_donor_killed_mid_part_leaves_its_parts_to_the_others(caplog):
     download, victim = with_bad_donor(3, 2, die_mid_part, caplog)
     assert killed, "the victim never got a part request"
     assert victim not in download.rates and len(download.rates) == 2  # its parts came from the two others
-    assert f"dropped donor {victim[-8:]}" in caplog.text
+    # Not asserted: that it was dropped by name. Its part in flight either fails (then it is dropped once
+    # its failures reach the budget) or is taken over by a faster donor first and its fetch cancelled;
+    # which comes first depends on the machine (a loaded clean-clone run saw the second).
 
 
 def test_a_donor_whose_part_does_not_match_its_digest_is_dropped_and_named(caplog):
