@@ -309,35 +309,46 @@ def round_of_three(trio, entered: threading.Event) -> tuple[list, list]:
     return out, took
 
 
-class CutOffInExchange(RoundHooks):
-    """Every attempt's exchange on this worker sends nothing and reads nothing until ``release``, as a
-    worker whose address changed mid-round: its streams, and the others' to it, hang on connections
-    that are gone, while its DHT node (here: the same one) keeps its record fresh."""
+class SilentUntilReleased(RoundHooks):
+    """Hooks whose round answers none of the others' streams until ``release`` (they stay open and
+    silent); what its own attempt does is ``attempt``, a subclass's."""
 
     def __init__(self):
         self.entered, self.release = threading.Event(), threading.Event()
         hooks = self
 
-        class CutOff(RoundRunner):
+        class Silent(RoundRunner):
             async def run(self, connect):
                 hooks.entered.set()
                 try:
-                    while not hooks.release.is_set() and not self._failed.is_set():
-                        await asyncio.sleep(0.05)
-                    self._raise_if_failed()
-                    raise AveragingError("released")
+                    await hooks.attempt(self)
                 finally:
                     self.ended.set()
 
-            async def serve(self, stream, opening):  # the others' parts never arrive, nor does its close
+            async def serve(self, stream, opening):
                 while not hooks.release.is_set():
                     await asyncio.sleep(0.05)
                 stream.close()
 
-        self.runner = CutOff
+        self.runner = Silent
+
+    async def attempt(self, runner: RoundRunner) -> None:
+        raise NotImplementedError
 
     def runner_for(self, group, default):
         return self.runner
+
+
+class CutOffInExchange(SilentUntilReleased):
+    """Every attempt's exchange on this worker sends nothing and reads nothing until ``release``, as a
+    worker whose address changed mid-round: its streams, and the others' to it, hang on connections
+    that are gone, while its DHT node (here: the same one) keeps its record fresh."""
+
+    async def attempt(self, runner):
+        while not self.release.is_set() and not runner._failed.is_set():
+            await asyncio.sleep(0.05)
+        runner._raise_if_failed()
+        raise AveragingError("released")
 
 
 def test_a_member_cut_off_mid_round_abandons_it_and_the_others_stop_waiting(workers):
@@ -371,32 +382,13 @@ def test_a_member_cut_off_mid_round_abandons_it_and_the_others_stop_waiting(work
         cut.release.set()
 
 
-class FailsWithStreamsStuck(RoundHooks):
+class FailsWithStreamsStuck(SilentUntilReleased):
     """This worker's attempt fails at once, and its refusals never reach the others: their streams to it
     stay open and silent (stuck in a relay, say) until ``release``."""
 
-    def __init__(self):
-        self.entered, self.release = threading.Event(), threading.Event()
-        hooks = self
-
-        class Fails(RoundRunner):
-            async def run(self, connect):
-                hooks.entered.set()
-                try:
-                    await asyncio.sleep(0.5)
-                    raise AveragingError("its own failure")
-                finally:
-                    self.ended.set()
-
-            async def serve(self, stream, opening):
-                while not hooks.release.is_set():
-                    await asyncio.sleep(0.05)
-                stream.close()
-
-        self.runner = Fails
-
-    def runner_for(self, group, default):
-        return self.runner
+    async def attempt(self, runner):
+        await asyncio.sleep(0.5)
+        raise AveragingError("its own failure")
 
 
 def test_a_member_that_failed_its_attempt_is_not_waited_for_where_its_refusal_is_stuck(workers):
