@@ -416,9 +416,7 @@ class SwarmCommunicator(Communicator):
 
         def schedule() -> None:
             for peer in peers:
-                task = self._loop.create_task(push(peer))
-                self._background.add(task)
-                task.add_done_callback(self._background.discard)
+                self._in_background(push(peer))
 
         self._loop.call_soon_threadsafe(schedule)
 
@@ -578,9 +576,7 @@ class SwarmCommunicator(Communicator):
             except Exception as e:  # the next stream dials anew
                 log.debug("renewing relayed connections: %s: %s", type(e).__name__, e)
 
-        task = self._loop.create_task(renew())
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        self._in_background(renew())
 
     def _check_drift_late(self, key: RoundKey, read: concurrent.futures.Future) -> None:
         """The drift check on the read of the run's workers made at the round's start, where the group
@@ -677,16 +673,23 @@ class SwarmCommunicator(Communicator):
         except AveragingError:
             # It sends nothing more in this attempt: members still waiting on it there stop at once, where
             # its refusal does not reach them (a stream stuck in a relay left one waiting 60 s).
-            self._say_abandoned(group)
+            self._in_background(self.presence.say_abandoned(group.group_id))
             raise
         finally:
             watch.cancel()
             self.rounds.finish(group.group_id)
 
-    def _say_abandoned(self, group: Group) -> None:
-        task = self._loop.create_task(self.presence.say_abandoned(group.group_id))
+    def _in_background(self, coro) -> None:
+        """Runs ``coro`` on the loop (called there), kept referenced until it is done. An error it ends
+        with is logged here, never left unretrieved (asyncio would print that with a traceback)."""
+        task = self._loop.create_task(coro)
         self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        task.add_done_callback(self._background_done)
+
+    def _background_done(self, task: asyncio.Task) -> None:
+        self._background.discard(task)
+        if not task.cancelled() and task.exception() is not None:  # a publish that failed: the next says it
+            log.debug("background task: %s: %s", type(task.exception()).__name__, task.exception())
 
     async def _give_up_on_vanished(self, runner: RoundRunner, group: Group) -> None:
         """Fails the attempt as soon as a member it still waits on has left the run's records, or says
