@@ -553,6 +553,7 @@ class SwarmCommunicator(Communicator):
             self._loop.call_soon_threadsafe(self.rounds.completed, str(key), group.group_id)
             self.presence.last_group = set(group.members)
             self.presence.partners.add(group.members)
+            self.unreachable.reached(group.members)
             self.recent.completed(group.members)
             if self.relay_links is not None:  # each round on relayed connections with their whole quota
                 self._loop.call_soon_threadsafe(self._renew_relayed_later)
@@ -608,15 +609,14 @@ class SwarmCommunicator(Communicator):
 
     def _note_offenders(self, group: Group) -> None:
         """Remembers the members whose bytes failed this worker's own checks in this attempt, and the
-        members behind NAT it could not dial at all (their relay is gone: every attempt with them would
-        fail the same way). A public member that cannot be dialled is dead or restarting: its record
-        says so soon enough, and it must be welcome back at once."""
+        members it could not dial at all (``UnreachablePeers.failed_dial``: one behind NAT at once, its
+        relay gone; a public one the second time, as the first may be a restart)."""
         runner = self._runner
         if runner is not None and runner.group is group:
             for peer, reason in dict(runner.malformed).items():  # a stopped attempt may still be ending
                 self.offenders.add(peer, group.key.outer_step, reason)
-            for peer in set(runner.unreachable) & group.relayed:
-                self.unreachable.add(peer, group.key.outer_step, "the p2p daemon could not connect")
+            for peer in set(runner.unreachable):
+                self.unreachable.failed_dial(peer, group.key.outer_step, relayed=peer in group.relayed)
 
     def _settle(self, group: Group, doubt: InDoubt) -> RoundOutcome | None:
         """Asks the members that may have completed a failed attempt whether they did (``runner.resolve``):

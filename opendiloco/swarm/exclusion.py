@@ -13,10 +13,11 @@ names others without cause can keep out at most one honest member (naming a seco
 the most conflicts), and only from groups it is in itself. See docs/trust.md.
 
 A member behind NAT that this worker could not dial at all (``errors.Unreachable``: its relay is
-gone) is named the same way, under ``unreachable``, for ``UNREACHABLE_ROUNDS`` outer steps: every
-attempt with both of them would fail, so the group goes on without one of the two, and they try each
-other again once the names lapse. The matchmaker follows these names only where they leave some part
-of two or more (two workers apart would each be alone, and the names would never lapse).
+gone), or a public member it could not dial twice in a row, is named the same way, under
+``unreachable``, for ``UNREACHABLE_ROUNDS`` outer steps: every attempt with both of them would fail,
+so the group goes on without one of the two, and they try each other again once the names lapse.
+The matchmaker follows these names only where they leave some part of two or more (two workers
+apart would each be alone, and the names would never lapse).
 """
 
 from __future__ import annotations
@@ -72,12 +73,35 @@ class Offenders:
 
 
 class UnreachablePeers(Offenders):
-    """The members this worker could not dial, each until an outer step (bounded in size)."""
+    """The members this worker could not dial, each until an outer step (bounded in size).
+
+    A member behind NAT is named at its first failed dial (its relay is gone). A public member is named
+    at its second failed dial with no completed round between (``failed_dial``): the first may be a
+    restart, and a restarted worker is welcome back at once; a member that announced itself again for
+    the next attempt is alive, and still cannot be dialled from here (a firewall one way, an address
+    this worker has not learnt): every attempt holding both would fail the same way."""
 
     what = "could not be dialled"
 
     def __init__(self, rounds: int = UNREACHABLE_ROUNDS, capacity: int = MAX_OFFENDERS):
         super().__init__(rounds, capacity)
+        self._strikes: collections.OrderedDict[str, int] = collections.OrderedDict()
+        """Public members whose last dial failed, with the outer step it failed in."""
+
+    def failed_dial(self, peer: str, outer_step: int, *, relayed: bool) -> None:
+        """This worker's dial to ``peer`` failed in an attempt at ``outer_step``."""
+        struck = self._strikes.pop(peer, None)
+        if relayed or (struck is not None and outer_step - struck <= self.rounds):
+            self.add(peer, outer_step, "the p2p daemon could not connect" + ("" if relayed else ", twice"))
+            return
+        self._strikes[peer] = outer_step
+        while len(self._strikes) > self.capacity:
+            self._strikes.popitem(last=False)
+
+    def reached(self, peers: Iterable[str]) -> None:
+        """A round with ``peers`` completed: their failed dials are forgotten."""
+        for peer in peers:
+            self._strikes.pop(peer, None)
 
 
 def announced_avoid(value, field: str = "avoid") -> frozenset[str]:

@@ -169,6 +169,34 @@ def test_a_member_that_cannot_dial_another_goes_on_without_it(workers):
         assert b.peer_id in c.unreachable  # for a few outer steps
 
 
+def test_a_public_member_that_cannot_be_dialled_twice_is_left_apart(workers):
+    """A public member that cannot be dialled once may be restarting, and is welcome back at once; one
+    that announced itself again and still cannot be dialled is alive and out of this worker's reach (a
+    firewall one way, an address it has not learnt). Before, it was never named: every attempt holding
+    both failed on that dial, round after round."""
+    comms = workers(3, dataclasses.replace(SETTINGS, max_attempts=3, straggler_wait=5.0, matchmaking_timeout=15.0))
+    a, b, c = comms
+    for step in range(4):  # first a round of all three (the first round may form before all are there)
+        first = together(comms, RoundKey(step))
+        if all(not isinstance(r, Exception) and len(r.peers) == 3 for r in first):
+            break
+    else:
+        pytest.fail(f"the three workers never averaged together: {first}")
+    c.hooks = NoLinkBetween(b.peer_id)
+    for key in (RoundKey(step + 1), RoundKey(step + 2)):
+        out = together(comms, key)
+        done = [r for r in out if not isinstance(r, Exception)]
+        assert len(done) == 2 and done[0].peers == done[1].peers and len(done[0].peers) == 2, (key, out)
+        assert not (b.peer_id in done[0].peers and c.peer_id in done[0].peers), done[0].peers
+        assert torch.equal(done[0].flat, done[1].flat)
+    # Named after its second failed dial, not its first, and left apart from then on: at most two
+    # attempts ever held both (a retry may also form without it: a member that broke an attempt is
+    # not waited for).
+    both = [g for g in c.hooks.groups if b.peer_id in g and c.peer_id in g]
+    assert 1 <= len(both) <= 2, c.hooks.groups
+    assert (b.peer_id in c.unreachable) == (len(both) == 2), c.hooks.groups
+
+
 def test_two_workers_whose_link_broke_once_average_again_when_it_is_back(workers):
     """Apart, each of two workers would be alone, and neither averages alone (the outer step, which lapses
     the names, would never move): a name that leaves nobody a group is not followed, so the retry dials

