@@ -26,6 +26,7 @@ import asyncio
 import collections
 import concurrent.futures
 import enum
+import functools
 import logging
 import os
 import threading
@@ -263,7 +264,9 @@ class SwarmCommunicator(Communicator):
         self.presence = Presence(self.records, self._peer_id, self._loop,
                                  heartbeat_interval=s.heartbeat_interval, record_ttl=s.record_ttl,
                                  config=s.config_fingerprint, relays=getattr(dht, "relays", ()),
-                                 initial_peers=getattr(dht, "rejoin_peers", ()))
+                                 initial_peers=getattr(dht, "rejoin_peers", ()),
+                                 find_addrs=None if dht.client_mode else functools.partial(
+                                     self.p2p.get_visible_maddrs, latest=True))
         self.matchmaker = Matchmaker(self.records, self.presence, MatchmakingSettings(
             run_id=s.run_id, min_group_size=s.min_group_size, matchmaking_timeout=s.matchmaking_timeout,
             straggler_wait=s.straggler_wait, max_wait=s.max_wait,
@@ -376,13 +379,13 @@ class SwarmCommunicator(Communicator):
             links = RelayLinks(self.records.relay_book, self.p2p, hold_streams.connect)
             await hold_streams.listen(links.serve_hold)
         self.relay_links = links
-        self.reduce_streams = P2PStreams(self.p2p, f"opendiloco.{ns}.reduce", m, links)
-        self.state_streams = P2PStreams(self.p2p, f"opendiloco.{ns}.state", m, links)
+        self.reduce_streams = P2PStreams(self.p2p, f"opendiloco.{ns}.reduce", m, links, self.records.address_book)
+        self.state_streams = P2PStreams(self.p2p, f"opendiloco.{ns}.state", m, links, self.records.address_book)
         await self.reduce_streams.listen(self.rounds.serve)
         self.state_server = StateServer(self.state_streams)
         await self.state_server.listen()
         self.doorbell = Doorbell()
-        self.match_streams = P2PStreams(self.p2p, f"opendiloco.{ns}.match", m, links)
+        self.match_streams = P2PStreams(self.p2p, f"opendiloco.{ns}.match", m, links, self.records.address_book)
         await self.match_streams.listen(self._on_ring)
         self._background: set[asyncio.Task] = set()
 

@@ -10,10 +10,12 @@ import logging
 import math
 import threading
 import time
+from collections.abc import Awaitable, Callable
 
 from ..comm.base import Progress, check_progress
 from ..errors import BehindError, DriftError, SwarmError
 from . import records
+from .addresses import own_addrs
 from .partners import Partners
 from .quorum import Claim, confirmed_ahead, drifted
 from .rejoin import REDIAL_TIMEOUT, redial
@@ -23,6 +25,9 @@ log = logging.getLogger(__name__)
 
 SECRET_CHECK_EVERY = 5
 """Heartbeats between two looks at which secrets the run id's workers hold (``RunRecords.secret_key``)."""
+
+ADDRS_TIMEOUT = 5.0
+"""Seconds the daemon gets to say where it listens (before each heartbeat)."""
 
 CLOCK_SLACK = 10.0
 """Seconds a record may claim to live beyond its kind's TTL (peers' clocks differ a little)."""
@@ -55,7 +60,7 @@ class Presence:
 
     def __init__(self, run_records: records.RunRecords, peer_id: str, loop: asyncio.AbstractEventLoop, *,
                  heartbeat_interval: float, record_ttl: float, config: str = "", relays: tuple[str, ...] = (),
-                 initial_peers: tuple[str, ...] = ()):
+                 initial_peers: tuple[str, ...] = (), find_addrs: Callable[[], Awaitable[list]] | None = None):
         self.records, self.peer_id, self.loop = run_records, peer_id, loop
         self.run_id = run_records.membership.run_id
         self.heartbeat_interval, self.record_ttl = heartbeat_interval, record_ttl
@@ -70,6 +75,10 @@ class Presence:
                              f"characters each, given {len(self.relays)}: {self.relays}")
         self.abandoned = ""
         """The attempt this worker last failed (``say_abandoned``)."""
+        self.find_addrs = find_addrs
+        """Where a public worker's daemon listens (its visible addresses); looked up before each heartbeat."""
+        self.addrs: tuple[str, ...] = ()
+        """What its record names of them (``addresses.own_addrs``)."""
         self.initial_peers = tuple(initial_peers)
         """Where its DHT node joined the run: dialled again if it loses every peer (``rejoin.py``)."""
         self._lost_peers = False
@@ -125,7 +134,8 @@ class Presence:
             return
         with self._lock:
             rec = records.WorkerRecord.of(self._progress, peer_id=self.peer_id, time=self.records.clock.now(),
-                                          left=left, config=self.config, relays=self.relays, abandoned=self.abandoned)
+                                          left=left, config=self.config, relays=self.relays, abandoned=self.abandoned,
+                                          addrs=self.addrs)
         await self.records.store_async(self.records.workers_key(), rec.to_value(),
                                         self.records.clock.now() + self.record_ttl)
 
@@ -139,6 +149,7 @@ class Presence:
         beats, checking, rejoining = 0, None, None
         try:
             while True:
+                await self._look_up_addrs()
                 try:
                     await self.publish()
                 except Exception as e:  # the DHT may be shutting down
@@ -154,6 +165,15 @@ class Presence:
             for task in (checking, rejoining):
                 if task is not None:
                     task.cancel()
+
+    async def _look_up_addrs(self) -> None:
+        """Refreshes ``addrs`` from the daemon (a new address is in the next record); on failure keeps them."""
+        if self.find_addrs is None:
+            return
+        try:
+            self.addrs = own_addrs(await asyncio.wait_for(self.find_addrs(), ADDRS_TIMEOUT))
+        except Exception as e:  # asyncio.TimeoutError included: the daemon is busy or shutting down
+            log.debug("looking up this worker's addresses: %s: %s", type(e).__name__, e)
 
     async def _stay_joined(self) -> None:
         """Dials the initial peers again if this worker's DHT node knows no peer (``rejoin.py``); says so once."""

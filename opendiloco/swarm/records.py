@@ -32,6 +32,7 @@ from opendiloco.errors import AveragingError, Interrupted
 from opendiloco.pacing import Pace
 
 from . import signing
+from .addresses import AddressBook, checked_addrs
 from .clock import RunClock
 from .membership import Membership
 from .pushed_records import PushedRecord, RecordView
@@ -67,13 +68,15 @@ class WorkerRecord(Progress):
     """The group id of the last attempt this worker failed (it heard nothing from any member, its
     address changed, say; or any other failure there): a member still waiting on it there gives up at
     once, where its refusal may never arrive."""
+    addrs: tuple[str, ...] = ()
+    """Where a public worker's daemon listens now (``addresses.py``): dialled when a dial to it fails."""
 
     @classmethod
     def of(cls, progress: Progress, *, peer_id: str, time: float, left: bool, config: str,
-           relays: tuple[str, ...] = (), abandoned: str = "") -> WorkerRecord:
+           relays: tuple[str, ...] = (), abandoned: str = "", addrs: tuple[str, ...] = ()) -> WorkerRecord:
         """The record that publishes ``progress``."""
         return cls(peer_id=peer_id, time=time, left=left, config=config, relays=relays, abandoned=abandoned,
-                   **{f.name: getattr(progress, f.name) for f in fields(Progress)})
+                   addrs=addrs, **{f.name: getattr(progress, f.name) for f in fields(Progress)})
 
     @property
     def heading(self) -> int:
@@ -117,8 +120,8 @@ class WorkerRecord(Progress):
                 return None
             if not isinstance(rec.abandoned, str) or len(rec.abandoned) > GROUP_ID_MAX:
                 return None
-            rec.relays = checked_relays(rec.relays)
-            if rec.relays is None:
+            rec.relays, rec.addrs = checked_relays(rec.relays), checked_addrs(rec.addrs)
+            if rec.relays is None or rec.addrs is None:
                 return None
             if not isinstance(rec.global_hash, str) or not isinstance(rec.config, str) or not (
                     rec.loss is None or isinstance(rec.loss, (int, float))):
@@ -187,6 +190,8 @@ class RunRecords:
         self.clock = clock if clock is not None else RunClock()
         self.relay_book = RelayBook()
         """The relays the live workers' records name: where streams to workers behind NAT go."""
+        self.address_book = AddressBook()
+        """Where the live public workers listen, as their last records read say (``addresses.py``)."""
         self.view = RecordView()
         """The round and group records seen so far: read from the DHT, pushed by peers, or this worker's own."""
         self._departed: collections.OrderedDict[str, None] = collections.OrderedDict()
@@ -336,6 +341,7 @@ class RunRecords:
                                and isinstance(value, dict) and value.get("left") is True}, workers)
         for peer, rec in workers.items():
             self.relay_book.note(peer, rec.relays)
+        self.address_book.note({peer: rec.addrs for peer, rec in workers.items()})
         return workers
 
     def _note_departures(self, left: set[str], live: dict) -> None:

@@ -19,22 +19,28 @@ from hivemind.p2p.p2p_daemon_bindings.utils import ControlFailure
 
 from ..comm.wire import ByteStream, Code
 from ..errors import Unreachable
+from .addresses import AddressBook, dial_addrs
 from .membership import Membership
 from .relays import RelayLinks
 
 log = logging.getLogger(__name__)
 
 HELLO_TIMEOUT = 10.0
+NOT_REACHED = ("failed to dial", "routing: not found", "failed to find any peer in table")
+"""What the daemon says when it could not connect to a peer at all: no address of it answered, or it
+knows none (nothing was exchanged)."""
 
 
 class P2PStreams:
     """One named stream protocol on a p2p node: ``connect`` opens a stream, ``listen`` serves them."""
 
     def __init__(self, p2p: P2P, name: str, membership: Membership | None = None,
-                 relay_links: RelayLinks | None = None):
+                 relay_links: RelayLinks | None = None, address_book: AddressBook | None = None):
         self.p2p, self.name = p2p, name
         self.relay_links = relay_links
         """Where peers behind NAT can be reached: a stream to one of them goes through its relays."""
+        self.address_book = address_book
+        """Where public peers listen now, as their records say: dialled when the daemon's own dial fails."""
         self.membership = membership if membership is not None and membership.closed else None
         self.me = p2p.peer_id.to_base58()
         self.refused = 0
@@ -70,12 +76,23 @@ class P2PStreams:
         if self.relay_links is not None:  # a peer behind NAT: through its relays, on a connection kept open
             await self.relay_links.ensure(peer)
         try:
-            _, reader, writer = await self.p2p.call_binary_stream_handler(PeerID.from_base58(peer), self.name)
-        except ControlFailure as e:
-            if "failed to dial" not in str(e):  # the daemon reached the peer: another failure
+            reader, writer = await self._open(peer)
+        except Unreachable:  # at the addresses its daemon knew: its record may name newer ones
+            addrs = self.address_book.of(peer) if self.address_book is not None else ()
+            if not addrs or not await dial_addrs(self.p2p, peer, addrs):
                 raise
-            raise Unreachable(f"could not dial {peer[-8:]}: {e}", {peer}) from None
+            log.info("reached %s at the addresses its record names (%s)", peer[-8:], " ".join(addrs))
+            reader, writer = await self._open(peer)
         stream = ByteStream(reader, writer, remote=peer)
         if self.membership is not None:
             await stream.send(Code.HELLO, {"proof": self.membership.stream_proof(self.name, self.me, peer)})
         return stream
+
+    async def _open(self, peer: str):
+        try:
+            _, reader, writer = await self.p2p.call_binary_stream_handler(PeerID.from_base58(peer), self.name)
+        except ControlFailure as e:
+            if not any(says in str(e) for says in NOT_REACHED):  # the daemon reached the peer: another failure
+                raise
+            raise Unreachable(f"could not dial {peer[-8:]}: {e}", {peer}) from None
+        return reader, writer

@@ -1,0 +1,97 @@
+"""Where a public worker listens now, as its record says: dialled when the p2p daemon's own dial fails.
+
+A worker whose address changes mid-run (a cloud VM re-addressed, a laptop on another network) keeps
+its peer id, and its daemon announces the new address; but a peer's daemon dials the addresses it
+learnt before, and a worker behind NAT, which public workers reach only on connections it dials
+itself, learnt of the new one from nothing: it stayed out of that worker's groups until its DHT node
+happened on the address (80 s in a scenario). So a public worker names the addresses its daemon
+listens on in its record (``WorkerRecord.addrs``, at most ``MAX_ADDRS``), and a stream whose dial
+failed is tried once more after a dial to those (``P2PStreams.connect``).
+
+A record's addresses are its writer's word: a dial to them reaches the peer of that id or nobody
+(libp2p authenticates the remote end), so a false one costs one failed dial of at most
+``DIAL_TIMEOUT``, and only to a member this worker was about to dial anyway.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import Iterable, Sequence
+
+from hivemind.p2p import P2P, PeerID
+from hivemind.utils.multiaddr import Multiaddr
+
+log = logging.getLogger(__name__)
+
+MAX_ADDRS = 4
+"""The most addresses a record may name (a reader drops a record with more)."""
+MAX_ADDR_CHARS = 128
+DIAL_TIMEOUT = 10.0
+"""Seconds a dial to a record's addresses may take."""
+_HOSTS = {"ip4", "ip6", "dns", "dns4", "dns6"}
+_TRANSPORTS = {"tcp", "udp"}
+
+
+def plain_address(addr: str) -> bool:
+    """Whether ``addr`` is a host and a port (``/ip4/A/tcp/P``, ...): no relay, no peer id."""
+    try:
+        names = [p.name for p in Multiaddr(addr).protocols()]
+    except Exception:  # the library raises several types for text that is no multiaddr
+        return False
+    return len(names) >= 2 and names[0] in _HOSTS and names[1] in _TRANSPORTS and not (
+        {"p2p", "ipfs", "p2p-circuit"} & set(names))
+
+
+def checked_addrs(value) -> tuple[str, ...] | None:
+    """The addresses a record names, or None if the field is malformed (input from the network)."""
+    if not isinstance(value, (list, tuple)) or len(value) > MAX_ADDRS:
+        return None
+    if not all(isinstance(a, str) and len(a) <= MAX_ADDR_CHARS and plain_address(a) for a in value):
+        return None
+    return tuple(value)
+
+
+def own_addrs(visible: Iterable) -> tuple[str, ...]:
+    """What this worker's record names, from its daemon's visible addresses: the plain ones without
+    their ``/p2p/ID``, other than loopback first, at most ``MAX_ADDRS``."""
+    out: list[str] = []
+    for maddr in visible:
+        addr = str(maddr)
+        if "/p2p-circuit" in addr:  # a relay's address, not this worker's
+            continue
+        addr = addr.split("/p2p/", 1)[0]
+        if addr not in out and len(addr) <= MAX_ADDR_CHARS and plain_address(addr):
+            out.append(addr)
+    out.sort(key=lambda a: a.startswith(("/ip4/127.", "/ip6/::1/")))
+    return tuple(out[:MAX_ADDRS])
+
+
+class AddressBook:
+    """Each live worker's addresses, from its last record read (thread-safe)."""
+
+    def __init__(self):
+        self._addrs: dict[str, tuple[str, ...]] = {}
+        self._lock = threading.Lock()
+
+    def note(self, peers: dict[str, Sequence[str]]) -> None:
+        """The addresses of every worker just read (workers not in ``peers`` are forgotten)."""
+        with self._lock:
+            self._addrs = {p: tuple(a) for p, a in peers.items() if a}
+
+    def of(self, peer: str) -> tuple[str, ...]:
+        with self._lock:
+            return self._addrs.get(peer, ())
+
+
+async def dial_addrs(p2p: P2P, peer: str, addrs: Sequence[str], timeout: float = DIAL_TIMEOUT) -> bool:
+    """Connects to ``peer`` at ``addrs`` (its daemon learns them); False if that failed."""
+    try:
+        await asyncio.wait_for(p2p._client.connect(PeerID.from_base58(peer), [Multiaddr(a) for a in addrs]), timeout)
+        return True
+    except asyncio.CancelledError:
+        raise
+    except Exception as e:
+        log.debug("could not reach %s at its record's addresses %s: %s: %s", peer[-8:], addrs, type(e).__name__, e)
+        return False

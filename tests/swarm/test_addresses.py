@@ -1,0 +1,121 @@
+"""A public worker's record names where it listens, and a stream whose dial failed tries there
+(``swarm/addresses.py``): a worker re-addressed mid-run is reached again at once, also by a worker
+behind NAT, which learns the new address from nothing else."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from opendiloco.errors import Unreachable
+from opendiloco.swarm.addresses import MAX_ADDRS, AddressBook, checked_addrs, own_addrs, plain_address
+from opendiloco.swarm.communicator import SwarmCommunicator, SwarmSettings
+from opendiloco.swarm.node import start_dht
+from opendiloco.swarm.records import WorkerRecord
+from opendiloco.swarm.streams import P2PStreams
+
+pytestmark = pytest.mark.timeout(120)
+
+PEER = "12D3KooWJbER3pdJS7sBKAQtLHiLbkUSp4a6E6wobNQYbdv5jWxy"
+
+
+@pytest.mark.parametrize("addr", ["/ip4/10.0.0.2/tcp/4001", "/ip6/::1/tcp/1", "/dns4/eu-1.example/tcp/31337",
+                                  "/ip4/10.0.0.2/udp/4001/quic"])
+def test_a_plain_address_is_named(addr):
+    assert plain_address(addr) and checked_addrs([addr]) == (addr,)
+
+
+@pytest.mark.parametrize("value", [
+    "/ip4/10.0.0.2/tcp/4001",  # not a list
+    ["/ip4/10.0.0.2/tcp/1"] * (MAX_ADDRS + 1),  # too many
+    ["/ip4/10.0.0.2/tcp/1", 7],  # not text
+    ["/dns4/" + "a" * 200 + "/tcp/1"],  # too long
+    ["/p2p-circuit"], ["/ip4/10.0.0.2/tcp/1/p2p-circuit"],  # relays are another field
+    [f"/ip4/10.0.0.2/tcp/1/p2p/{PEER}"],  # a peer id: another peer's, maybe
+    ["/ip4/10.0.0.2"], ["/tcp/1"], ["not an address"], [""],
+])
+def test_a_record_with_malformed_addresses_is_dropped(value):
+    assert checked_addrs(value) is None
+    assert WorkerRecord.from_value(PEER, {"addrs": value}) is None
+    assert WorkerRecord.from_value(PEER, {"addrs": ["/ip4/10.0.0.2/tcp/1"]}).addrs == ("/ip4/10.0.0.2/tcp/1",)
+
+
+def test_a_record_names_its_daemons_plain_addresses_other_than_loopback_first():
+    visible = [f"/ip4/127.0.0.1/tcp/5/p2p/{PEER}", f"/ip4/10.1.0.2/tcp/5/p2p/{PEER}", "/ip4/10.1.0.2/tcp/5",
+               f"/ip4/10.9.0.1/tcp/7/p2p/{PEER}/p2p-circuit", "/ip4/10.2.0.2/tcp/5", "/ip4/10.3.0.2/tcp/5",
+               "/ip4/10.4.0.2/tcp/5"]
+    assert own_addrs(visible) == ("/ip4/10.1.0.2/tcp/5", "/ip4/10.2.0.2/tcp/5", "/ip4/10.3.0.2/tcp/5",
+                                  "/ip4/10.4.0.2/tcp/5")
+    assert checked_addrs(own_addrs(visible)) is not None
+
+
+@pytest.fixture
+def islands():
+    """``a`` in one DHT with ``d``; ``b`` and ``c`` each alone: ``a``'s daemon can find neither."""
+    nodes = []
+
+    def start(initial_peers=()):
+        node = start_dht(initial_peers=list(initial_peers), host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        nodes.append(node)
+        return node
+
+    d = start()
+    a = start([str(m) for m in d.get_visible_maddrs()])
+    yield a, start(), start()
+    for node in nodes:
+        node.shutdown()
+
+
+def test_a_stream_whose_dial_failed_goes_to_the_addresses_the_peers_record_names(islands):
+    a, b, c = islands
+
+    async def play():
+        pa, pb, pc = await a.replicate_p2p(), await b.replicate_p2p(), await c.replicate_p2p()
+        book = AddressBook()
+        mine = P2PStreams(pa, "opendiloco.addresses.reduce", address_book=book)
+        heard = {"b": [], "c": []}
+        for name, p2p in (("b", pb), ("c", pc)):
+            await P2PStreams(p2p, "opendiloco.addresses.reduce").listen(
+                lambda stream, name=name: asyncio.sleep(0, heard[name].append(stream.remote)))
+        peer_b = pb.peer_id.to_base58()
+        with pytest.raises(Unreachable):  # nothing tells a's daemon where b is (on the code before: the end)
+            await mine.connect(peer_b)
+
+        # An insider whose record names another peer's address (c's) as its own: the dial reaches c's
+        # daemon, which is not b, so it fails authenticated, and c's handler never sees a stream.
+        book.note({peer_b: own_addrs(await pc.get_visible_maddrs(latest=True))})
+        began = time.monotonic()
+        with pytest.raises(Unreachable):
+            await mine.connect(peer_b)
+        assert time.monotonic() - began < 30  # bounded by the dials' timeouts
+
+        # Its true addresses, as its record names them: reached.
+        book.note({peer_b: own_addrs(await pb.get_visible_maddrs(latest=True))})
+        stream = await mine.connect(peer_b)
+        assert stream.remote == peer_b
+        deadline = time.monotonic() + 30
+        while not heard["b"]:
+            assert time.monotonic() < deadline, heard
+            await asyncio.sleep(0.05)
+        stream.close()
+        assert heard == {"b": [pa.peer_id.to_base58()], "c": []}
+
+    asyncio.run(play())
+
+
+def test_a_public_workers_record_names_where_it_listens():
+    first = start_dht(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    comm = SwarmCommunicator(first, SwarmSettings(run_id="addresses"), own_dht=False)
+    try:
+        deadline = time.monotonic() + 60
+        while not (rec := comm.live_workers().get(comm.peer_id)) or not rec.addrs:
+            assert time.monotonic() < deadline, rec
+            time.sleep(0.2)
+        listening = {str(m).split("/p2p/")[0] for m in first.get_visible_maddrs()}
+        assert set(rec.addrs) <= listening and rec.addrs, (rec.addrs, listening)
+        assert comm.records.address_book.of(comm.peer_id) == rec.addrs
+    finally:
+        comm.close()
+        first.shutdown()
