@@ -8,6 +8,12 @@ happened on the address (80 s in a scenario). So a public worker names the addre
 listens on in its record (``WorkerRecord.addrs``, at most ``MAX_ADDRS``), and a stream whose dial
 failed is tried once more after a dial to those (``P2PStreams.connect``).
 
+The same lookup is this worker's surest sign that its own address changed: an address its daemon
+listened on is gone (``Presence.on_new_address``). Its connections through it are dead, and every
+stream on them would hang until a transport timeout: it closes them at once, and abandons an attempt
+in flight, which its record then says, so that the members stop waiting on it
+(``SwarmCommunicator._readdressed``).
+
 A record's addresses are its writer's word: a dial to them reaches the peer of that id or nobody
 (libp2p authenticates the remote end), so a false one costs one failed dial of at most
 ``DIAL_TIMEOUT``, and only to a member this worker was about to dial anyway.
@@ -53,18 +59,24 @@ def checked_addrs(value) -> tuple[str, ...] | None:
     return tuple(value)
 
 
-def own_addrs(visible: Iterable) -> tuple[str, ...]:
-    """What this worker's record names, from its daemon's visible addresses: the plain ones without
-    their ``/p2p/ID``, other than loopback first, at most ``MAX_ADDRS``."""
+def plain_addrs(visible: Iterable) -> list[str]:
+    """The plain addresses among a daemon's visible ones, without their ``/p2p/ID`` (relayed ones left
+    out: a relay's address is not this worker's)."""
     out: list[str] = []
     for maddr in visible:
         addr = str(maddr)
-        if "/p2p-circuit" in addr:  # a relay's address, not this worker's
+        if "/p2p-circuit" in addr:
             continue
         addr = addr.split("/p2p/", 1)[0]
         if addr not in out and len(addr) <= MAX_ADDR_CHARS and plain_address(addr):
             out.append(addr)
-    out.sort(key=lambda a: a.startswith(("/ip4/127.", "/ip6/::1/")))
+    return out
+
+
+def own_addrs(visible: Iterable) -> tuple[str, ...]:
+    """What this worker's record names, from its daemon's visible addresses: the plain ones, other than
+    loopback first, at most ``MAX_ADDRS``."""
+    out = sorted(plain_addrs(visible), key=lambda a: a.startswith(("/ip4/127.", "/ip6/::1/")))
     return tuple(out[:MAX_ADDRS])
 
 

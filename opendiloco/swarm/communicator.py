@@ -265,8 +265,9 @@ class SwarmCommunicator(Communicator):
                                  heartbeat_interval=s.heartbeat_interval, record_ttl=s.record_ttl,
                                  config=s.config_fingerprint, relays=getattr(dht, "relays", ()),
                                  initial_peers=getattr(dht, "rejoin_peers", ()),
-                                 find_addrs=None if dht.client_mode else functools.partial(
-                                     self.p2p.get_visible_maddrs, latest=True))
+                                 find_addrs=functools.partial(self.p2p.get_visible_maddrs, latest=True),
+                                 publish_addrs=not dht.client_mode)
+        self.presence.on_new_address = self._on_new_address
         self.matchmaker = Matchmaker(self.records, self.presence, MatchmakingSettings(
             run_id=s.run_id, min_group_size=s.min_group_size, matchmaking_timeout=s.matchmaking_timeout,
             straggler_wait=s.straggler_wait, max_wait=s.max_wait,
@@ -755,6 +756,29 @@ class SwarmCommunicator(Communicator):
                     group.group_id, len(others), runner.silent_for())
         await self._disconnect(others)
         await runner.abandon("heard nothing from any member (cut off)")  # which its record then says
+
+    def _on_new_address(self, gone: list[str], now: list[str]) -> None:
+        log.warning("this worker's address changed (%s gone; %s now): closing its connections so that streams "
+                    "dial anew%s", " ".join(gone), " ".join(now),
+                    ", and abandoning the attempt in flight" if self._in_flight() else "")
+        self._in_background(self._readdressed())
+
+    def _in_flight(self) -> RoundRunner | None:
+        runner = self._runner
+        return runner if runner is not None and not runner.ended.is_set() else None
+
+    async def _readdressed(self) -> None:
+        """Its connections through the old address are dead, and a stream on one hangs until a transport
+        timeout (39-58 s in the world scenario), its own and the members' to it alike: they are closed,
+        and an attempt in flight is abandoned, which its record says, so the members stop waiting on it
+        at once rather than after ``cut_off_after``."""
+        runner = self._in_flight()
+        peers = {info.peer_id.to_base58() for info in await self.p2p.list_peers()}
+        if runner is not None:
+            peers |= set(runner.group.members)
+        await self._disconnect(peers - {self._peer_id})
+        if runner is not None:
+            await runner.abandon("this worker's address changed")
 
     async def _disconnect(self, peers: set[str]) -> None:
         """Closes this node's connections to ``peers``: ones that hang are then dialled anew."""

@@ -15,7 +15,7 @@ from collections.abc import Awaitable, Callable
 from ..comm.base import Progress, check_progress
 from ..errors import BehindError, DriftError, SwarmError
 from . import records
-from .addresses import own_addrs
+from .addresses import own_addrs, plain_addrs
 from .partners import Partners
 from .quorum import Claim, confirmed_ahead, drifted
 from .rejoin import REDIAL_TIMEOUT, redial
@@ -60,7 +60,8 @@ class Presence:
 
     def __init__(self, run_records: records.RunRecords, peer_id: str, loop: asyncio.AbstractEventLoop, *,
                  heartbeat_interval: float, record_ttl: float, config: str = "", relays: tuple[str, ...] = (),
-                 initial_peers: tuple[str, ...] = (), find_addrs: Callable[[], Awaitable[list]] | None = None):
+                 initial_peers: tuple[str, ...] = (), find_addrs: Callable[[], Awaitable[list]] | None = None,
+                 publish_addrs: bool = True):
         self.records, self.peer_id, self.loop = run_records, peer_id, loop
         self.run_id = run_records.membership.run_id
         self.heartbeat_interval, self.record_ttl = heartbeat_interval, record_ttl
@@ -76,9 +77,15 @@ class Presence:
         self.abandoned = ""
         """The attempt this worker last failed (``say_abandoned``)."""
         self.find_addrs = find_addrs
-        """Where a public worker's daemon listens (its visible addresses); looked up before each heartbeat."""
+        """Where this worker's daemon listens (its visible addresses); looked up before each heartbeat."""
+        self.publish_addrs = publish_addrs
+        """False behind NAT: its addresses are private, and nobody outside dials them."""
         self.addrs: tuple[str, ...] = ()
         """What its record names of them (``addresses.own_addrs``)."""
+        self._listening: frozenset[str] = frozenset()
+        self.on_new_address: Callable[[list[str], list[str]], None] | None = None
+        """Called (on the loop) when an address the daemon listened on is gone: this worker's address
+        changed, and every connection it held through the old one is dead."""
         self.initial_peers = tuple(initial_peers)
         """Where its DHT node joined the run: dialled again if it loses every peer (``rejoin.py``)."""
         self._lost_peers = False
@@ -171,9 +178,17 @@ class Presence:
         if self.find_addrs is None:
             return
         try:
-            self.addrs = own_addrs(await asyncio.wait_for(self.find_addrs(), ADDRS_TIMEOUT))
+            visible = await asyncio.wait_for(self.find_addrs(), ADDRS_TIMEOUT)
         except Exception as e:  # asyncio.TimeoutError included: the daemon is busy or shutting down
             log.debug("looking up this worker's addresses: %s: %s", type(e).__name__, e)
+            return
+        listening = frozenset(plain_addrs(visible))
+        if not listening:  # the daemon said nothing usable: nothing is concluded from it
+            return
+        gone, self._listening = self._listening - listening, listening
+        self.addrs = own_addrs(visible) if self.publish_addrs else ()
+        if gone and self.on_new_address is not None:
+            self.on_new_address(sorted(gone), sorted(listening))
 
     async def _stay_joined(self) -> None:
         """Dials the initial peers again if this worker's DHT node knows no peer (``rejoin.py``); says so once."""

@@ -410,6 +410,50 @@ def test_a_member_cut_off_mid_round_abandons_it_and_the_others_stop_waiting(work
         cut.release.set()
 
 
+class NewAddressInExchange(CutOffInExchange):
+    """As ``CutOffInExchange``, and once the exchange is under way the daemon says it listens elsewhere:
+    the address it listened on is gone (its lookup, ``Presence.find_addrs``, answers the new one)."""
+
+    def __init__(self, comm: SwarmCommunicator):
+        super().__init__()
+        self.comm = comm
+
+    async def attempt(self, runner):
+        async def elsewhere():
+            return ["/ip4/127.0.0.9/tcp/4321"]
+
+        self.comm.presence.find_addrs = elsewhere
+        await super().attempt(runner)
+
+
+def test_a_member_whose_address_changed_mid_round_abandons_it_at_once(workers):
+    """Its connections through the old address are dead, and every stream of the attempt hangs on them;
+    it heard nothing from anyone, and waited ``cut_off_after`` to conclude so (the others with it). Its
+    daemon's addresses, looked up at each heartbeat, say so at once: an address it listened on is gone.
+    It closes its connections and abandons the attempt then, and the others stop waiting on it."""
+    settings = dataclasses.replace(SETTINGS, allreduce_timeout=120.0, min_group_size=3, cut_off_after=60.0)
+    trio = workers(3, settings)
+    moved = NewAddressInExchange(trio[2])
+    trio[2].hooks = moved
+    closed: set[str] = set()
+
+    async def connections_gone_already(peers):  # its closing them reaches nobody in the world
+        closed.update(peers)
+
+    trio[2]._disconnect = connections_gone_already
+    try:
+        out, took = round_of_three(trio, moved.entered)
+        assert isinstance(out[2], AveragingError) and "address changed" in str(out[2]), out
+        assert trio[2].presence.abandoned, "its record does not say it abandoned the attempt"
+        assert {c.peer_id for c in trio[:2]} <= closed, "it did not drop its connections to dial anew"
+        for i in range(2):
+            assert isinstance(out[i], AveragingError), out
+            assert took[i] < settings.cut_off_after, took  # not the cut-off's silence, nor the exchange's timeout
+        assert not any("heard nothing" in str(r) for r in out), out
+    finally:
+        moved.release.set()
+
+
 class FailsWithStreamsStuck(SilentUntilReleased):
     """This worker's attempt fails at once, and its refusals never reach the others: their streams to it
     stay open and silent (stuck in a relay, say) until ``release``."""
