@@ -50,6 +50,7 @@ from ..comm.wire import field as meta_field
 from ..errors import AveragingError, InDoubt, Interrupted, PeerFailure, RoundCounted, SplitHold
 from ..pacing import Pace
 from . import records
+from .addresses import dial_addrs
 from .doctor import startup_warnings
 from .exclusion import EXCLUDE_ROUNDS, Offenders, UnreachablePeers
 from .hooks import RoundHooks
@@ -268,6 +269,7 @@ class SwarmCommunicator(Communicator):
                                  find_addrs=functools.partial(self.p2p.get_visible_maddrs, latest=True),
                                  publish_addrs=not dht.client_mode)
         self.presence.on_new_address = self._on_new_address
+        self.records.on_peers_moved = self._note_peers_moved
         self.matchmaker = Matchmaker(self.records, self.presence, MatchmakingSettings(
             run_id=s.run_id, min_group_size=s.min_group_size, matchmaking_timeout=s.matchmaking_timeout,
             straggler_wait=s.straggler_wait, max_wait=s.max_wait,
@@ -779,6 +781,28 @@ class SwarmCommunicator(Communicator):
         await self._disconnect(peers - {self._peer_id})
         if runner is not None:
             await runner.abandon("this worker's address changed")
+
+    def _note_peers_moved(self, peers: set[str]) -> None:
+        """``RunRecords.on_peers_moved`` (any thread): ``_peers_moved`` on the loop."""
+        try:
+            self._loop.call_soon_threadsafe(lambda: self._in_background(self._peers_moved(peers)))
+        except RuntimeError:  # the loop is closed: this worker is stopping
+            pass
+
+    async def _peers_moved(self, peers: set[str]) -> None:
+        """``peers``' records say their address changed: this node's connections to them are dead (streams
+        on them hang until a transport timeout), so they are closed and the next stream dials the new
+        address. Behind NAT this worker dials them at once: they cannot dial it back."""
+        peers = peers - {self._peer_id}
+        if not peers:
+            return
+        log.info("the address of %s changed (their records say): closing the connections to them so that "
+                 "streams dial them anew", ", ".join(sorted(p[-8:] for p in peers)))
+        await self._disconnect(peers)
+        if self.presence.publish_addrs:
+            return
+        book = self.records.address_book
+        await asyncio.gather(*(dial_addrs(self.p2p, p, book.of(p)) for p in sorted(peers) if book.of(p)))
 
     async def _disconnect(self, peers: set[str]) -> None:
         """Closes this node's connections to ``peers``: ones that hang are then dialled anew."""

@@ -192,6 +192,8 @@ class RunRecords:
         """The relays the live workers' records name: where streams to workers behind NAT go."""
         self.address_book = AddressBook()
         """Where the live public workers listen, as their last records read say (``addresses.py``)."""
+        self.on_peers_moved: Callable[[set[str]], None] | None = None
+        """Called (from the reading thread) with the workers whose records say their address changed."""
         self.view = RecordView()
         """The round and group records seen so far: read from the DHT, pushed by peers, or this worker's own."""
         self._departed: collections.OrderedDict[str, None] = collections.OrderedDict()
@@ -341,7 +343,9 @@ class RunRecords:
                                and isinstance(value, dict) and value.get("left") is True}, workers)
         for peer, rec in workers.items():
             self.relay_book.note(peer, rec.relays)
-        self.address_book.note({peer: rec.addrs for peer, rec in workers.items()})
+        moved = self.address_book.note({peer: rec.addrs for peer, rec in workers.items()})
+        if moved and self.on_peers_moved is not None:
+            self.on_peers_moved(moved)
         return workers
 
     def _note_departures(self, left: set[str], live: dict) -> None:

@@ -119,3 +119,54 @@ def test_a_public_workers_record_names_where_it_listens():
     finally:
         comm.close()
         first.shutdown()
+
+
+def test_the_address_book_says_who_moved():
+    book = AddressBook()
+    assert book.note({"a": ("/ip4/10.0.0.1/tcp/1",), "b": ("/ip4/10.0.0.2/tcp/1",)}) == set()
+    # a added an address (no move), b's is gone (moved), c is new, and a worker missing from a read is
+    # forgotten without being taken for moved.
+    moved = book.note({"a": ("/ip4/10.0.0.1/tcp/1", "/ip4/10.9.0.1/tcp/1"), "b": ("/ip4/10.0.0.7/tcp/1",),
+                       "c": ("/ip4/10.0.0.3/tcp/1",)})
+    assert moved == {"b"}
+    assert book.note({"a": ("/ip4/10.0.0.1/tcp/1", "/ip4/10.9.0.1/tcp/1")}) == set()
+    assert book.note({"b": ("/ip4/10.0.0.8/tcp/1",)}) == set() and book.of("b") == ("/ip4/10.0.0.8/tcp/1",)
+
+
+def test_the_others_drop_their_connections_to_a_worker_whose_record_says_it_moved():
+    """A worker's address changed: its peers' connections to its old address are dead, and their streams
+    to it (a round's parts, a settle's question) hung on them until a transport timeout (14 s of one
+    settle in ``natpeer.toml``). Its next record names other addresses; the peers close their
+    connections to it then, so the next stream dials the new address."""
+    first = start_dht(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    peers = [str(m) for m in first.get_visible_maddrs()]
+    second = start_dht(initial_peers=peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    settings = SwarmSettings(run_id="moved")
+    watcher, mover = SwarmCommunicator(first, settings, own_dht=False), SwarmCommunicator(second, settings)
+    closed: list[set[str]] = []
+
+    async def record_closing(peers):
+        closed.append(set(peers))
+
+    watcher._disconnect = record_closing
+    try:
+        deadline = time.monotonic() + 60
+        while not watcher.records.address_book.of(mover.peer_id):
+            assert time.monotonic() < deadline, "the mover's record never named its addresses"
+            watcher.live_workers()
+            time.sleep(0.2)
+        assert closed == []  # nobody moved yet
+
+        async def elsewhere():
+            return ["/ip4/127.0.0.9/tcp/4321"]
+
+        mover.presence.find_addrs = elsewhere
+        while mover.peer_id not in set().union(*closed):
+            assert time.monotonic() < deadline, closed
+            watcher.live_workers()
+            time.sleep(0.2)
+        assert watcher.records.address_book.of(mover.peer_id) == ("/ip4/127.0.0.9/tcp/4321",)
+    finally:
+        mover.close()
+        watcher.close()
+        first.shutdown()
