@@ -78,8 +78,9 @@ def plain_addrs(visible: Iterable) -> list[str]:
 
 def own_addrs(visible: Iterable) -> tuple[str, ...]:
     """What this worker's record names, from its daemon's visible addresses: the plain ones, other than
-    loopback first, at most ``MAX_ADDRS``."""
-    out = sorted(plain_addrs(visible), key=lambda a: a.startswith(("/ip4/127.", "/ip6/::1/")))
+    loopback first, at most ``MAX_ADDRS``. Sorted, so that a daemon that lists more in another order
+    names the same ones (its peers would take a new set for a move)."""
+    out = sorted(plain_addrs(visible), key=lambda a: (a.startswith(("/ip4/127.", "/ip6/::1/")), a))
     return tuple(out[:MAX_ADDRS])
 
 

@@ -49,6 +49,7 @@ def test_a_record_names_its_daemons_plain_addresses_other_than_loopback_first():
     assert own_addrs(visible) == ("/ip4/10.1.0.2/tcp/5", "/ip4/10.2.0.2/tcp/5", "/ip4/10.3.0.2/tcp/5",
                                   "/ip4/10.4.0.2/tcp/5")
     assert checked_addrs(own_addrs(visible)) is not None
+    assert own_addrs(reversed(visible)) == own_addrs(visible)  # whatever order the daemon lists them in
 
 
 @pytest.fixture
