@@ -25,7 +25,9 @@ A record's addresses are its writer's word: a dial to them reaches the peer of t
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
+import math
 import threading
 from collections.abc import Iterable, Sequence
 
@@ -39,6 +41,8 @@ MAX_ADDRS = 4
 MAX_ADDR_CHARS = 128
 DIAL_TIMEOUT = 10.0
 """Seconds a dial to a record's addresses may take."""
+MAX_REMEMBERED = 4096
+"""Workers whose addresses a worker remembers (the least recently read are forgotten first)."""
 _HOSTS = {"ip4", "ip6", "dns", "dns4", "dns6"}
 _TRANSPORTS = {"tcp", "udp"}
 
@@ -85,22 +89,39 @@ def own_addrs(visible: Iterable) -> tuple[str, ...]:
 
 
 class AddressBook:
-    """Each live worker's addresses, from its last record read (thread-safe)."""
+    """Each worker's addresses, from its last record read that named any (thread-safe; the
+    ``capacity`` latest workers). A worker missing from a read is kept: a worker whose address changed
+    may be missing from the reads for a while (its old record expired before its node published
+    again from the new address), and must still be seen to have moved when it is back."""
 
-    def __init__(self):
-        self._addrs: dict[str, tuple[str, ...]] = {}
+    def __init__(self, capacity: int = MAX_REMEMBERED):
+        self.capacity = capacity
+        self._addrs: collections.OrderedDict[str, tuple[float, tuple[str, ...]]] = collections.OrderedDict()
         self._lock = threading.Lock()
 
-    def note(self, peers: dict[str, Sequence[str]]) -> set[str]:
-        """The addresses of every worker just read (workers not in ``peers`` are forgotten); returns the
-        workers that moved: an address their last record named is gone from this one."""
+    def note(self, peers: dict[str, tuple[float, Sequence[str]]]) -> set[str]:
+        """The addresses of the workers just read, each with its record's time (its writer's clock);
+        returns those that moved: an address their last record named is gone from a newer one. A
+        record no newer than the last one noted is a stale copy: ignored."""
+        moved = set()
         with self._lock:
-            before, self._addrs = self._addrs, {p: tuple(a) for p, a in peers.items() if a}
-            return {p for p, a in self._addrs.items() if set(before.get(p, ())) - set(a)}
+            for peer, (written, addrs) in peers.items():
+                if not addrs:
+                    continue
+                before_time, before = self._addrs.get(peer, (-math.inf, ()))
+                if written <= before_time:
+                    continue
+                if set(before) - set(addrs):
+                    moved.add(peer)
+                self._addrs.pop(peer, None)
+                self._addrs[peer] = (written, tuple(addrs))
+            while len(self._addrs) > self.capacity:
+                self._addrs.popitem(last=False)
+        return moved
 
     def of(self, peer: str) -> tuple[str, ...]:
         with self._lock:
-            return self._addrs.get(peer, ())
+            return self._addrs.get(peer, (0.0, ()))[1]
 
 
 async def dial_addrs(p2p: P2P, peer: str, addrs: Sequence[str], timeout: float = DIAL_TIMEOUT) -> bool:

@@ -343,7 +343,7 @@ class RunRecords:
                                and isinstance(value, dict) and value.get("left") is True}, workers)
         for peer, rec in workers.items():
             self.relay_book.note(peer, rec.relays)
-        moved = self.address_book.note({peer: rec.addrs for peer, rec in workers.items()})
+        moved = self.address_book.note({peer: (rec.time, rec.addrs) for peer, rec in workers.items()})
         if moved and self.on_peers_moved is not None:
             self.on_peers_moved(moved)
         return workers

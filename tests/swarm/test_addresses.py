@@ -86,14 +86,14 @@ def test_a_stream_whose_dial_failed_goes_to_the_addresses_the_peers_record_names
 
         # An insider whose record names another peer's address (c's) as its own: the dial reaches c's
         # daemon, which is not b, so it fails authenticated, and c's handler never sees a stream.
-        book.note({peer_b: own_addrs(await pc.get_visible_maddrs(latest=True))})
+        book.note({peer_b: (1.0, own_addrs(await pc.get_visible_maddrs(latest=True)))})
         began = time.monotonic()
         with pytest.raises(Unreachable):
             await mine.connect(peer_b)
         assert time.monotonic() - began < 30  # bounded by the dials' timeouts
 
         # Its true addresses, as its record names them: reached.
-        book.note({peer_b: own_addrs(await pb.get_visible_maddrs(latest=True))})
+        book.note({peer_b: (2.0, own_addrs(await pb.get_visible_maddrs(latest=True)))})
         stream = await mine.connect(peer_b)
         assert stream.remote == peer_b
         deadline = time.monotonic() + 30
@@ -124,14 +124,24 @@ def test_a_public_workers_record_names_where_it_listens():
 
 def test_the_address_book_says_who_moved():
     book = AddressBook()
-    assert book.note({"a": ("/ip4/10.0.0.1/tcp/1",), "b": ("/ip4/10.0.0.2/tcp/1",)}) == set()
-    # a added an address (no move), b's is gone (moved), c is new, and a worker missing from a read is
-    # forgotten without being taken for moved.
-    moved = book.note({"a": ("/ip4/10.0.0.1/tcp/1", "/ip4/10.9.0.1/tcp/1"), "b": ("/ip4/10.0.0.7/tcp/1",),
-                       "c": ("/ip4/10.0.0.3/tcp/1",)})
+    assert book.note({"a": (1.0, ("/ip4/10.0.0.1/tcp/1",)), "b": (1.0, ("/ip4/10.0.0.2/tcp/1",))}) == set()
+    # a added an address (no move), b's is gone (moved), c is new.
+    moved = book.note({"a": (2.0, ("/ip4/10.0.0.1/tcp/1", "/ip4/10.9.0.1/tcp/1")), "b": (2.0, ("/ip4/10.0.0.7/tcp/1",)),
+                       "c": (2.0, ("/ip4/10.0.0.3/tcp/1",))})
     assert moved == {"b"}
-    assert book.note({"a": ("/ip4/10.0.0.1/tcp/1", "/ip4/10.9.0.1/tcp/1")}) == set()
-    assert book.note({"b": ("/ip4/10.0.0.8/tcp/1",)}) == set() and book.of("b") == ("/ip4/10.0.0.8/tcp/1",)
+    # A stale copy of b's old record (a DHT node that missed the new one) is no move back, nor is the
+    # newer one after it a move again.
+    assert book.note({"b": (1.5, ("/ip4/10.0.0.2/tcp/1",))}) == set()
+    assert book.note({"b": (2.5, ("/ip4/10.0.0.7/tcp/1",))}) == set() and book.of("b") == ("/ip4/10.0.0.7/tcp/1",)
+    # A worker missing from reads (its old record expired before it published from its new address) is
+    # remembered: back with another address, it moved.
+    assert book.note({"a": (3.0, ("/ip4/10.0.0.1/tcp/1", "/ip4/10.9.0.1/tcp/1"))}) == set()
+    assert book.note({"b": (9.0, ("/ip4/10.0.0.8/tcp/1",)), "c": (9.0, ())}) == {"b"}
+    assert book.of("b") == ("/ip4/10.0.0.8/tcp/1",)
+    assert book.of("c") == ("/ip4/10.0.0.3/tcp/1",)  # a record that names none says nothing
+    small = AddressBook(capacity=2)
+    small.note({p: (1.0, (f"/ip4/10.0.0.{i}/tcp/1",)) for i, p in enumerate("abc")})
+    assert small.of("a") == () and small.of("c")  # bounded: the least recently read go first
 
 
 def test_the_others_drop_their_connections_to_a_worker_whose_record_says_it_moved():
