@@ -643,6 +643,51 @@ def test_a_contribution_to_another_group_of_a_round_this_worker_completed_is_ref
     assert waiting
 
 
+def test_a_contribution_to_another_group_of_an_attempt_this_worker_is_grouped_in_is_refused_at_once():
+    """Two leaders each published a group of the same attempt holding a member (each left out a peer the
+    other waited for): the member takes one, and the other's members streamed to it and waited
+    ``wait_for_group`` for nothing (15 s of a member in ``natpeer.toml``, then taken for cut off). A
+    member in a group of an attempt never joins another of that attempt or of an earlier one: such a
+    stream is refused at once, also one that was already waiting when the member took its group. One
+    for a later attempt may still come, and waits."""
+
+    async def scenario():
+        net = MemoryNetwork(wait_for_group=30.0)
+        for m in ("a", "m", "c"):
+            net.add(m)
+        key = str(RoundKey(51))
+
+        async def contribute(group_id: str, attempt):
+            stream = await net.connector("m")("a")
+            await stream.send(Code.CONTRIBUTE, {**OPENING, "sender": "m", "group_id": group_id, "round": key,
+                                                "attempt": attempt})
+            return await asyncio.wait_for(read_refusal(stream), 5.0)
+
+        early = asyncio.create_task(contribute("m-leads-attempt-2", 2))  # before a took its group: waits
+        await asyncio.sleep(0.3)
+        waited = not early.done()
+        mine = Group("c-leads-attempt-2", ("a", "c"), RoundKey(51), attempt=2)
+        await net.rounds["a"].register(RoundRunner(mine, "a", torch.zeros(8), 1.0, get_codec("fp16")))
+        refused_then = await early
+        at_once = await contribute("m-leads-attempt-1", 1)
+        later = asyncio.create_task(contribute("m-leads-attempt-3", 3))  # a may yet be in attempt 3
+        unknown = asyncio.create_task(contribute("an-older-peer", -1))  # no attempt said: as before
+        await asyncio.sleep(0.5)
+        still = not later.done() and not unknown.done()
+        for task in (later, unknown):
+            task.cancel()
+        await asyncio.gather(later, unknown, return_exceptions=True)
+        net.rounds["a"].finish(mine.group_id)
+        await net.drain()
+        return waited, refused_then, at_once, still
+
+    waited, refused_then, at_once, still = run(scenario())
+    assert waited
+    for refusal in (refused_then, at_once):
+        assert isinstance(refusal, Refused) and "in another group of round 51.0 (attempt 2)" in str(refusal), refusal
+    assert still
+
+
 def test_a_round_this_worker_starts_again_is_open_to_contributions_again():
     """A worker that went back to the run's state (its side of a partition was the smaller) does rounds it
     completed before again, in new groups: the communicator reopens a round when it starts it. In the long

@@ -113,6 +113,9 @@ class Group:
     key: RoundKey
     relayed: frozenset[str] = frozenset()
     """Members the others reach only through a relay (behind NAT): they own empty shards."""
+    attempt: int = -1
+    """Which attempt at ``key`` it is (-1: not known). A member in one group of an attempt never joins
+    another group of it, nor of an earlier one (``Rounds.serve``)."""
 
 
 @dataclass
@@ -476,7 +479,8 @@ class RoundRunner:
             stream = await connect(peer)
             await stream.send(Code.CONTRIBUTE, {"group_id": self.group.group_id, "sender": self.me,
                                                 "weight": self.weight, "numel": b - a, "parts": len(parts),
-                                                "codec": self.codec_label, "round": str(self.group.key)})
+                                                "codec": self.codec_label, "round": str(self.group.key),
+                                                "attempt": self.group.attempt})
 
             async def send_parts():
                 for i, (pa, pb) in enumerate(parts):
@@ -1001,7 +1005,10 @@ class Rounds:
             done_in = self._completed.get(round_key) if isinstance(round_key, str) else None
             if done_in is not None and done_in != group_id and group_id not in self._active:
                 raise ProtocolError(f"this worker completed round {round_key[:32]} in another group")
-            runner = await self._find(group_id, stream.remote)
+            attempt = opening.meta.get("attempt")
+            known = isinstance(round_key, str) and type(attempt) is int and attempt >= 0
+            place = (round_key, attempt) if known else None
+            runner = await self._find(group_id, stream.remote, place)
             if stream.remote not in runner.members or stream.remote == runner.me:
                 # Refused without failing the round: an outsider must not be able to break it.
                 raise ProtocolError(f"{stream.remote[-8:]} is not a member of round {group_id}")
@@ -1048,24 +1055,45 @@ class Rounds:
         finally:
             stream.close()
 
-    async def _find(self, group_id: str, remote: str) -> RoundRunner:
+    def _elsewhere(self, group_id: str, place: tuple[str, int] | None) -> RoundRunner | None:
+        """This worker's group of the same round at that attempt or a later one, if it is in one other than
+        ``group_id``: it will never join ``group_id`` (a member grouped it with another leader's group of
+        the attempt, which it did not take; its stream waited ``wait_for_group`` for nothing)."""
+        if place is None:
+            return None
+        round_key, attempt = place
+        return next((r for r in self._active.values() if r.group.group_id != group_id and r.group.attempt >= attempt
+                     >= 0 and str(r.group.key) == round_key), None)
+
+    def _refuse_if_elsewhere(self, group_id: str, place: tuple[str, int] | None) -> None:
+        mine = self._elsewhere(group_id, place)
+        if mine is not None:
+            raise ProtocolError(f"this worker is in another group of round {place[0][:32]} (attempt "
+                                f"{mine.group.attempt}), not in {group_id}")
+
+    async def _find(self, group_id: str, remote: str, place: tuple[str, int] | None = None) -> RoundRunner:
+        """The runner of ``group_id``, once registered; ``place``: the round key and attempt its opening names."""
         if group_id in self._finished:
             raise ProtocolError(f"round {group_id} is already finished")
         if group_id not in self._active:  # it may still come: wait, within bounds
+            self._refuse_if_elsewhere(group_id, place)
             if self._waiting[remote] >= self.max_waiting_per_peer or sum(self._waiting.values()) >= self.max_waiting:
                 raise ProtocolError(f"too many streams waiting for unknown rounds; {group_id} refused")
             self._waiting[remote] += 1
             cond = self._registered
             try:
                 async with cond:
-                    await asyncio.wait_for(cond.wait_for(lambda: group_id in self._active
-                                                         or group_id in self._finished), self.wait_for_group)
+                    await asyncio.wait_for(cond.wait_for(lambda: group_id in self._active or group_id in self._finished
+                                                         or self._elsewhere(group_id, place) is not None),
+                                           self.wait_for_group)
             except asyncio.TimeoutError:
                 raise ProtocolError(f"unknown group {group_id}") from None
             finally:
                 self._waiting[remote] -= 1
                 if not self._waiting[remote]:
                     del self._waiting[remote]
+            if group_id not in self._active and group_id not in self._finished:
+                self._refuse_if_elsewhere(group_id, place)
         if group_id not in self._active:
             raise ProtocolError(f"round {group_id} is already finished")
         return self._active[group_id]

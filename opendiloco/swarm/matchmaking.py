@@ -488,7 +488,8 @@ class Matchmaker:
 
     def _group(self, key: RoundKey, attempt: int, members: tuple[str, ...]) -> Group:
         relayed = frozenset(m for m in members if self.relayed.get(m))
-        return Group(make_group_id(self.settings.run_id, key, attempt, members, relayed), members, key, relayed)
+        return Group(make_group_id(self.settings.run_id, key, attempt, members, relayed), members, key, relayed,
+                     attempt)
 
     def _adopt_group(self, key: RoundKey, attempt: int, compatible: set[str], live: set[str], numel: int) -> Group:
         """Publishes the group if this worker leads it (the smallest id of those ready and not taken),
