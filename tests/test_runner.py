@@ -688,6 +688,25 @@ def test_a_contribution_to_another_group_of_an_attempt_this_worker_is_grouped_in
     assert still
 
 
+def test_a_round_that_failed_while_a_step_was_under_way_fails_with_its_own_error():
+    """The long scenario logged "failed here (KeyError: 0)": a member gave up on another as the audit
+    began, which closed the members' streams (``_fail``), and the audit tripped on the missing one. The
+    round's failure is what the round ends with, not what it left a step to trip on."""
+
+    async def scenario():
+        runner = RoundRunner(Group("g", ("a", "b"), RoundKey(1)), "a", torch.zeros(8), 1.0, get_codec("fp16"))
+
+        async def trips():
+            await runner._fail(PeerFailure("b left the run's records", {"b"}))
+            raise KeyError(0)
+
+        with pytest.raises(PeerFailure, match="b left the run's records") as caught:
+            await runner._unless_failed(trips())
+        return caught.value.peers
+
+    assert run(scenario()) == {"b"}
+
+
 def test_a_round_this_worker_starts_again_is_open_to_contributions_again():
     """A worker that went back to the run's state (its side of a partition was the smaller) does rounds it
     completed before again, in new groups: the communicator reopens a round when it starts it. In the long

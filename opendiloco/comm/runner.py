@@ -662,6 +662,9 @@ class RoundRunner:
             picked[j] = rng.sample(chunks, min(self._per_owner, len(chunks)))
         asked = [[j, i, c] for j, chosen in sorted(picked.items()) for i, c in chosen]
         streams = dict(self._confirm_streams)
+        if len(streams) != len(self.members) - 1:  # a failure closed them (``_fail``) as the audit began
+            self._raise_if_failed()
+            raise AveragingError("the members' streams closed before the audit")
         answers = await asyncio.gather(*(self._ask(m, streams[m], asked) for m in sorted(streams)))
         values = dict(zip(sorted(streams), answers))
         for n, (j, i, c) in enumerate(asked):
@@ -883,8 +886,11 @@ class RoundRunner:
             if not task.done():
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
-        if task.cancelled():
+        if task.cancelled() or self._failed.is_set():  # the round's failure, not what it left the task to trip on
+            if not task.cancelled():
+                task.exception()  # retrieved (asyncio would print it); the failure is what is raised
             self._raise_if_failed()
+        if task.cancelled():
             raise AveragingError("round cancelled")
         return task.result()
 
