@@ -1156,9 +1156,10 @@ async def find_outcome(connect: Connect, doubt: InDoubt, timeout: float, gone: C
     A member of ``doubt.ask`` that cannot be reached, answers out of form, "running" or "unknown" is asked
     again until ``timeout``, unless it is ruled out: a member completes only with every owner's shard, so
     one that another owner never began sending its shard's end to (that owner's final answer says so) has
-    not. The others are asked only for that. A member that does not answer and has left the run
-    (``gone(peer)``) is not waited for: had it completed the round, its state left with it, and the
-    members' retry counts their work once in every state that remains. ``answers``: the last state of
+    not. The others are asked only for that. A member that does not answer and has left the run, or
+    says in its record that it failed the attempt (``gone(peer)``), is not waited for: had it completed
+    the round, its state left with it, and the members' retry counts their work once in every state that
+    remains. ``answers``: the last state of
     each member of ``doubt.ask`` ("unanswered" where none came, "gone", or "ruled out" where none is
     needed any more).
     """

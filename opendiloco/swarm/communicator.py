@@ -624,6 +624,13 @@ class SwarmCommunicator(Communicator):
             for peer in set(runner.unreachable):
                 self.unreachable.failed_dial(peer, group.key.outer_step, relayed=peer in group.relayed)
 
+    def _out_of(self, group: Group, peer: str) -> bool:
+        """Whether ``peer`` cannot have completed ``group``'s attempt, by the run's records: it left them,
+        or its record says it failed that attempt (``WorkerRecord.abandoned``; a member cut off by a new
+        address keeps its record fresh, and a question to it hung for 15 s in the long scenario)."""
+        record = self._workers_snapshot.get(peer)
+        return record is None or record.abandoned == group.group_id
+
     def _settle(self, group: Group, doubt: InDoubt) -> RoundOutcome | None:
         """Asks the members that may have completed a failed attempt whether they did (``runner.resolve``):
         the average to apply, None to retry, or ``RoundCounted``."""
@@ -634,7 +641,7 @@ class SwarmCommunicator(Communicator):
                     "they completed it", group.group_id, doubt, len(doubt.ask))
         try:
             return self._call(resolve(doubt, self.reduce_streams.connect, group.key, bound, self.rounds,
-                                      gone=lambda peer: peer not in self._workers_snapshot),
+                                      gone=lambda peer: self._out_of(group, peer)),
                               timeout=bound + 10, interruptible=True)
         except RoundCounted:
             raise

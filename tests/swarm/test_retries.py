@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from opendiloco.comm.base import RoundKey
-from opendiloco.comm.runner import RoundRunner
+from opendiloco.comm.runner import Group, RoundRunner
 from opendiloco.errors import AveragingError, BehindError, Unreachable
 from opendiloco.swarm.communicator import SwarmCommunicator, SwarmSettings
 from opendiloco.swarm.hooks import RoundHooks
@@ -452,6 +452,30 @@ def test_a_member_whose_address_changed_mid_round_abandons_it_at_once(workers):
         assert not any("heard nothing" in str(r) for r in out), out
     finally:
         moved.release.set()
+
+
+def test_a_settle_does_not_wait_on_a_member_whose_record_says_it_failed_the_attempt(workers):
+    """A member cut off by a new address behind NAT keeps its record fresh, and says there that it failed
+    the attempt; the others' question to it (did it complete the round?) hung on its dead connection for
+    15 s in the long scenario. It cannot have completed an attempt it failed: not waited for."""
+    a, b = workers(2)
+    group = Group("g-settle", (a.peer_id, b.peer_id), RoundKey(7), attempt=0)
+    assert a._out_of(group, "12D3KooWnobodyInTheRecords")
+    deadline = time.monotonic() + 60
+
+    def seen(abandoned: str):
+        while (record := a._workers_snapshot.get(b.peer_id)) is None or record.abandoned != abandoned:
+            assert time.monotonic() < deadline, record
+            time.sleep(0.1)
+
+    seen("")
+    assert not a._out_of(group, b.peer_id)
+    b._call(b.presence.say_abandoned("another-group"), timeout=30)
+    seen("another-group")
+    assert not a._out_of(group, b.peer_id)  # it failed some other attempt
+    b._call(b.presence.say_abandoned(group.group_id), timeout=30)
+    seen(group.group_id)
+    assert a._out_of(group, b.peer_id)
 
 
 class FailsWithStreamsStuck(SilentUntilReleased):
