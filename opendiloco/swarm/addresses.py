@@ -28,6 +28,7 @@ import asyncio
 import collections
 import logging
 import math
+import socket
 import threading
 from collections.abc import Iterable, Sequence
 
@@ -78,6 +79,23 @@ def plain_addrs(visible: Iterable) -> list[str]:
         if addr not in out and len(addr) <= MAX_ADDR_CHARS and plain_address(addr):
             out.append(addr)
     return out
+
+
+def is_local(addr: str) -> bool:
+    """Whether ``addr``'s IP address is on one of this machine's interfaces now (it can be bound). A
+    daemon also lists the addresses its peers saw it at (libp2p's observed addresses, once four peers
+    agree), for a while after they are gone: after a move, the old address stayed listed beside the new
+    one in a run of twelve, and neither this worker nor its peers saw it go."""
+    parts = addr.split("/")
+    if len(parts) < 3 or parts[1] not in ("ip4", "ip6"):
+        return False
+    family = socket.AF_INET if parts[1] == "ip4" else socket.AF_INET6
+    try:
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.bind((parts[2], 0))
+        return True
+    except OSError:
+        return False
 
 
 def own_addrs(visible: Iterable) -> tuple[str, ...]:

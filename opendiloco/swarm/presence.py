@@ -15,7 +15,7 @@ from collections.abc import Awaitable, Callable
 from ..comm.base import Progress, check_progress
 from ..errors import BehindError, DriftError, SwarmError
 from . import records
-from .addresses import own_addrs, plain_addrs
+from .addresses import is_local, own_addrs, plain_addrs
 from .partners import Partners
 from .quorum import Claim, confirmed_ahead, drifted
 from .rejoin import REDIAL_TIMEOUT, redial
@@ -182,11 +182,16 @@ class Presence:
         except Exception as e:  # asyncio.TimeoutError included: the daemon is busy or shutting down
             log.debug("looking up this worker's addresses: %s: %s", type(e).__name__, e)
             return
-        listening = frozenset(plain_addrs(visible))
-        if not listening:  # the daemon said nothing usable: nothing is concluded from it
+        plain = plain_addrs(visible)
+        listening = frozenset(a for a in plain if is_local(a))
+        if not plain:  # the daemon said nothing usable: nothing is concluded from it
             return
         gone, self._listening = self._listening - listening, listening
-        self.addrs = own_addrs(visible) if self.publish_addrs else ()
+        # Its own addresses; where it has none (an announced public address, a 1:1 NAT), what it announces.
+        addrs = own_addrs(listening or plain) if self.publish_addrs else ()
+        if addrs != self.addrs:
+            log.info("this worker's record names where it listens: %s", " ".join(addrs) or "nowhere")
+        self.addrs = addrs
         if gone and self.on_new_address is not None:
             self.on_new_address(sorted(gone), sorted(listening))
 

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from opendiloco.errors import Unreachable
-from opendiloco.swarm.addresses import MAX_ADDRS, AddressBook, checked_addrs, own_addrs, plain_address
+from opendiloco.swarm.addresses import MAX_ADDRS, AddressBook, checked_addrs, is_local, own_addrs, plain_address
 from opendiloco.swarm.communicator import SwarmCommunicator, SwarmSettings
 from opendiloco.swarm.node import start_dht
 from opendiloco.swarm.records import WorkerRecord
@@ -50,6 +50,14 @@ def test_a_record_names_its_daemons_plain_addresses_other_than_loopback_first():
                                   "/ip4/10.4.0.2/tcp/5")
     assert checked_addrs(own_addrs(visible)) is not None
     assert own_addrs(reversed(visible)) == own_addrs(visible)  # whatever order the daemon lists them in
+
+
+def test_an_address_is_this_workers_own_only_while_it_is_on_an_interface():
+    """A daemon also lists where its peers saw it (observed addresses), for a while after the address is
+    gone: only an address this machine can bind counts as where it listens."""
+    assert is_local("/ip4/127.0.0.1/tcp/31337") and is_local("/ip4/127.0.0.9/tcp/1")
+    assert not is_local("/ip4/192.0.2.7/tcp/31337")  # TEST-NET-1: on no interface here
+    assert not is_local("/dns4/localhost/tcp/1") and not is_local("not an address")
 
 
 @pytest.fixture
