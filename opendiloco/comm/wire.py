@@ -75,6 +75,9 @@ class Code(enum.IntEnum):
     """A node asks a peer to dial it back on its listening ports (meta: ``ports``)."""
     REACH_ANSWER = 20
     """The address the peer sees the asker at, and which of its ports it could dial there."""
+    # connection reversal (swarm/reversal.py)
+    REVERSE = 25
+    """A public worker asks one behind NAT, through its relay, to dial it back; the same code answers."""
 
 
 class StreamClosed(ProtocolError):

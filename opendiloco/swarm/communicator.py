@@ -63,6 +63,7 @@ from .presence import OtherSettings, Presence
 from .pushed_records import MAX_PUSH_BYTES, PushedRecord, decode_push, encode_push
 from .quorum import confirmed
 from .relays import DIAL_TIMEOUT, RENEW_BEFORE_ROUND_S, RENEW_GRACE_S, RelayLinks, close_connections
+from .reversal import ConnectionReversal
 from .signing import Identity
 from .state_transfer import StateServer, download_bound, fetch_state, own_check
 from .streams import P2PStreams
@@ -382,13 +383,21 @@ class SwarmCommunicator(Communicator):
             links = RelayLinks(self.records.relay_book, self.p2p, hold_streams.connect)
             await hold_streams.listen(links.serve_hold)
         self.relay_links = links
-        self.reduce_streams = P2PStreams(self.p2p, f"opendiloco.{ns}.reduce", m, links, self.records.address_book)
-        self.state_streams = P2PStreams(self.p2p, f"opendiloco.{ns}.state", m, links, self.records.address_book)
+        # A public worker that cannot dial one behind NAT asks it through its relay to dial back; one behind
+        # NAT serves those asks (a NAT'd peer is reached through relays: ``links``).
+        reversal_streams = P2PStreams(self.p2p, f"opendiloco.{ns}.reverse", m)
+        self.reversal = ConnectionReversal(self.p2p, reversal_streams, self.records.relay_book,
+                                           self.records.address_book)
+        if links is not None:
+            await reversal_streams.listen(self.reversal.serve)
+        book, reversal = self.records.address_book, (None if links is not None else self.reversal)
+        self.reduce_streams = P2PStreams(self.p2p, f"opendiloco.{ns}.reduce", m, links, book, reversal)
+        self.state_streams = P2PStreams(self.p2p, f"opendiloco.{ns}.state", m, links, book, reversal)
         await self.reduce_streams.listen(self.rounds.serve)
         self.state_server = StateServer(self.state_streams)
         await self.state_server.listen()
         self.doorbell = Doorbell()
-        self.match_streams = P2PStreams(self.p2p, f"opendiloco.{ns}.match", m, links, self.records.address_book)
+        self.match_streams = P2PStreams(self.p2p, f"opendiloco.{ns}.match", m, links, book, reversal)
         await self.match_streams.listen(self._on_ring)
         self._background: set[asyncio.Task] = set()
 

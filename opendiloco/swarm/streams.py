@@ -22,6 +22,7 @@ from ..errors import Unreachable
 from .addresses import AddressBook, dial_addrs
 from .membership import Membership
 from .relays import RelayLinks
+from .reversal import ConnectionReversal
 
 log = logging.getLogger(__name__)
 
@@ -35,12 +36,15 @@ class P2PStreams:
     """One named stream protocol on a p2p node: ``connect`` opens a stream, ``listen`` serves them."""
 
     def __init__(self, p2p: P2P, name: str, membership: Membership | None = None,
-                 relay_links: RelayLinks | None = None, address_book: AddressBook | None = None):
+                 relay_links: RelayLinks | None = None, address_book: AddressBook | None = None,
+                 reversal: ConnectionReversal | None = None):
         self.p2p, self.name = p2p, name
         self.relay_links = relay_links
         """Where peers behind NAT can be reached: a stream to one of them goes through its relays."""
         self.address_book = address_book
         """Where public peers listen now, as their records say: dialled when the daemon's own dial fails."""
+        self.reversal = reversal
+        """A public worker's way to a peer behind NAT that it cannot dial: the peer dials back."""
         self.membership = membership if membership is not None and membership.closed else None
         self.me = p2p.peer_id.to_base58()
         self.refused = 0
@@ -79,9 +83,10 @@ class P2PStreams:
             reader, writer = await self._open(peer)
         except Unreachable:  # at the addresses its daemon knew: its record may name newer ones
             addrs = self.address_book.of(peer) if self.address_book is not None else ()
-            if not addrs or not await dial_addrs(self.p2p, peer, addrs):
+            if addrs and await dial_addrs(self.p2p, peer, addrs):
+                log.info("reached %s at the addresses its record names (%s)", peer[-8:], " ".join(addrs))
+            elif self.reversal is None or not await self.reversal.ask(peer):
                 raise
-            log.info("reached %s at the addresses its record names (%s)", peer[-8:], " ".join(addrs))
             reader, writer = await self._open(peer)
         stream = ByteStream(reader, writer, remote=peer)
         if self.membership is not None:
