@@ -27,7 +27,11 @@ SECRET_CHECK_EVERY = 5
 """Heartbeats between two looks at which secrets the run id's workers hold (``RunRecords.secret_key``)."""
 
 ADDRS_TIMEOUT = 5.0
-"""Seconds the daemon gets to say where it listens (before each heartbeat)."""
+"""Seconds the daemon gets to say where it listens (before each heartbeat, and every ``ADDRS_EVERY_S``)."""
+ADDRS_EVERY_S = 1.0
+"""How often this worker looks where its daemon listens, beside the heartbeat: a heartbeat's DHT store
+hangs on the dead connections of a worker whose address just changed (for 20 s in the long scenario),
+and the move must be seen at once."""
 
 CLOCK_SLACK = 10.0
 """Seconds a record may claim to live beyond its kind's TTL (peers' clocks differ a little)."""
@@ -77,12 +81,14 @@ class Presence:
         self.abandoned = ""
         """The attempt this worker last failed (``say_abandoned``)."""
         self.find_addrs = find_addrs
-        """Where this worker's daemon listens (its visible addresses); looked up before each heartbeat."""
+        """Where this worker's daemon listens (its visible addresses); looked up before each heartbeat and
+        every ``ADDRS_EVERY_S`` beside it."""
         self.publish_addrs = publish_addrs
         """False behind NAT: its addresses are private, and nobody outside dials them."""
         self.addrs: tuple[str, ...] = ()
         """What its record names of them (``addresses.own_addrs``)."""
         self._listening: frozenset[str] = frozenset()
+        self._looking_up = asyncio.Lock()
         self.on_new_address: Callable[[list[str], list[str]], None] | None = None
         """Called (on the loop) when an address the daemon listened on is gone: this worker's address
         changed, and every connection it held through the old one is dead."""
@@ -154,6 +160,7 @@ class Presence:
 
     async def _beat(self) -> None:
         beats, checking, rejoining = 0, None, None
+        watching = asyncio.ensure_future(self._watch_addrs())
         try:
             while True:
                 await self._look_up_addrs()
@@ -169,14 +176,23 @@ class Presence:
                 beats += 1
                 await asyncio.sleep(self.heartbeat_interval)
         finally:
-            for task in (checking, rejoining):
+            for task in (checking, rejoining, watching):
                 if task is not None:
                     task.cancel()
+
+    async def _watch_addrs(self) -> None:
+        while self.find_addrs is not None:
+            await asyncio.sleep(ADDRS_EVERY_S)
+            await self._look_up_addrs()
 
     async def _look_up_addrs(self) -> None:
         """Refreshes ``addrs`` from the daemon (a new address is in the next record); on failure keeps them."""
         if self.find_addrs is None:
             return
+        async with self._looking_up:  # the heartbeat's and the watcher's: one move is reported once
+            await self._look_up_addrs_now()
+
+    async def _look_up_addrs_now(self) -> None:
         try:
             visible = await asyncio.wait_for(self.find_addrs(), ADDRS_TIMEOUT)
         except Exception as e:  # asyncio.TimeoutError included: the daemon is busy or shutting down

@@ -189,3 +189,42 @@ def test_the_others_drop_their_connections_to_a_worker_whose_record_says_it_move
         mover.close()
         watcher.close()
         first.shutdown()
+
+
+def test_a_worker_sees_its_own_move_while_its_heartbeat_hangs():
+    """Just after a worker's address changes, its heartbeat's DHT store hangs on its dead connections (20 s
+    in the long scenario): a move looked for only before each heartbeat was seen that late, and the
+    worker went on sending into dead connections meanwhile. Its addresses are looked at beside the
+    heartbeat too."""
+    first = start_dht(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    second = start_dht(initial_peers=[str(m) for m in first.get_visible_maddrs()], host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    mover = SwarmCommunicator(second, SwarmSettings(run_id="moved"))
+    released, hanging, moves = asyncio.Event(), [], []
+
+    async def store_hangs(*args, **kwargs):
+        hanging.append(True)
+        await released.wait()
+
+    async def elsewhere():
+        return ["/ip4/127.0.0.9/tcp/4321"]
+
+    try:
+        deadline = time.monotonic() + 60
+        while not mover.presence.addrs:
+            assert time.monotonic() < deadline, "the worker never looked where it listens"
+            time.sleep(0.1)
+        mover.presence.records.store_async = store_hangs
+        while not hanging:  # the heartbeat is stuck in its store now
+            assert time.monotonic() < deadline, "no heartbeat stored anything"
+            time.sleep(0.1)
+        mover.presence.on_new_address = lambda gone, now: moves.append((gone, now))
+        mover.presence.find_addrs = elsewhere
+        while not moves:
+            assert time.monotonic() < deadline, "the move was not seen while the heartbeat hung"
+            time.sleep(0.1)
+        assert moves[0][0] and moves[0][1] == ["/ip4/127.0.0.9/tcp/4321"]  # its old addresses gone
+        assert len(hanging) == 1  # it was seen while that very store still hung
+    finally:
+        mover._loop.call_soon_threadsafe(released.set)
+        mover.close()
+        first.shutdown()
