@@ -63,6 +63,7 @@ from .presence import OtherSettings, Presence
 from .pushed_records import MAX_PUSH_BYTES, PushedRecord, decode_push, encode_push
 from .quorum import confirmed
 from .relays import DIAL_TIMEOUT, RENEW_BEFORE_ROUND_S, RENEW_GRACE_S, RelayLinks, close_connections
+from .reservations import RelaySlots
 from .reversal import ConnectionReversal
 from .signing import Identity
 from .state_transfer import StateServer, download_bound, fetch_state, own_check
@@ -383,6 +384,7 @@ class SwarmCommunicator(Communicator):
             links = RelayLinks(self.records.relay_book, self.p2p, hold_streams.connect)
             await hold_streams.listen(links.serve_hold)
         self.relay_links = links
+        self.relay_slots = RelaySlots(self.p2p, self.dht.relays) if links is not None else None
         # A public worker that cannot dial one behind NAT asks it through its relay to dial back; one behind
         # NAT serves those asks (a NAT'd peer is reached through relays: ``links``).
         reversal_streams = P2PStreams(self.p2p, f"opendiloco.{ns}.reverse", m)
@@ -400,6 +402,8 @@ class SwarmCommunicator(Communicator):
         self.match_streams = P2PStreams(self.p2p, f"opendiloco.{ns}.match", m, links, book, reversal)
         await self.match_streams.listen(self._on_ring)
         self._background: set[asyncio.Task] = set()
+        if self.relay_slots is not None:  # behind NAT: a relay that restarted forgot its slot there
+            self._in_background(self.relay_slots.keep())
 
     # -- matchmaking pushes ------------------------------------------------------------------
     async def _on_ring(self, stream: ByteStream) -> None:
@@ -799,6 +803,8 @@ class SwarmCommunicator(Communicator):
         if runner is not None:
             peers |= set(runner.group.members)
         await self._disconnect(peers - {self._peer_id})
+        if self.relay_slots is not None:  # its relays forgot its slots with its connections to them
+            self.relay_slots.renew_soon()
         if runner is not None:
             await runner.abandon("this worker's address changed")
 

@@ -124,7 +124,8 @@ class _Encoded:
         return self.raw
 
 
-def _varint(n: int) -> bytes:
+def uvarint(n: int) -> bytes:
+    """``n`` as an unsigned varint (multiaddr codes, protobuf)."""
     out = bytearray()
     while True:
         byte, n = n & 0x7F, n >> 7
@@ -142,7 +143,7 @@ def circuit_address(relay: str) -> _Encoded:
         multihash, head = PeerID.from_base58(peer).to_bytes(), Multiaddr(base).to_bytes()
     except Exception as e:  # the multiaddr and base58 libraries' own errors
         raise ValueError(f"not a relay's address with its peer id: {relay!r} ({type(e).__name__})") from None
-    return _Encoded(head + _varint(_P2P) + _varint(len(multihash)) + multihash + _varint(_CIRCUIT))
+    return _Encoded(head + uvarint(_P2P) + uvarint(len(multihash)) + multihash + uvarint(_CIRCUIT))
 
 
 class RelayBook:

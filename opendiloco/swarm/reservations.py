@@ -1,0 +1,146 @@
+"""A worker behind NAT keeps its slots on its relays itself.
+
+Another worker reaches one behind NAT only through a relay on which it holds a slot (a reservation,
+libp2p's circuit relay v2). hivemind 1.1.12's daemon reserves slots at start (``relays``) but never
+again on a relay that restarted: its relay finder backs a relay off for an hour after a reservation
+with it failed (go-libp2p 0.32's ``autorelay`` default), and a relay forgets every slot when it stops
+or when the reserving peer's connection to it closes. In the long scenario and ``bootkill.toml`` the
+bootstrap, the NAT'd workers' only relay, was killed and started again: each of them stayed out of
+reach of the other for the rest of the run.
+
+So the worker asks each of its relays for a slot itself (``RelaySlots``), every ``RESERVE_EVERY_S`` and at
+once when its own address changed (its relays dropped it then): one
+``/libp2p/circuit/relay/0.2.0/hop`` stream with a RESERVE message, the relay's answer read and
+bounded (``reserve``). A relay that already holds its slot extends it; one that restarted gives a new
+one. The daemon's own stop handler takes the relayed connections that then come: a slot is a record
+at the relay, whoever asked for it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+
+from hivemind.p2p import P2P, PeerID
+
+from .relays import uvarint
+
+log = logging.getLogger(__name__)
+
+HOP_PROTOCOL = "/libp2p/circuit/relay/0.2.0/hop"
+RESERVE = b"\x08\x00"
+"""HopMessage{type: RESERVE} (protobuf: field 1, varint 0)."""
+STATUS_FIELD, STATUS_OK = 5, 100
+MAX_ANSWER_BYTES = 4096
+"""The most a relay's answer may hold (a status, a reservation with a few addresses, a voucher)."""
+RESERVE_TIMEOUT = 10.0
+RESERVE_EVERY_S = 30.0
+"""How often a worker behind NAT asks its relays for its slot (a relay keeps one an hour)."""
+
+
+async def _read_varint(reader: asyncio.StreamReader) -> int:
+    value = 0
+    for shift in range(0, 64, 7):
+        byte = (await reader.readexactly(1))[0]
+        value |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            return value
+    raise ValueError("a varint longer than 64 bits")
+
+
+def answer_status(message: bytes) -> int | None:
+    """The ``status`` of a relay's HopMessage (protobuf), None if it has none; ``ValueError`` if the
+    bytes are not a protobuf message (input from the network)."""
+    i, status = 0, None
+    while i < len(message):
+        key, i = _take_varint(message, i)
+        field, wire = key >> 3, key & 7
+        if wire == 0:
+            value, i = _take_varint(message, i)
+            if field == STATUS_FIELD:
+                status = value
+        elif wire == 2:
+            length, i = _take_varint(message, i)
+            if i + length > len(message):
+                raise ValueError("a field runs past the message's end")
+            i += length
+        else:
+            raise ValueError(f"wire type {wire} in a HopMessage")
+    return status
+
+
+def _take_varint(data: bytes, i: int) -> tuple[int, int]:
+    value = 0
+    for shift in range(0, 64, 7):
+        if i >= len(data):
+            raise ValueError("a varint runs past the message's end")
+        byte = data[i]
+        i += 1
+        value |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            return value, i
+    raise ValueError("a varint longer than 64 bits")
+
+
+async def reserve(p2p: P2P, relay: str, timeout: float = RESERVE_TIMEOUT) -> bool:
+    """Asks the relay with peer id ``relay`` for a slot for this node; True if it gave one."""
+    writer = None
+    try:
+        async def ask() -> bool:
+            nonlocal writer
+            _, reader, writer = await p2p._client.stream_open(PeerID.from_base58(relay), (HOP_PROTOCOL,))
+            writer.write(uvarint(len(RESERVE)) + RESERVE)
+            await writer.drain()
+            length = await _read_varint(reader)
+            if length > MAX_ANSWER_BYTES:
+                raise ValueError(f"an answer of {length} bytes")
+            return answer_status(await reader.readexactly(length)) == STATUS_OK
+
+        return await asyncio.wait_for(ask(), timeout)
+    except asyncio.CancelledError:
+        raise
+    except Exception as e:  # the relay is down, refused, or answered garbage: the next round tries again
+        log.debug("reserving a slot on relay %s: %s: %s", relay[-8:], type(e).__name__, e)
+        return False
+    finally:
+        if writer is not None:
+            writer.close()
+
+
+def relay_ids(relays: Sequence[str]) -> list[str]:
+    """The peer ids of relays given by their full addresses (``.../p2p/ID``)."""
+    return [addr.rsplit("/p2p/", 1)[-1] for addr in relays if "/p2p/" in addr]
+
+
+class RelaySlots:
+    """Keeps this node's slots on its relays (``keep``, for ever: cancel to stop), asking every ``every``
+    seconds, and at once after ``renew_soon`` (this worker's address changed: its relays dropped its
+    connection, and with it its slot)."""
+
+    def __init__(self, p2p: P2P, relays: Sequence[str], every: float = RESERVE_EVERY_S):
+        self.p2p, self.relays, self.every = p2p, tuple(relays), every
+        self._soon = asyncio.Event()
+        self.held: dict[str, bool] = {}
+        """Whether each relay gave this node its slot the last time it was asked."""
+
+    def renew_soon(self) -> None:
+        """Asks the relays again now (call on the node's loop)."""
+        self._soon.set()
+
+    async def keep(self) -> None:
+        while True:
+            ids = relay_ids(self.relays)
+            results = await asyncio.gather(*(reserve(self.p2p, relay) for relay in ids))
+            for relay, ok in zip(ids, results):
+                if ok and self.held.get(relay) is False:
+                    log.info("relay %s holds this worker's slot again: workers behind NAT reach it there", relay[-8:])
+                elif not ok and self.held.get(relay, True):
+                    log.info("relay %s gives this worker no slot now (down, or refused): asked again every %.0f s",
+                             relay[-8:], self.every)
+                self.held[relay] = ok
+            self._soon.clear()
+            try:
+                await asyncio.wait_for(self._soon.wait(), self.every)
+            except asyncio.TimeoutError:
+                pass
