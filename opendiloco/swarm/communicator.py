@@ -777,6 +777,8 @@ class SwarmCommunicator(Communicator):
                     "(this worker's address changed, or its links broke): abandoning the attempt and dialling anew",
                     group.group_id, len(others), runner.silent_for())
         await self._disconnect(others)
+        if self.relay_slots is not None:  # behind NAT, its router's address may have changed: its relays
+            self.relay_slots.renew_soon()  # dropped its slots with its connections to them
         await runner.abandon("heard nothing from any member (cut off)")  # which its record then says
 
     def _on_new_address(self, gone: list[str], now: list[str]) -> None:

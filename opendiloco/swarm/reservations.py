@@ -123,6 +123,8 @@ class RelaySlots:
         self._soon = asyncio.Event()
         self.held: dict[str, bool] = {}
         """Whether each relay gave this node its slot the last time it was asked."""
+        self.asked = 0
+        """Times it asked its relays (for status and tests)."""
 
     def renew_soon(self) -> None:
         """Asks the relays again now (call on the node's loop)."""
@@ -139,6 +141,7 @@ class RelaySlots:
                     log.info("relay %s gives this worker no slot now (down, or refused): asked again every %.0f s",
                              relay[-8:], self.every)
                 self.held[relay] = ok
+            self.asked += 1
             self._soon.clear()
             try:
                 await asyncio.wait_for(self._soon.wait(), self.every)

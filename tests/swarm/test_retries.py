@@ -30,6 +30,7 @@ from opendiloco.errors import AveragingError, BehindError, Unreachable
 from opendiloco.swarm.communicator import SwarmCommunicator, SwarmSettings
 from opendiloco.swarm.hooks import RoundHooks
 from opendiloco.swarm.node import start_dht
+from opendiloco.swarm.reservations import RelaySlots
 from opendiloco.swarm.streams import P2PStreams
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(150)]
@@ -395,10 +396,22 @@ def test_a_member_cut_off_mid_round_abandons_it_and_the_others_stop_waiting(work
         cut.closed = set(peers)
 
     trio[2]._disconnect = connections_gone_already
+    # Its relay slots (as if behind NAT, with trio[0] its relay), asked for once here and then only when
+    # something says they may be gone: a cut-off is such a thing (its router's address may have changed).
+    slots = trio[2].relay_slots = RelaySlots(trio[2].p2p, [str(trio[0].dht.get_visible_maddrs()[0])], every=3600)
+    trio[2]._loop.call_soon_threadsafe(trio[2]._in_background, slots.keep())
     try:
+        deadline = time.monotonic() + 60
+        while slots.asked < 1:
+            assert time.monotonic() < deadline, "it never asked its relay"
+            time.sleep(0.1)
+        assert slots.held == {trio[0].peer_id: True}
         out, took = round_of_three(trio, cut.entered)
         assert isinstance(out[2], AveragingError) and "heard nothing from any member" in str(out[2]), out
         assert trio[2].presence.abandoned, "its record does not say it was cut off"
+        while slots.asked < 2:
+            assert time.monotonic() < deadline, "cut off, it did not ask its relays for its slots again"
+            time.sleep(0.1)
         assert cut.closed == {c.peer_id for c in trio[:2]}, "it did not drop its connections to dial anew"
         # One of the two read its record first; the other's attempt ended with that one's (a refusal).
         assert any("ended its attempt" in str(r) for r in out[:2]), out
