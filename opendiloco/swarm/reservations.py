@@ -8,8 +8,9 @@ or when the reserving peer's connection to it closes. In the long scenario and `
 bootstrap, the NAT'd workers' only relay, was killed and started again: each of them stayed out of
 reach of the other for the rest of the run.
 
-So the worker asks each of its relays for a slot itself (``RelaySlots``), every ``RESERVE_EVERY_S`` and at
-once when its own address changed (its relays dropped it then): one
+So the worker asks each of its relays for a slot itself (``RelaySlots``), every ``RESERVE_EVERY_S`` (every
+``RETRY_S`` while one gives none) and at once when its own address changed or it was cut off (its relays
+dropped it then): one
 ``/libp2p/circuit/relay/0.2.0/hop`` stream with a RESERVE message, the relay's answer read and
 bounded (``reserve``). A relay that already holds its slot extends it; one that restarted gives a new
 one. The daemon's own stop handler takes the relayed connections that then come: a slot is a record
@@ -37,6 +38,9 @@ MAX_ANSWER_BYTES = 4096
 RESERVE_TIMEOUT = 10.0
 RESERVE_EVERY_S = 30.0
 """How often a worker behind NAT asks its relays for its slot (a relay keeps one an hour)."""
+RETRY_S = 5.0
+"""How often it asks while a relay gives it none (down or restarting): the other workers behind NAT
+cannot reach it there until it has one."""
 
 
 async def _read_varint(reader: asyncio.StreamReader) -> int:
@@ -139,11 +143,12 @@ class RelaySlots:
                     log.info("relay %s holds this worker's slot again: workers behind NAT reach it there", relay[-8:])
                 elif not ok and self.held.get(relay, True):
                     log.info("relay %s gives this worker no slot now (down, or refused): asked again every %.0f s",
-                             relay[-8:], self.every)
+                             relay[-8:], min(self.every, RETRY_S))
                 self.held[relay] = ok
             self.asked += 1
             self._soon.clear()
+            wait = self.every if all(results) else min(self.every, RETRY_S)
             try:
-                await asyncio.wait_for(self._soon.wait(), self.every)
+                await asyncio.wait_for(self._soon.wait(), wait)
             except asyncio.TimeoutError:
                 pass

@@ -14,10 +14,12 @@ import pytest
 from hivemind.p2p import P2P
 
 from opendiloco.swarm.relays import close_connections, daemon_options, dial_via, uvarint
-from opendiloco.swarm.reservations import RESERVE, STATUS_OK, answer_status, relay_ids, reserve
+from opendiloco.swarm.reservations import RESERVE, STATUS_OK, RelaySlots, answer_status, relay_ids, reserve
 from opendiloco.testing.ports import free_port
 
 pytestmark = pytest.mark.timeout(120)
+
+PEER = "12D3KooWJbER3pdJS7sBKAQtLHiLbkUSp4a6E6wobNQYbdv5jWxy"
 
 
 @pytest.mark.swarm
@@ -63,6 +65,29 @@ def test_a_worker_behind_nat_is_reached_through_a_relay_that_restarted(renew, tm
     asyncio.run(run())
 
 
+@pytest.mark.swarm
+def test_a_relay_that_gives_no_slot_is_asked_again_soon():
+    """Slots are asked for every ``every`` seconds (an hour here), and every ``RETRY_S`` while a relay
+    gives none: here one that is down."""
+    async def run():
+        node = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"], **daemon_options(False, []))
+        try:
+            down = f"/ip4/127.0.0.1/tcp/{free_port()}/p2p/{PEER}"
+            slots = RelaySlots(node, [down], every=3600)
+            keeping = asyncio.ensure_future(slots.keep())
+            try:
+                while slots.asked < 2:
+                    assert not keeping.done(), keeping
+                    await asyncio.sleep(0.1)
+            finally:
+                keeping.cancel()
+            assert slots.held == {PEER: False}
+        finally:
+            await node.shutdown()
+
+    asyncio.run(asyncio.wait_for(run(), 60))
+
+
 def test_a_relay_answer_is_read_as_protobuf_and_bounded():
     ok = b"\x08\x02" + b"\x28" + uvarint(STATUS_OK) + b"\x1a\x03abc"  # STATUS, status OK, a reservation
     assert answer_status(ok) == STATUS_OK
@@ -74,5 +99,4 @@ def test_a_relay_answer_is_read_as_protobuf_and_bounded():
 
 
 def test_the_relays_of_a_record_are_named_by_peer_id():
-    peer = "12D3KooWJbER3pdJS7sBKAQtLHiLbkUSp4a6E6wobNQYbdv5jWxy"
-    assert relay_ids([f"/ip4/10.0.0.1/tcp/1/p2p/{peer}", "/ip4/10.0.0.2/tcp/1"]) == [peer]
+    assert relay_ids([f"/ip4/10.0.0.1/tcp/1/p2p/{PEER}", "/ip4/10.0.0.2/tcp/1"]) == [PEER]
