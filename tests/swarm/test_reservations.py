@@ -13,9 +13,10 @@ import asyncio
 import pytest
 from hivemind.p2p import P2P
 
-from opendiloco.swarm.relays import close_connections, daemon_options, dial_via, uvarint
+from opendiloco.swarm.relays import daemon_options, dial_via, uvarint
 from opendiloco.swarm.reservations import RESERVE, STATUS_OK, RelaySlots, answer_status, relay_ids, reserve
 from opendiloco.testing.ports import free_port
+from tests.swarm.test_reversal import _reserved
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -38,13 +39,7 @@ def test_a_worker_behind_nat_is_reached_through_a_relay_that_restarted(renew, tm
                                       **daemon_options(False, []))
             nodes.append(public)
             natted_id, relay_id = natted.peer_id.to_base58(), relay.peer_id.to_base58()
-            for _ in range(100):  # the daemon's own slot, taken at start
-                if await dial_via(public, natted_id, first, timeout=2.0):
-                    break
-                await asyncio.sleep(0.2)
-            else:
-                raise AssertionError("the NAT'd node never held a slot on the relay")
-            await close_connections(public, natted_id)
+            await _reserved(public, natted_id, first)  # the daemon's own slot, taken at start
             await relay.shutdown()  # every slot it held is gone with it
             relay = await P2P.create(host_maddrs=[addr], identity_path=key, check_if_identity_free=False,
                                      **daemon_options(False, []))
