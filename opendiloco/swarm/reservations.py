@@ -123,7 +123,9 @@ class RelaySlots:
     connection, and with it its slot)."""
 
     def __init__(self, p2p: P2P, relays: Sequence[str], every: float = RESERVE_EVERY_S):
-        self.p2p, self.relays, self.every = p2p, tuple(relays), every
+        self.p2p, self.every = p2p, every
+        self.relays = relay_ids(relays)
+        """Its relays' peer ids."""
         self._soon = asyncio.Event()
         self.held: dict[str, bool] = {}
         """Whether each relay gave this node its slot the last time it was asked."""
@@ -136,9 +138,8 @@ class RelaySlots:
 
     async def keep(self) -> None:
         while True:
-            ids = relay_ids(self.relays)
-            results = await asyncio.gather(*(reserve(self.p2p, relay) for relay in ids))
-            for relay, ok in zip(ids, results):
+            results = await asyncio.gather(*(reserve(self.p2p, relay) for relay in self.relays))
+            for relay, ok in zip(self.relays, results):
                 if ok and self.held.get(relay) is False:
                     log.info("relay %s holds this worker's slot again: workers behind NAT reach it there", relay[-8:])
                 elif not ok and self.held.get(relay, True):
