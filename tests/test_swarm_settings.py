@@ -148,7 +148,7 @@ def test_a_group_of_one_averages_alone_the_same_everywhere(codec):
 
 def test_a_record_is_the_progress_and_what_presence_adds():
     progress = {f.name for f in dataclasses.fields(Progress)}
-    added = {"peer_id", "time", "left", "config", "relays", "abandoned", "addrs"}
+    added = {"peer_id", "time", "left", "config", "relays", "abandoned", "addrs", "moves"}
     assert {f.name for f in dataclasses.fields(WorkerRecord)} == progress | added
     assert set(PROGRESS_FIELDS) == progress | {"ready_in"}
     assert WorkerRecord("p", outer_step=4).heading == 4  # the peer id stays the one positional field
@@ -162,13 +162,15 @@ def test_the_wire_format_of_a_record_is_unchanged():
         "last_sync_time": 0.0, "ready_at": None, "ready": False, "next_round": -1, "round_work": 0.0,
         "work_rate": 0.0, "work_per_step": 0.0, "pace_time": 0.0, "steps_per_s": 0.0, "contributed_steps": 0,
         "dropped_steps": 0, "time": 0.0, "left": False, "config": "", "name": "", "relays": (), "abandoned": "",
-        "addrs": (),
+        "addrs": (), "moves": 0,
     }  # keys are only added (a reader of another version ignores those it does not know)
     rec = WorkerRecord.of(Progress(outer_step=3, loss=1.5, ready=True, name="eu-1"), peer_id="p", time=9.0,
-                          left=False, config="c", abandoned="a" * 24, addrs=("/ip4/10.0.0.2/tcp/31337",))
+                          left=False, config="c", abandoned="a" * 24, addrs=("/ip4/10.0.0.2/tcp/31337",), moves=2)
     assert WorkerRecord.from_value("p", rec.to_value()) == rec
     for bad in (7, "a" * 65):  # a record is input from the network: a malformed one is dropped
         assert WorkerRecord.from_value("p", {**rec.to_value(), "abandoned": bad}) is None
+    for bad in (-1, 1 << 40, 1.0, True, "3", None):
+        assert WorkerRecord.from_value("p", {**rec.to_value(), "moves": bad}) is None
 
 
 @pytest.mark.parametrize("fields, message", [

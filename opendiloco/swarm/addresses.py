@@ -114,32 +114,32 @@ class AddressBook:
 
     def __init__(self, capacity: int = MAX_REMEMBERED):
         self.capacity = capacity
-        self._addrs: collections.OrderedDict[str, tuple[float, tuple[str, ...]]] = collections.OrderedDict()
+        self._addrs: collections.OrderedDict[str, tuple[float, tuple[str, ...], int]] = collections.OrderedDict()
         self._lock = threading.Lock()
 
-    def note(self, peers: dict[str, tuple[float, Sequence[str]]]) -> set[str]:
-        """The addresses of the workers just read, each with its record's time (its writer's clock);
-        returns those that moved: an address their last record named is gone from a newer one. A
-        record no newer than the last one noted is a stale copy: ignored."""
+    def note(self, peers: dict[str, tuple[float, Sequence[str], int]]) -> set[str]:
+        """The addresses of the workers just read, each with its record's time (its writer's clock) and
+        its count of moves (``WorkerRecord.moves``); returns those that moved: an address their last
+        record named is gone from a newer one, or their count grew (a worker behind NAT names no
+        address, and says so when its router's changed). A record no newer than the last one noted is
+        a stale copy: ignored. One that names no address keeps those noted before."""
         moved = set()
         with self._lock:
-            for peer, (written, addrs) in peers.items():
-                if not addrs:
-                    continue
-                before_time, before = self._addrs.get(peer, (-math.inf, ()))
+            for peer, (written, addrs, moves) in peers.items():
+                before_time, before, before_moves = self._addrs.get(peer, (-math.inf, (), moves))
                 if written <= before_time:
                     continue
-                if set(before) - set(addrs):
+                if (addrs and set(before) - set(addrs)) or moves > before_moves:
                     moved.add(peer)
                 self._addrs.pop(peer, None)
-                self._addrs[peer] = (written, tuple(addrs))
+                self._addrs[peer] = (written, tuple(addrs) or before, moves)
             while len(self._addrs) > self.capacity:
                 self._addrs.popitem(last=False)
         return moved
 
     def of(self, peer: str) -> tuple[str, ...]:
         with self._lock:
-            return self._addrs.get(peer, (0.0, ()))[1]
+            return self._addrs.get(peer, (0.0, (), 0))[1]
 
 
 async def dial_addrs(p2p: P2P, peer: str, addrs: Sequence[str], timeout: float = DIAL_TIMEOUT) -> bool:

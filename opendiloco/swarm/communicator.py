@@ -403,7 +403,9 @@ class SwarmCommunicator(Communicator):
         await self.match_streams.listen(self._on_ring)
         self._background: set[asyncio.Task] = set()
         if self.relay_slots is not None:  # behind NAT: a relay that restarted forgot its slot there
+            self.relay_slots.on_moved = self._on_router_moved
             self._in_background(self.relay_slots.keep())
+            self._in_background(self.relay_slots.watch())
 
     # -- matchmaking pushes ------------------------------------------------------------------
     async def _on_ring(self, stream: ByteStream) -> None:
@@ -776,14 +778,20 @@ class SwarmCommunicator(Communicator):
         log.warning("round %s: heard nothing from any of its %d other member(s) for %.0f s while waiting on them "
                     "(this worker's address changed, or its links broke): abandoning the attempt and dialling anew",
                     group.group_id, len(others), runner.silent_for())
-        await self._disconnect(others)
         if self.relay_slots is not None:  # behind NAT, its router's address may have changed: its relays
             self.relay_slots.renew_soon()  # dropped its slots with its connections to them
+        await self._disconnect(others)
         await runner.abandon("heard nothing from any member (cut off)")  # which its record then says
 
     def _on_new_address(self, gone: list[str], now: list[str]) -> None:
         log.warning("this worker's address changed (%s gone; %s now): closing its connections so that streams "
                     "dial anew%s", " ".join(gone), " ".join(now),
+                    ", and abandoning the attempt in flight" if self._in_flight() else "")
+        self._in_background(self._readdressed())
+
+    def _on_router_moved(self, relay: str) -> None:
+        log.warning("this worker's connection to its relay %s broke, and a new one holds its slot again: its "
+                    "router's address changed. Closing its connections so that streams dial anew%s", relay[-8:],
                     ", and abandoning the attempt in flight" if self._in_flight() else "")
         self._in_background(self._readdressed())
 
@@ -795,8 +803,10 @@ class SwarmCommunicator(Communicator):
         """Its connections through the old address are dead, and a stream on one hangs until a transport
         timeout (39-58 s in the world scenario), its own and the members' to it alike: they are closed,
         and an attempt in flight is abandoned, which its record says, so the members stop waiting on it
-        at once rather than after ``cut_off_after``."""
+        at once rather than after ``cut_off_after``. Its record counts the move (``WorkerRecord.moves``):
+        its peers' connections to it are as dead, and they close them when they read it."""
         runner = self._in_flight()
+        self.presence.moves += 1
         try:
             peers = {info.peer_id.to_base58() for info in await asyncio.wait_for(self.p2p.list_peers(), DIAL_TIMEOUT)}
         except Exception as e:  # asyncio.TimeoutError included: the members' connections are closed still
@@ -804,11 +814,13 @@ class SwarmCommunicator(Communicator):
             peers = set()
         if runner is not None:
             peers |= set(runner.group.members)
+        if self.relay_slots is not None:  # its relays forget its slots with its connections to them (and
+            self.relay_slots.renew_soon()  # the closes below are its own: no new move)
         await self._disconnect(peers - {self._peer_id})
-        if self.relay_slots is not None:  # its relays forgot its slots with its connections to them
-            self.relay_slots.renew_soon()
         if runner is not None:
-            await runner.abandon("this worker's address changed")
+            await runner.abandon("this worker's address changed")  # which publishes its record
+        else:
+            self.presence.publish_soon()
 
     def _note_peers_moved(self, peers: set[str]) -> None:
         """``RunRecords.on_peers_moved`` (any thread): ``_peers_moved`` on the loop."""

@@ -54,6 +54,11 @@ class OtherSettings(SwarmError):
         return type(self)(self.detail, covers, advice)
 
 
+def _routable(addrs) -> bool:
+    """Whether any of ``addrs`` is an address other than loopback (one a peer elsewhere can dial)."""
+    return any(not a.startswith(("/ip4/127.", "/ip6/::1/")) for a in addrs)
+
+
 class Presence:
     """Publishes ``WorkerRecord``s under the run's workers key; reads everyone else's.
 
@@ -80,6 +85,8 @@ class Presence:
                              f"characters each, given {len(self.relays)}: {self.relays}")
         self.abandoned = ""
         """The attempt this worker last failed (``say_abandoned``)."""
+        self.moves = 0
+        """How many times this worker saw its address change (``WorkerRecord.moves``)."""
         self.find_addrs = find_addrs
         """Where this worker's daemon listens (its visible addresses); looked up before each heartbeat and
         every ``ADDRS_EVERY_S`` beside it."""
@@ -148,9 +155,21 @@ class Presence:
         with self._lock:
             rec = records.WorkerRecord.of(self._progress, peer_id=self.peer_id, time=self.records.clock.now(),
                                           left=left, config=self.config, relays=self.relays, abandoned=self.abandoned,
-                                          addrs=self.addrs)
+                                          addrs=self.addrs, moves=self.moves)
         await self.records.store_async(self.records.workers_key(), rec.to_value(),
                                         self.records.clock.now() + self.record_ttl)
+
+    def publish_soon(self) -> None:
+        """Publishes in the background (on the loop): the caller does not wait on a DHT store that may hang."""
+        async def publish() -> None:
+            try:
+                await self.publish()
+            except Exception as e:  # the next heartbeat publishes again
+                log.debug("publishing this worker's record: %s: %s", type(e).__name__, e)
+
+        task = asyncio.ensure_future(publish())
+        self._publishing.add(task)
+        task.add_done_callback(self._publishing.discard)
 
     async def say_abandoned(self, group_id: str) -> None:
         """Publishes at once that this worker failed attempt ``group_id`` (and sends nothing more there):
@@ -205,9 +224,14 @@ class Presence:
         gone, self._listening = self._listening - listening, listening
         # Its own addresses; where it has none (an announced public address, a 1:1 NAT), what it announces.
         addrs = own_addrs(listening or plain) if self.publish_addrs else ()
+        if not _routable(addrs) and _routable(self.addrs):
+            # Mid-move the daemon may list loopback alone for a moment: a record naming only that sent its
+            # peers dialling themselves (17 s in the long scenario). The old one stands until the new address.
+            addrs = self.addrs
         if addrs != self.addrs:
             log.info("this worker's record names where it listens: %s", " ".join(addrs) or "nowhere")
-        self.addrs = addrs
+            self.addrs = addrs
+            self.publish_soon()  # its peers learn the new address now, not at the next heartbeat
         if gone and self.on_new_address is not None:
             self.on_new_address(sorted(gone), sorted(listening))
 

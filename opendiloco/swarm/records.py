@@ -46,6 +46,8 @@ NAME_MAX = 64
 """Characters of a worker's name in its record (a longer one makes the record malformed)."""
 GROUP_ID_MAX = 64
 """Characters of a group id in a record (``abandoned``; ids are 24)."""
+MOVES_MAX = 1 << 31
+"""The largest count of moves a record may claim (a larger one makes the record malformed)."""
 
 
 @dataclass
@@ -70,13 +72,17 @@ class WorkerRecord(Progress):
     once, where its refusal may never arrive."""
     addrs: tuple[str, ...] = ()
     """Where a public worker's daemon listens now (``addresses.py``): dialled when a dial to it fails."""
+    moves: int = 0
+    """How many times this worker saw its own address change (behind NAT: its router's, which its
+    addresses do not show): its peers close their connections to it when the count grows."""
 
     @classmethod
     def of(cls, progress: Progress, *, peer_id: str, time: float, left: bool, config: str,
-           relays: tuple[str, ...] = (), abandoned: str = "", addrs: tuple[str, ...] = ()) -> WorkerRecord:
+           relays: tuple[str, ...] = (), abandoned: str = "", addrs: tuple[str, ...] = (),
+           moves: int = 0) -> WorkerRecord:
         """The record that publishes ``progress``."""
         return cls(peer_id=peer_id, time=time, left=left, config=config, relays=relays, abandoned=abandoned,
-                   addrs=addrs, **{f.name: getattr(progress, f.name) for f in fields(Progress)})
+                   addrs=addrs, moves=moves, **{f.name: getattr(progress, f.name) for f in fields(Progress)})
 
     @property
     def heading(self) -> int:
@@ -116,6 +122,8 @@ class WorkerRecord(Progress):
                     return None
             rec.ready = bool(rec.ready)
             rec.next_round = int(rec.next_round)
+            if type(rec.moves) is not int or not 0 <= rec.moves <= MOVES_MAX:
+                return None
             if not isinstance(rec.name, str) or len(rec.name) > NAME_MAX:
                 return None
             if not isinstance(rec.abandoned, str) or len(rec.abandoned) > GROUP_ID_MAX:
@@ -343,7 +351,7 @@ class RunRecords:
                                and isinstance(value, dict) and value.get("left") is True}, workers)
         for peer, rec in workers.items():
             self.relay_book.note(peer, rec.relays)
-        moved = self.address_book.note({peer: (rec.time, rec.addrs) for peer, rec in workers.items()})
+        moved = self.address_book.note({peer: (rec.time, rec.addrs, rec.moves) for peer, rec in workers.items()})
         if moved and self.on_peers_moved is not None:
             self.on_peers_moved(moved)
         return workers

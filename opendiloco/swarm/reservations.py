@@ -15,13 +15,23 @@ dropped it then): one
 bounded (``reserve``). A relay that already holds its slot extends it; one that restarted gives a new
 one. The daemon's own stop handler takes the relayed connections that then come: a slot is a record
 at the relay, whoever asked for it.
+
+The same connection is how a worker behind NAT sees its router's address change, which nothing on its
+own interfaces shows (``watch``). The router forgets its mappings then; the next packet on any of the
+worker's connections leaves from the new address, and the peer answers it with a reset. So the worker
+pings each relay every ``WATCH_EVERY_S`` (libp2p's ping, on the connection it holds): a connection that
+broke that way, followed at once by a slot on a new one, is a move (``on_moved``). Before, the worker
+took itself for cut off only after ``cut_off_after`` (15 s) of silence in a round, and its peers kept
+their dead connections to it: in the long scenario one such move held all twelve workers 25 s.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+import os
+import time
+from collections.abc import Callable, Sequence
 
 from hivemind.p2p import P2P, PeerID
 
@@ -41,6 +51,13 @@ RESERVE_EVERY_S = 30.0
 RETRY_S = 5.0
 """How often it asks while a relay gives it none (down or restarting): the other workers behind NAT
 cannot reach it there until it has one."""
+PING_PROTOCOL = "/ipfs/ping/1.0.0"
+PING_BYTES = 32
+PING_TIMEOUT = 5.0
+WATCH_EVERY_S = 1.0
+"""How often a worker behind NAT pings its relays (``RelaySlots.watch``)."""
+OWN_CLOSE_GRACE_S = 10.0
+"""After the worker closed its connections itself (``renew_soon``), a lost connection is no sign of a move."""
 
 
 async def _read_varint(reader: asyncio.StreamReader) -> int:
@@ -112,6 +129,32 @@ async def reserve(p2p: P2P, relay: str, timeout: float = RESERVE_TIMEOUT) -> boo
             writer.close()
 
 
+async def ping(p2p: P2P, peer: str, timeout: float = PING_TIMEOUT) -> bool | None:
+    """libp2p's ping to ``peer``: True if it echoed, False if the stream failed (a connection reset, say),
+    None if no answer came within ``timeout`` (a slow or cut-off link proves nothing)."""
+    writer = None
+    try:
+        async def once() -> bool:
+            nonlocal writer
+            _, reader, writer = await p2p._client.stream_open(PeerID.from_base58(peer), (PING_PROTOCOL,))
+            data = os.urandom(PING_BYTES)
+            writer.write(data)
+            await writer.drain()
+            return await reader.readexactly(PING_BYTES) == data
+
+        return await asyncio.wait_for(once(), timeout)
+    except asyncio.CancelledError:
+        raise
+    except asyncio.TimeoutError:
+        return None
+    except Exception as e:
+        log.debug("pinging %s: %s: %s", peer[-8:], type(e).__name__, e)
+        return False
+    finally:
+        if writer is not None:
+            writer.close()
+
+
 def relay_ids(relays: Sequence[str]) -> list[str]:
     """The peer ids of relays given by their full addresses (``.../p2p/ID``)."""
     return [addr.rsplit("/p2p/", 1)[-1] for addr in relays if "/p2p/" in addr]
@@ -131,10 +174,46 @@ class RelaySlots:
         """Whether each relay gave this node its slot the last time it was asked."""
         self.asked = 0
         """Times it asked its relays (for status and tests)."""
+        self.on_moved: Callable[[str], None] | None = None
+        """Called (on the loop) with a relay's id when this node's connection to it broke and a new one
+        holds its slot at once: its router's address changed (``watch``)."""
+        self._own_close_at = -float("inf")
 
     def renew_soon(self) -> None:
-        """Asks the relays again now (call on the node's loop)."""
+        """Asks the relays again now (call on the node's loop): this node closed its connections itself."""
+        self._own_close_at = time.monotonic()
         self._soon.set()
+
+    async def watch(self, every: float = WATCH_EVERY_S) -> None:
+        """Pings each relay every ``every`` seconds (for ever: cancel to stop). A connection to a relay
+        that is gone or answers a ping with a failure lost this node's slot there: it asks for one at
+        once, and if a new connection gives it one, calls ``on_moved`` (unless this node had just
+        closed its connections itself)."""
+        connected: set[str] = set()
+        while True:
+            await asyncio.sleep(every)
+            try:
+                now = {info.peer_id.to_base58() for info in await asyncio.wait_for(self.p2p.list_peers(), PING_TIMEOUT)}
+            except Exception as e:  # asyncio.TimeoutError included: the daemon is busy; the next look tries again
+                log.debug("listing this node's connections: %s: %s", type(e).__name__, e)
+                continue
+            for relay in self.relays:
+                if relay in now:
+                    lost = await ping(self.p2p, relay) is False
+                else:
+                    lost = relay in connected
+                if not lost:
+                    continue
+                own = time.monotonic() - self._own_close_at < OWN_CLOSE_GRACE_S
+                if await reserve(self.p2p, relay):
+                    now.add(relay)
+                    self.held[relay] = True
+                    if not own and self.on_moved is not None:
+                        self.on_moved(relay)
+                else:
+                    now.discard(relay)
+                    self._soon.set()  # ``keep`` asks again from now on, every ``RETRY_S``
+            connected = now & set(self.relays)
 
     async def keep(self) -> None:
         while True:

@@ -13,6 +13,8 @@ from opendiloco.errors import Unreachable
 from opendiloco.swarm.addresses import MAX_ADDRS, AddressBook, checked_addrs, is_local, own_addrs, plain_address
 from opendiloco.swarm.communicator import SwarmCommunicator, SwarmSettings
 from opendiloco.swarm.node import start_dht
+from opendiloco.swarm import presence
+from opendiloco.swarm.presence import ADDRS_EVERY_S
 from opendiloco.swarm.records import WorkerRecord
 from opendiloco.swarm.streams import P2PStreams
 
@@ -94,14 +96,14 @@ def test_a_stream_whose_dial_failed_goes_to_the_addresses_the_peers_record_names
 
         # An insider whose record names another peer's address (c's) as its own: the dial reaches c's
         # daemon, which is not b, so it fails authenticated, and c's handler never sees a stream.
-        book.note({peer_b: (1.0, own_addrs(await pc.get_visible_maddrs(latest=True)))})
+        book.note({peer_b: (1.0, own_addrs(await pc.get_visible_maddrs(latest=True)), 0)})
         began = time.monotonic()
         with pytest.raises(Unreachable):
             await mine.connect(peer_b)
         assert time.monotonic() - began < 30  # bounded by the dials' timeouts
 
         # Its true addresses, as its record names them: reached.
-        book.note({peer_b: (2.0, own_addrs(await pb.get_visible_maddrs(latest=True)))})
+        book.note({peer_b: (2.0, own_addrs(await pb.get_visible_maddrs(latest=True)), 0)})
         stream = await mine.connect(peer_b)
         assert stream.remote == peer_b
         deadline = time.monotonic() + 30
@@ -132,23 +134,29 @@ def test_a_public_workers_record_names_where_it_listens():
 
 def test_the_address_book_says_who_moved():
     book = AddressBook()
-    assert book.note({"a": (1.0, ("/ip4/10.0.0.1/tcp/1",)), "b": (1.0, ("/ip4/10.0.0.2/tcp/1",))}) == set()
+    assert book.note({"a": (1.0, ("/ip4/10.0.0.1/tcp/1",), 0), "b": (1.0, ("/ip4/10.0.0.2/tcp/1",), 0)}) == set()
     # a added an address (no move), b's is gone (moved), c is new.
-    moved = book.note({"a": (2.0, ("/ip4/10.0.0.1/tcp/1", "/ip4/10.9.0.1/tcp/1")), "b": (2.0, ("/ip4/10.0.0.7/tcp/1",)),
-                       "c": (2.0, ("/ip4/10.0.0.3/tcp/1",))})
+    moved = book.note({"a": (2.0, ("/ip4/10.0.0.1/tcp/1", "/ip4/10.9.0.1/tcp/1"), 0),
+                       "b": (2.0, ("/ip4/10.0.0.7/tcp/1",), 0), "c": (2.0, ("/ip4/10.0.0.3/tcp/1",), 0)})
     assert moved == {"b"}
     # A stale copy of b's old record (a DHT node that missed the new one) is no move back, nor is the
     # newer one after it a move again.
-    assert book.note({"b": (1.5, ("/ip4/10.0.0.2/tcp/1",))}) == set()
-    assert book.note({"b": (2.5, ("/ip4/10.0.0.7/tcp/1",))}) == set() and book.of("b") == ("/ip4/10.0.0.7/tcp/1",)
+    assert book.note({"b": (1.5, ("/ip4/10.0.0.2/tcp/1",), 0)}) == set()
+    assert book.note({"b": (2.5, ("/ip4/10.0.0.7/tcp/1",), 0)}) == set() and book.of("b") == ("/ip4/10.0.0.7/tcp/1",)
     # A worker missing from reads (its old record expired before it published from its new address) is
     # remembered: back with another address, it moved.
-    assert book.note({"a": (3.0, ("/ip4/10.0.0.1/tcp/1", "/ip4/10.9.0.1/tcp/1"))}) == set()
-    assert book.note({"b": (9.0, ("/ip4/10.0.0.8/tcp/1",)), "c": (9.0, ())}) == {"b"}
+    assert book.note({"a": (3.0, ("/ip4/10.0.0.1/tcp/1", "/ip4/10.9.0.1/tcp/1"), 0)}) == set()
+    assert book.note({"b": (9.0, ("/ip4/10.0.0.8/tcp/1",), 0), "c": (9.0, (), 0)}) == {"b"}
     assert book.of("b") == ("/ip4/10.0.0.8/tcp/1",)
     assert book.of("c") == ("/ip4/10.0.0.3/tcp/1",)  # a record that names none says nothing
+    # A worker behind NAT names no address: it moved when its count of moves grew, not before, and a
+    # stale copy of an older count is no move.
+    assert book.note({"n": (1.0, (), 0)}) == set() and book.note({"n": (2.0, (), 0)}) == set()
+    assert book.note({"n": (3.0, (), 1)}) == {"n"}
+    assert book.note({"n": (2.5, (), 0)}) == set() and book.note({"n": (4.0, (), 1)}) == set()
+    assert book.of("n") == ()
     small = AddressBook(capacity=2)
-    small.note({p: (1.0, (f"/ip4/10.0.0.{i}/tcp/1",)) for i, p in enumerate("abc")})
+    small.note({p: (1.0, (f"/ip4/10.0.0.{i}/tcp/1",), 0) for i, p in enumerate("abc")})
     assert small.of("a") == () and small.of("c")  # bounded: the least recently read go first
 
 
@@ -223,8 +231,48 @@ def test_a_worker_sees_its_own_move_while_its_heartbeat_hangs():
             assert time.monotonic() < deadline, "the move was not seen while the heartbeat hung"
             time.sleep(0.1)
         assert moves[0][0] and moves[0][1] == ["/ip4/127.0.0.9/tcp/4321"]  # its old addresses gone
-        assert len(hanging) == 1  # it was seen while that very store still hung
+        assert len(hanging) <= 2  # seen while the heartbeat's store still hung (the other: the new address's)
     finally:
         mover._loop.call_soon_threadsafe(released.set)
         mover.close()
         first.shutdown()
+
+
+def test_a_moved_worker_publishes_its_new_address_at_once_and_never_loopback_alone(monkeypatch):
+    """Mid-move the daemon listed loopback alone for a moment; the record then named only that, and its
+    peers behind NAT dialled themselves until the next record (17 s in the long scenario). The old
+    address now stands until the new one is listed, and a new address is published at once, not at the
+    next heartbeat (an hour away here)."""
+    dht = start_dht(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    mover = SwarmCommunicator(dht, SwarmSettings(run_id="moved", heartbeat_interval=3600.0, record_ttl=7200.0),
+                              own_dht=False)
+    stored, listed = [], ["/ip4/10.250.0.1/tcp/4321"]
+    monkeypatch.setattr(presence, "is_local", lambda addr: addr in listed)  # the interfaces, as a move leaves them
+
+    async def store(key, value, expiration):
+        stored.append(tuple(value["addrs"]))
+
+    async def daemon_lists():
+        return list(listed)
+
+    def wait_for(what, why):
+        deadline = time.monotonic() + 60
+        while not what():
+            assert time.monotonic() < deadline, why
+            time.sleep(0.05)
+
+    try:
+        wait_for(lambda: mover.presence.addrs, "the worker never looked where it listens")
+        mover.presence.records.store_async = store
+        mover.presence.find_addrs = daemon_lists
+        wait_for(lambda: ("/ip4/10.250.0.1/tcp/4321",) in stored, "the first routable address was not published")
+        listed[:] = ["/ip4/127.0.0.1/tcp/4321"]  # mid-move: loopback alone
+        time.sleep(3 * ADDRS_EVERY_S)
+        assert mover.presence.addrs == ("/ip4/10.250.0.1/tcp/4321",)
+        listed[:] = ["/ip4/10.250.0.2/tcp/4321", "/ip4/127.0.0.1/tcp/4321"]
+        wait_for(lambda: stored[-1] == ("/ip4/10.250.0.2/tcp/4321", "/ip4/127.0.0.1/tcp/4321"),
+                 f"the new address was not published: {stored}")
+        assert all(any(not a.startswith("/ip4/127.") for a in addrs) for addrs in stored), stored
+    finally:
+        mover.close()
+        dht.shutdown()

@@ -13,8 +13,8 @@ import asyncio
 import pytest
 from hivemind.p2p import P2P
 
-from opendiloco.swarm.relays import daemon_options, dial_via, uvarint
-from opendiloco.swarm.reservations import RESERVE, STATUS_OK, RelaySlots, answer_status, relay_ids, reserve
+from opendiloco.swarm.relays import close_connections, daemon_options, dial_via, uvarint
+from opendiloco.swarm.reservations import RESERVE, STATUS_OK, RelaySlots, answer_status, ping, relay_ids, reserve
 from opendiloco.testing.ports import free_port
 from tests.swarm.test_reversal import _reserved
 
@@ -81,6 +81,52 @@ def test_a_relay_that_gives_no_slot_is_asked_again_soon():
             await node.shutdown()
 
     asyncio.run(asyncio.wait_for(run(), 60))
+
+
+@pytest.mark.swarm
+@pytest.mark.parametrize("own", [False, True], ids=["broken-from-outside", "closed-by-itself"])
+def test_a_worker_behind_nat_sees_its_connection_to_its_relay_break_and_takes_it_for_a_move(own, tmp_path):
+    """A router that changes its address forgets its mappings: the NAT'd worker's next packet on a
+    connection is answered with a reset. Here the relay closes its end instead (loopback has no router to
+    re-address; the NAT'd node sees the same: its connection to the relay is gone while the relay is up).
+    ``watch`` gets a slot on a new connection at once and reports a move, unless the worker had just
+    closed its connections itself (``renew_soon``: its own cut-off or move)."""
+    async def run():
+        relay = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"], **daemon_options(False, []))
+        nodes = [relay]
+        try:
+            first = [str(a) for a in await relay.get_visible_maddrs()]
+            natted = await P2P.create(initial_peers=first, host_maddrs=[], **daemon_options(True, first))
+            nodes.append(natted)
+            natted_id, relay_id = natted.peer_id.to_base58(), relay.peer_id.to_base58()
+            assert await ping(natted, relay_id) is True
+            moves = []
+            slots = RelaySlots(natted, first, every=3600)
+            slots.on_moved = moves.append
+            watching = asyncio.ensure_future(slots.watch(every=0.2))
+            try:
+                await asyncio.sleep(1.0)  # it has seen the connection
+                assert moves == []  # a healthy connection is no move
+                if own:
+                    slots.renew_soon()
+                await close_connections(relay, natted_id)
+                for _ in range(100):
+                    if slots.held.get(relay_id) and moves or own and slots.held.get(relay_id):
+                        break
+                    await asyncio.sleep(0.1)
+                await asyncio.sleep(1.0)  # nothing more comes
+            finally:
+                watching.cancel()
+            assert slots.held == {relay_id: True}, slots.held  # a slot on the new connection
+            assert moves == ([] if own else [relay_id])
+            public = await P2P.create(initial_peers=first, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+                                      **daemon_options(False, []))
+            nodes.append(public)
+            assert await dial_via(public, natted_id, first, timeout=5.0)  # reached through it again
+        finally:
+            await asyncio.gather(*(p.shutdown() for p in nodes), return_exceptions=True)
+
+    asyncio.run(asyncio.wait_for(run(), 90))
 
 
 def test_a_relay_answer_is_read_as_protobuf_and_bounded():
