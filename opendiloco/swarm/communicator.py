@@ -793,18 +793,19 @@ class SwarmCommunicator(Communicator):
         log.warning("this worker's connection to its relay %s broke, and a new one holds its slot again: its "
                     "router's address changed. Closing its connections so that streams dial anew%s", relay[-8:],
                     ", and abandoning the attempt in flight" if self._in_flight() else "")
-        self._in_background(self._readdressed())
+        self._in_background(self._readdressed(keep={relay}))  # its new connection to the relay holds its slot
 
     def _in_flight(self) -> RoundRunner | None:
         runner = self._runner
         return runner if runner is not None and not runner.ended.is_set() else None
 
-    async def _readdressed(self) -> None:
+    async def _readdressed(self, keep: set[str] | frozenset[str] = frozenset()) -> None:
         """Its connections through the old address are dead, and a stream on one hangs until a transport
         timeout (39-58 s in the world scenario), its own and the members' to it alike: they are closed,
         and an attempt in flight is abandoned, which its record says, so the members stop waiting on it
         at once rather than after ``cut_off_after``. Its record counts the move (``WorkerRecord.moves``):
-        its peers' connections to it are as dead, and they close them when they read it."""
+        its peers' connections to it are as dead, and they close them when they read it. Connections to
+        ``keep`` were dialled since the move, and stay."""
         runner = self._in_flight()
         self.presence.moves += 1
         try:
@@ -816,7 +817,7 @@ class SwarmCommunicator(Communicator):
             peers |= set(runner.group.members)
         if self.relay_slots is not None:  # its relays forget its slots with its connections to them (and
             self.relay_slots.renew_soon()  # the closes below are its own: no new move)
-        await self._disconnect(peers - {self._peer_id})
+        await self._disconnect(peers - {self._peer_id} - set(keep))
         if runner is not None:
             await runner.abandon("this worker's address changed")  # which publishes its record
         else:
