@@ -24,6 +24,7 @@ from opendiloco.errors import SwarmError
 
 from . import reachability, relays
 from .dht_calls import DhtCalls
+from .dialing import dial_from_ephemeral_ports
 from .signing import Identity, SignedRecordValidator
 
 log = logging.getLogger(__name__)
@@ -73,9 +74,10 @@ def parse_maddrs(addrs: Sequence[str], *, what: str, require_peer_id: bool = Fal
 def check_ports_free(host_maddrs: Sequence[str]) -> None:
     """Refuses a fixed TCP listen port that another process holds.
 
-    p2pd binds with SO_REUSEPORT, so a second node on a taken port would start anyway and share it
-    with the first: peers would reach either one at random. A plain bind (SO_REUSEADDR only, which
-    on Linux never shares a port with a listening socket) tells whether the port is free.
+    p2pd may bind with SO_REUSEPORT (``LIBP2P_TCP_REUSEPORT``, ``dialing.py``), and a second node on a
+    taken port would then start anyway and share it with the first: peers would reach either one at
+    random. A plain bind (SO_REUSEADDR only, which on Linux never shares a port with a listening
+    socket) tells whether the port is free.
     """
     for addr in host_maddrs:
         parts = addr.strip("/").split("/")
@@ -238,6 +240,7 @@ def start_dht(
         if any(parts[i] in ("tcp", "udp") and parts[i + 1] == "0" for i in range(len(parts) - 1)):
             raise SwarmError(f"announce_maddrs: {addr!r} has port 0; announce the real, reachable port")
     check_ports_free(host_maddrs)
+    dial_from_ephemeral_ports()
     kwargs = dict(host_maddrs=host_maddrs, client_mode=client_mode, use_relay=use_relay,
                   startup_timeout=startup_timeout)
     if use_relay:

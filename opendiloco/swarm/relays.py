@@ -50,6 +50,7 @@ from hivemind.p2p import P2P, PeerID
 from hivemind.utils.multiaddr import Multiaddr
 
 from ..comm.wire import ByteStream
+from .dialing import dial_from_ephemeral_ports
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +76,9 @@ _P2P, _CIRCUIT = 421, 290  # multiaddr protocol codes of /p2p and /p2p-circuit
 
 def daemon_options(client_mode: bool, relays: Sequence[str]) -> dict:
     """``P2P.create`` keyword arguments: a client-mode node reserves slots on ``usable_relays(relays)``
-    (public peers' full addresses, with ``/p2p/ID``); any other node relays for the others."""
+    (public peers' full addresses, with ``/p2p/ID``); any other node relays for the others. Either
+    dials from ephemeral ports (``dialing.py``)."""
+    dial_from_ephemeral_ports()
     if not client_mode:
         return {"force_reachability": "public"}
     relays = usable_relays(relays)

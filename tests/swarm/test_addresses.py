@@ -10,10 +10,10 @@ import time
 import pytest
 
 from opendiloco.errors import Unreachable
+from opendiloco.swarm import presence
 from opendiloco.swarm.addresses import MAX_ADDRS, AddressBook, checked_addrs, is_local, own_addrs, plain_address
 from opendiloco.swarm.communicator import SwarmCommunicator, SwarmSettings
 from opendiloco.swarm.node import start_dht
-from opendiloco.swarm import presence
 from opendiloco.swarm.presence import ADDRS_EVERY_S
 from opendiloco.swarm.records import WorkerRecord
 from opendiloco.swarm.streams import P2PStreams
