@@ -271,6 +271,7 @@ class SwarmCommunicator(Communicator):
                                  find_addrs=functools.partial(self.p2p.get_visible_maddrs, latest=True),
                                  publish_addrs=not dht.client_mode)
         self.presence.on_new_address = self._on_new_address
+        self.presence.on_rejoined = self._on_rejoined
         self.records.on_peers_moved = self._note_peers_moved
         self.matchmaker = Matchmaker(self.records, self.presence, MatchmakingSettings(
             run_id=s.run_id, min_group_size=s.min_group_size, matchmaking_timeout=s.matchmaking_timeout,
@@ -794,6 +795,17 @@ class SwarmCommunicator(Communicator):
                     "router's address changed. Closing its connections so that streams dial anew%s", relay[-8:],
                     ", and abandoning the attempt in flight" if self._in_flight() else "")
         self._in_background(self._readdressed(keep={relay}))  # its new connection to the relay holds its slot
+
+    def _on_rejoined(self) -> None:
+        """Behind NAT, the other sign of its router's move: its DHT node lost every peer at once and its
+        redial found them at once (it may beat the relay watch to the relay's connection, and the
+        watch then sees a live one). Not within ``OWN_CLOSE_GRACE_S`` of closing its connections itself."""
+        if self.relay_slots is None or self.relay_slots.closed_recently():
+            return
+        log.warning("this worker's DHT node lost every peer at once and found them again at the redial: its "
+                    "router's address changed. Closing its connections so that streams dial anew%s",
+                    ", and abandoning the attempt in flight" if self._in_flight() else "")
+        self._in_background(self._readdressed(keep=set(self.relay_slots.relays)))
 
     def _in_flight(self) -> RoundRunner | None:
         runner = self._runner

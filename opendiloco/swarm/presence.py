@@ -99,6 +99,9 @@ class Presence:
         self.on_new_address: Callable[[list[str], list[str]], None] | None = None
         """Called (on the loop) when an address the daemon listened on is gone: this worker's address
         changed, and every connection it held through the old one is dead."""
+        self.on_rejoined: Callable[[], None] | None = None
+        """Called (on the loop) when its DHT node had lost every peer and found the run again at the
+        redial: every connection it held died at once (behind NAT: its router's address changed)."""
         self.initial_peers = tuple(initial_peers)
         """Where its DHT node joined the run: dialled again if it loses every peer (``rejoin.py``)."""
         self._lost_peers = False
@@ -248,6 +251,8 @@ class Presence:
         self._most_known = max(self._most_known, after)
         if before == 0 and after:
             self._rejoined_at = time.monotonic()
+            if self.on_rejoined is not None:
+                self.on_rejoined()
         if 0 < before < after:
             log.info("this worker's DHT node knew %d peer(s), fewer than half of the %d it knew at most: it dialled "
                      "its initial peers again and knows %d now", before, self._most_known, after)

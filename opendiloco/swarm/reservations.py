@@ -184,6 +184,10 @@ class RelaySlots:
         self._own_close_at = time.monotonic()
         self._soon.set()
 
+    def closed_recently(self) -> bool:
+        """Whether this node closed its connections itself (``renew_soon``) within ``OWN_CLOSE_GRACE_S``."""
+        return time.monotonic() - self._own_close_at < OWN_CLOSE_GRACE_S
+
     async def watch(self, every: float = WATCH_EVERY_S) -> None:
         """Pings each relay every ``every`` seconds (for ever: cancel to stop). A connection to a relay
         that is gone or answers a ping with a failure lost this node's slot there: it asks for one at
@@ -204,7 +208,7 @@ class RelaySlots:
                     lost = relay in connected
                 if not lost:
                     continue
-                own = time.monotonic() - self._own_close_at < OWN_CLOSE_GRACE_S
+                own = self.closed_recently()
                 if await reserve(self.p2p, relay):
                     now.add(relay)
                     self.held[relay] = True
