@@ -57,6 +57,10 @@ class Offenders:
         log.warning("peer %s %s in round %d (%s); %s out of this worker's groups until outer step %d", peer[-8:],
                     self.what, outer_step, reason, "still" if renewed else "left", outer_step + self.rounds)
 
+    def named(self) -> list[str]:
+        """The peers named now, whatever the outer step they are named until."""
+        return list(self._until)
+
     def forget(self, peers: Iterable[str]) -> None:
         """Drops ``peers`` (the next attempt tries them again)."""
         for peer in peers:

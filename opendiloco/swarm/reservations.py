@@ -56,6 +56,8 @@ PING_BYTES = 32
 PING_TIMEOUT = 5.0
 WATCH_EVERY_S = 1.0
 """How often a worker behind NAT pings its relays (``RelaySlots.watch``)."""
+AGAIN_S = 0.5
+"""After a lost connection, the pause before a second ask for the slot when the first failed."""
 OWN_CLOSE_GRACE_S = 10.0
 """After the worker closed its connections itself (``renew_soon``), a lost connection is no sign of a move."""
 
@@ -174,6 +176,9 @@ class RelaySlots:
         """Whether each relay gave this node its slot the last time it was asked."""
         self.asked = 0
         """Times it asked its relays (for status and tests)."""
+        self.on_slot_back: Callable[[str], None] | None = None
+        """Called (on the loop) with a relay's id when it holds this node's slot again after giving none
+        (it was down, or restarting): the other workers behind NAT on it are back within seconds too."""
         self.on_moved: Callable[[str], None] | None = None
         """Called (on the loop) with a relay's id when this node's connection to it broke and a new one
         holds its slot at once: its router's address changed (``watch``)."""
@@ -209,7 +214,11 @@ class RelaySlots:
                 if not lost:
                     continue
                 own = self.closed_recently()
-                if await reserve(self.p2p, relay):
+                ok = await reserve(self.p2p, relay)
+                if not ok:  # the first ask may have gone out on the dying connection itself: once more
+                    await asyncio.sleep(AGAIN_S)
+                    ok = await reserve(self.p2p, relay)
+                if ok:
                     now.add(relay)
                     self.held[relay] = True
                     if not own and self.on_moved is not None:
@@ -225,6 +234,8 @@ class RelaySlots:
             for relay, ok in zip(self.relays, results):
                 if ok and self.held.get(relay) is False:
                     log.info("relay %s holds this worker's slot again: workers behind NAT reach it there", relay[-8:])
+                    if self.on_slot_back is not None:
+                        self.on_slot_back(relay)
                 elif not ok and self.held.get(relay, True):
                     log.info("relay %s gives this worker no slot now (down, or refused): asked again every %.0f s",
                              relay[-8:], min(self.every, RETRY_S))

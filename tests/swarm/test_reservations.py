@@ -61,6 +61,50 @@ def test_a_worker_behind_nat_is_reached_through_a_relay_that_restarted(renew, tm
 
 
 @pytest.mark.swarm
+def test_a_relay_back_from_a_restart_is_reported_once_it_holds_the_slot_again(tmp_path):
+    """``on_slot_back`` tells the worker when a relay that gave no slot gives one again: the workers behind
+    NAT it could not dial while the relay was down are tried again then (``SwarmCommunicator._on_slot_back``)."""
+    async def run():
+        key, addr = str(tmp_path / "relay.key"), f"/ip4/127.0.0.1/tcp/{free_port()}"
+        P2P.generate_identity(key)
+        relay = await P2P.create(host_maddrs=[addr], identity_path=key, **daemon_options(False, []))
+        nodes = [relay]
+        try:
+            first = [str(a) for a in await relay.get_visible_maddrs()]
+            natted = await P2P.create(initial_peers=first, host_maddrs=[], **daemon_options(True, first))
+            nodes.append(natted)
+            relay_id, back = relay.peer_id.to_base58(), []
+            slots = RelaySlots(natted, first, every=3600)
+            slots.on_slot_back = back.append
+            keeping = asyncio.ensure_future(slots.keep())
+            try:
+                async def until(what, why):
+                    for _ in range(600):
+                        if what():
+                            return
+                        assert not keeping.done(), keeping
+                        await asyncio.sleep(0.1)
+                    raise AssertionError(why)
+
+                await until(lambda: slots.held.get(relay_id) is True, "no slot at start")
+                await relay.shutdown()
+                slots.renew_soon()
+                await until(lambda: slots.held.get(relay_id) is False, "a relay that is down gave a slot")
+                assert back == []
+                relay = await P2P.create(host_maddrs=[addr], identity_path=key, check_if_identity_free=False,
+                                         **daemon_options(False, []))
+                nodes[0] = relay
+                await until(lambda: back, "the relay's return was not reported")
+                assert back == [relay_id] and slots.held == {relay_id: True}
+            finally:
+                keeping.cancel()
+        finally:
+            await asyncio.gather(*(p.shutdown() for p in nodes), return_exceptions=True)
+
+    asyncio.run(asyncio.wait_for(run(), 110))
+
+
+@pytest.mark.swarm
 def test_a_relay_that_gives_no_slot_is_asked_again_soon():
     """Slots are asked for every ``every`` seconds (an hour here), and every ``RETRY_S`` while a relay
     gives none: here one that is down."""
