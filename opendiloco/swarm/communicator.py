@@ -876,6 +876,8 @@ class SwarmCommunicator(Communicator):
 
     async def _disconnect(self, peers: set[str]) -> None:
         """Closes this node's connections to ``peers``: ones that hang are then dialled anew."""
+        if self.relay_slots is not None:
+            self.relay_slots.closing(peers)
         await asyncio.gather(*(close_connections(self.p2p, p) for p in sorted(peers)))
 
     # -- state for joiners -------------------------------------------------------------------

@@ -189,6 +189,12 @@ class RelaySlots:
         self._own_close_at = time.monotonic()
         self._soon.set()
 
+    def closing(self, peers) -> None:
+        """This node is about to close its connections to ``peers`` itself (a member given up on, a moved
+        peer): if a relay is among them, its lost connection is no sign of a move."""
+        if set(peers) & set(self.relays):
+            self._own_close_at = time.monotonic()
+
     def closed_recently(self) -> bool:
         """Whether this node closed its connections itself (``renew_soon``) within ``OWN_CLOSE_GRACE_S``."""
         return time.monotonic() - self._own_close_at < OWN_CLOSE_GRACE_S

@@ -128,13 +128,15 @@ def test_a_relay_that_gives_no_slot_is_asked_again_soon():
 
 
 @pytest.mark.swarm
-@pytest.mark.parametrize("own", [False, True], ids=["broken-from-outside", "closed-by-itself"])
+@pytest.mark.parametrize("own", [None, "renew", "closing"],
+                         ids=["broken-from-outside", "closed-by-itself", "a-member-given-up-on"])
 def test_a_worker_behind_nat_sees_its_connection_to_its_relay_break_and_takes_it_for_a_move(own, tmp_path):
     """A router that changes its address forgets its mappings: the NAT'd worker's next packet on a
     connection is answered with a reset. Here the relay closes its end instead (loopback has no router to
     re-address; the NAT'd node sees the same: its connection to the relay is gone while the relay is up).
     ``watch`` gets a slot on a new connection at once and reports a move, unless the worker had just
-    closed its connections itself (``renew_soon``: its own cut-off or move)."""
+    closed its connections itself (``renew_soon``: its own cut-off or move; ``closing``: the relay is also
+    a member it gave up on; a frozen member is dialled anew this way, which took it for a move once)."""
     async def run():
         relay = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"], **daemon_options(False, []))
         nodes = [relay]
@@ -151,9 +153,13 @@ def test_a_worker_behind_nat_sees_its_connection_to_its_relay_break_and_takes_it
             try:
                 await asyncio.sleep(1.0)  # it has seen the connection
                 assert moves == []  # a healthy connection is no move
-                if own:
+                if own == "renew":
                     slots.renew_soon()
-                await close_connections(relay, natted_id)
+                if own == "closing":
+                    slots.closing({relay_id, "some-other-peer"})
+                    await close_connections(natted, relay_id)
+                else:
+                    await close_connections(relay, natted_id)
                 for _ in range(100):
                     if slots.held.get(relay_id) and moves or own and slots.held.get(relay_id):
                         break
