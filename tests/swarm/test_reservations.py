@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from hivemind.p2p import P2P
+from hivemind.p2p import P2P, P2PDaemonError
 
 from opendiloco.swarm.relays import close_connections, daemon_options, dial_via, uvarint
 from opendiloco.swarm.reservations import RESERVE, STATUS_OK, RelaySlots, answer_status, ping, relay_ids, reserve
@@ -23,27 +23,51 @@ pytestmark = pytest.mark.timeout(120)
 PEER = "12D3KooWJbER3pdJS7sBKAQtLHiLbkUSp4a6E6wobNQYbdv5jWxy"
 
 
+def _relay_identity(tmp_path) -> tuple[str, str]:
+    """A relay's key file and fixed address, so that it can start again as the same peer at the same place."""
+    key, addr = str(tmp_path / "relay.key"), f"/ip4/127.0.0.1/tcp/{free_port()}"
+    P2P.generate_identity(key)
+    return key, addr
+
+
+async def _start_relay(key: str, addr: str, again: bool = False) -> P2P:
+    return await P2P.create(host_maddrs=[addr], identity_path=key, check_if_identity_free=not again,
+                            **daemon_options(False, []))
+
+
+async def _joined(first: list[str], **kwargs) -> P2P:
+    """A daemon that joins through ``first``; started again if its first dial there failed (a loaded
+    machine: "failed to connect to bootstrap peers" came once beside the world scenario)."""
+    for tries_left in (2, 1, 0):
+        try:
+            return await P2P.create(initial_peers=first, **kwargs)
+        except P2PDaemonError:
+            if not tries_left:
+                raise
+
+
+async def _behind_nat(nodes: list) -> tuple[list[str], P2P]:
+    """The relay's (``nodes[0]``) addresses, and a client-mode node with a slot on it (added to ``nodes``)."""
+    first = [str(a) for a in await nodes[0].get_visible_maddrs()]
+    natted = await _joined(first, host_maddrs=[], **daemon_options(True, first))
+    nodes.append(natted)
+    return first, natted
+
+
 @pytest.mark.swarm
 @pytest.mark.parametrize("renew", [False, True], ids=["daemon-alone", "renewed"])
 def test_a_worker_behind_nat_is_reached_through_a_relay_that_restarted(renew, tmp_path):
     async def run():
-        key, addr = str(tmp_path / "relay.key"), f"/ip4/127.0.0.1/tcp/{free_port()}"
-        P2P.generate_identity(key)
-        relay = await P2P.create(host_maddrs=[addr], identity_path=key, **daemon_options(False, []))
-        nodes = [relay]
+        key, addr = _relay_identity(tmp_path)
+        nodes = [relay := await _start_relay(key, addr)]
         try:
-            first = [str(a) for a in await relay.get_visible_maddrs()]
-            natted = await P2P.create(initial_peers=first, host_maddrs=[], **daemon_options(True, first))
-            nodes.append(natted)
-            public = await P2P.create(initial_peers=first, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
-                                      **daemon_options(False, []))
+            first, natted = await _behind_nat(nodes)
+            public = await _joined(first, host_maddrs=["/ip4/127.0.0.1/tcp/0"], **daemon_options(False, []))
             nodes.append(public)
             natted_id, relay_id = natted.peer_id.to_base58(), relay.peer_id.to_base58()
             await _reserved(public, natted_id, first)  # the daemon's own slot, taken at start
             await relay.shutdown()  # every slot it held is gone with it
-            relay = await P2P.create(host_maddrs=[addr], identity_path=key, check_if_identity_free=False,
-                                     **daemon_options(False, []))
-            nodes[0] = relay
+            relay = nodes[0] = await _start_relay(key, addr, again=True)
             if not renew:
                 assert not await dial_via(public, natted_id, first, timeout=5.0)
                 return
@@ -65,14 +89,10 @@ def test_a_relay_back_from_a_restart_is_reported_once_it_holds_the_slot_again(tm
     """``on_slot_back`` tells the worker when a relay that gave no slot gives one again: the workers behind
     NAT it could not dial while the relay was down are tried again then (``SwarmCommunicator._on_slot_back``)."""
     async def run():
-        key, addr = str(tmp_path / "relay.key"), f"/ip4/127.0.0.1/tcp/{free_port()}"
-        P2P.generate_identity(key)
-        relay = await P2P.create(host_maddrs=[addr], identity_path=key, **daemon_options(False, []))
-        nodes = [relay]
+        key, addr = _relay_identity(tmp_path)
+        nodes = [relay := await _start_relay(key, addr)]
         try:
-            first = [str(a) for a in await relay.get_visible_maddrs()]
-            natted = await P2P.create(initial_peers=first, host_maddrs=[], **daemon_options(True, first))
-            nodes.append(natted)
+            first, natted = await _behind_nat(nodes)
             relay_id, back = relay.peer_id.to_base58(), []
             slots = RelaySlots(natted, first, every=3600)
             slots.on_slot_back = back.append
@@ -91,9 +111,7 @@ def test_a_relay_back_from_a_restart_is_reported_once_it_holds_the_slot_again(tm
                 slots.renew_soon()
                 await until(lambda: slots.held.get(relay_id) is False, "a relay that is down gave a slot")
                 assert back == []
-                relay = await P2P.create(host_maddrs=[addr], identity_path=key, check_if_identity_free=False,
-                                         **daemon_options(False, []))
-                nodes[0] = relay
+                relay = nodes[0] = await _start_relay(key, addr, again=True)
                 await until(lambda: back, "the relay's return was not reported")
                 assert back == [relay_id] and slots.held == {relay_id: True}
             finally:
@@ -141,9 +159,7 @@ def test_a_worker_behind_nat_sees_its_connection_to_its_relay_break_and_takes_it
         relay = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"], **daemon_options(False, []))
         nodes = [relay]
         try:
-            first = [str(a) for a in await relay.get_visible_maddrs()]
-            natted = await P2P.create(initial_peers=first, host_maddrs=[], **daemon_options(True, first))
-            nodes.append(natted)
+            first, natted = await _behind_nat(nodes)
             natted_id, relay_id = natted.peer_id.to_base58(), relay.peer_id.to_base58()
             assert await ping(natted, relay_id) is True
             moves = []
@@ -169,8 +185,7 @@ def test_a_worker_behind_nat_sees_its_connection_to_its_relay_break_and_takes_it
                 watching.cancel()
             assert slots.held == {relay_id: True}, slots.held  # a slot on the new connection
             assert moves == ([] if own else [relay_id])
-            public = await P2P.create(initial_peers=first, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
-                                      **daemon_options(False, []))
+            public = await _joined(first, host_maddrs=["/ip4/127.0.0.1/tcp/0"], **daemon_options(False, []))
             nodes.append(public)
             assert await dial_via(public, natted_id, first, timeout=5.0)  # reached through it again
         finally:
