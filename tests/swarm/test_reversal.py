@@ -144,7 +144,7 @@ def test_a_peer_asking_again_and_again_is_dialled_back_once_per_interval(tmp_pat
             await serving.streams.listen(serving.serve)
             await _reserved(attacker, natted_id, relays)
             flood = P2PStreams(attacker, "opendiloco.test.reverse")
-            answered = refused = 0
+            answered = refused = unreached = 0
             began = time.monotonic()
             for _ in range(12):
                 await dial_via(attacker, natted_id, relays, timeout=5.0)  # or the direct connection it dialled back
@@ -155,9 +155,12 @@ def test_a_peer_asking_again_and_again_is_dialled_back_once_per_interval(tmp_pat
                     answered += 1
                 except (Refused, StreamClosed):  # refused, or cut by the worker closing the relayed connection
                     refused += 1
+                except Unreachable:  # a loaded machine: the redial through the relay missed its 5 s; no request
+                    unreached += 1
             elapsed = time.monotonic() - began
             assert 1 <= serving.served <= 1 + elapsed / MIN_INTERVAL_S, (serving.served, elapsed)  # one per interval
-            assert answered + refused == 12 and answered <= serving.served, (answered, refused)
+            assert answered + refused + unreached == 12 and answered <= serving.served, (answered, refused)
+            assert answered + refused >= 3, (answered, refused, unreached)  # the flood did reach it
             peers = {info.peer_id for info in await natted.list_peers()}
             assert peers <= {relay.peer_id, attacker.peer_id}  # it dialled nobody else
         finally:
