@@ -11,12 +11,12 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from hivemind.p2p import P2P, P2PDaemonError
+from hivemind.p2p import P2P
 
 from opendiloco.swarm.relays import close_connections, daemon_options, dial_via, uvarint
 from opendiloco.swarm.reservations import RESERVE, STATUS_OK, RelaySlots, answer_status, ping, relay_ids, reserve
 from opendiloco.testing.ports import free_port
-from tests.swarm.test_reversal import _reserved
+from tests.swarm.test_reversal import _joined, _reserved
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -33,17 +33,6 @@ def _relay_identity(tmp_path) -> tuple[str, str]:
 async def _start_relay(key: str, addr: str, again: bool = False) -> P2P:
     return await P2P.create(host_maddrs=[addr], identity_path=key, check_if_identity_free=not again,
                             **daemon_options(False, []))
-
-
-async def _joined(first: list[str], **kwargs) -> P2P:
-    """A daemon that joins through ``first``; started again if its first dial there failed (a loaded
-    machine: "failed to connect to bootstrap peers" came once beside the world scenario)."""
-    for tries_left in (2, 1, 0):
-        try:
-            return await P2P.create(initial_peers=first, **kwargs)
-        except P2PDaemonError:
-            if not tries_left:
-                raise
 
 
 async def _behind_nat(nodes: list) -> tuple[list[str], P2P]:
