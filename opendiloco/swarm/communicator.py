@@ -792,10 +792,13 @@ class SwarmCommunicator(Communicator):
         self._in_background(self._readdressed())
 
     def _on_router_moved(self, relay: str) -> None:
-        log.warning("this worker's connection to its relay %s broke, and a new one holds its slot again: its "
-                    "router's address changed. Closing its connections so that streams dial anew%s", relay[-8:],
+        self._router_moved(f"this worker's connection to its relay {relay[-8:]} broke, and a new one holds its "
+                           "slot again", keep={relay})  # its new connection to the relay holds its slot
+
+    def _router_moved(self, sign: str, keep: set[str]) -> None:
+        log.warning("%s: its router's address changed. Closing its connections so that streams dial anew%s", sign,
                     ", and abandoning the attempt in flight" if self._in_flight() else "")
-        self._in_background(self._readdressed(keep={relay}))  # its new connection to the relay holds its slot
+        self._in_background(self._readdressed(keep=keep))
 
     def _on_slot_back(self, relay: str) -> None:
         """The members behind NAT this worker could not dial while the relay was down are tried again at
@@ -819,10 +822,8 @@ class SwarmCommunicator(Communicator):
         watch then sees a live one). Not within ``OWN_CLOSE_GRACE_S`` of closing its connections itself."""
         if self.relay_slots is None or self.relay_slots.closed_recently():
             return
-        log.warning("this worker's DHT node lost every peer at once and found them again at the redial: its "
-                    "router's address changed. Closing its connections so that streams dial anew%s",
-                    ", and abandoning the attempt in flight" if self._in_flight() else "")
-        self._in_background(self._readdressed(keep=set(self.relay_slots.relays)))
+        self._router_moved("this worker's DHT node lost every peer at once and found them again at the redial",
+                           keep=set(self.relay_slots.relays))
 
     def _in_flight(self) -> RoundRunner | None:
         runner = self._runner
