@@ -98,11 +98,16 @@ def is_local(addr: str) -> bool:
         return False
 
 
+def is_loopback(addr: str) -> bool:
+    """Whether ``addr`` is a loopback address (no peer elsewhere can dial it)."""
+    return addr.startswith(("/ip4/127.", "/ip6/::1/"))
+
+
 def own_addrs(visible: Iterable) -> tuple[str, ...]:
     """What this worker's record names, from its daemon's visible addresses: the plain ones, other than
     loopback first, at most ``MAX_ADDRS``. Sorted, so that a daemon that lists more in another order
     names the same ones (its peers would take a new set for a move)."""
-    out = sorted(plain_addrs(visible), key=lambda a: (a.startswith(("/ip4/127.", "/ip6/::1/")), a))
+    out = sorted(plain_addrs(visible), key=lambda a: (is_loopback(a), a))
     return tuple(out[:MAX_ADDRS])
 
 

@@ -15,7 +15,7 @@ from collections.abc import Awaitable, Callable
 from ..comm.base import Progress, check_progress
 from ..errors import BehindError, DriftError, SwarmError
 from . import records
-from .addresses import is_local, own_addrs, plain_addrs
+from .addresses import is_local, is_loopback, own_addrs, plain_addrs
 from .partners import Partners
 from .quorum import Claim, confirmed_ahead, drifted
 from .rejoin import REDIAL_TIMEOUT, redial
@@ -52,11 +52,6 @@ class OtherSettings(SwarmError):
     def covering(self, covers: str, advice: str = "") -> OtherSettings:
         """The same refusal, naming what the fingerprint covers (and how to compare it)."""
         return type(self)(self.detail, covers, advice)
-
-
-def _routable(addrs) -> bool:
-    """Whether any of ``addrs`` is an address other than loopback (one a peer elsewhere can dial)."""
-    return any(not a.startswith(("/ip4/127.", "/ip6/::1/")) for a in addrs)
 
 
 class Presence:
@@ -227,7 +222,7 @@ class Presence:
         gone, self._listening = self._listening - listening, listening
         # Its own addresses; where it has none (an announced public address, a 1:1 NAT), what it announces.
         addrs = own_addrs(listening or plain) if self.publish_addrs else ()
-        if not _routable(addrs) and _routable(self.addrs):
+        if all(map(is_loopback, addrs)) and not all(map(is_loopback, self.addrs)):
             # Mid-move the daemon may list loopback alone for a moment: a record naming only that sent its
             # peers dialling themselves (17 s in the long scenario). The old one stands until the new address.
             addrs = self.addrs
