@@ -333,10 +333,10 @@ class RoundRunner:
         """The whole average's digest, once the round has completed here."""
         self.ended = asyncio.Event()
         """Set when ``run`` has returned or raised: the round's outcome here is final."""
-        self.heard_at = time.monotonic()
+        self.began_at = self.heard_at = time.monotonic()
         """(monotonic) When a frame of this attempt last came in from any member (from its start)."""
-        self.heard_from: set[str] = set()
-        """The members that sent this worker a frame of this attempt."""
+        self.heard_from: dict[str, float] = {}
+        """(monotonic) The members that sent this worker a frame of this attempt, and when the last came."""
 
     # -- the round, as the member that started it sees it -------------------------------------------
     async def run(self, connect: Connect) -> RoundOutcome:
@@ -431,8 +431,7 @@ class RoundRunner:
         return time.monotonic() - self.heard_at
 
     def _heard(self, member: str) -> None:
-        self.heard_at = time.monotonic()
-        self.heard_from.add(member)
+        self.heard_at = self.heard_from[member] = time.monotonic()
 
     async def abandon(self, why: str) -> None:
         """Fails the attempt here now: this worker cannot do its part (``why``). Members that may have

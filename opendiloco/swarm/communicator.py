@@ -53,6 +53,7 @@ from . import records
 from .addresses import dial_addrs
 from .doctor import startup_warnings
 from .exclusion import EXCLUDE_ROUNDS, Offenders, UnreachablePeers
+from .frozen import PING_TIMEOUT_S, FrozenProbe
 from .hooks import RoundHooks
 from .majority import RecentMembers
 from .matchmaking import Doorbell, Matchmaker, MatchmakingSettings
@@ -63,7 +64,7 @@ from .presence import OtherSettings, Presence
 from .pushed_records import MAX_PUSH_BYTES, PushedRecord, decode_push, encode_push
 from .quorum import confirmed
 from .relays import DIAL_TIMEOUT, RENEW_BEFORE_ROUND_S, RENEW_GRACE_S, RelayLinks, close_connections
-from .reservations import RelaySlots
+from .reservations import RelaySlots, ping
 from .reversal import ConnectionReversal
 from .signing import Identity
 from .state_transfer import StateServer, download_bound, fetch_state, own_check
@@ -730,8 +731,10 @@ class SwarmCommunicator(Communicator):
         record expires ``record_ttl`` after its last heartbeat; once it has been gone from two reads
         and ``VANISHED_S``, the attempt fails as at its timeout and the next one forms without it (the
         matchmaker expects only live workers). What the attempt waits on includes the audit's answers:
-        a member that froze once its parts and shard were in held eight others 36 s there. A member
-        that is slow but alive keeps its record, and is waited for as before.
+        a member that froze once its parts and shard were in held eight others 36 s there. Sooner than
+        that, a member whose daemon froze with it leaves a ping unanswered while the others echo
+        (``swarm/frozen.py``): given up on then, some 5 s after its last frame. A member that is slow
+        but alive keeps its record and echoes, and is waited for as before.
 
         A member whose address changed mid-exchange keeps its record fresh (its DHT node finds the run
         from the new address), while every stream of the attempt, its own and the others' to it, hangs
@@ -742,34 +745,53 @@ class SwarmCommunicator(Communicator):
         it, does not reach a member whose stream to it is stuck (in a relay, say)."""
         loop = asyncio.get_running_loop()
         gone_since: dict[str, tuple[float, int]] = {}
+        probe = FrozenProbe(runner, functools.partial(ping, self.p2p, timeout=PING_TIMEOUT_S), self._peer_id,
+                            skip=group.relayed)
+        try:
+            while not runner.ended.is_set():
+                await asyncio.sleep(1.0)
+                if await self._gave_up(runner, group, probe, gone_since, loop.time()):
+                    return
+        finally:
+            probe.close()
+
+    async def _gave_up(self, runner: RoundRunner, group: Group, probe: FrozenProbe,
+                       gone_since: dict[str, tuple[float, int]], now: float) -> bool:
+        """One look of ``_give_up_on_vanished``: True once the attempt was given up (or abandoned) here."""
         cut_off_after = self.settings.cut_off_after
-        while not runner.ended.is_set():
-            await asyncio.sleep(1.0)
-            if cut_off_after and runner.silent_for() >= cut_off_after:
-                await self._cut_off(runner, group)
-                return
-            live, reads, now = self._workers_snapshot, self._snapshot_reads, loop.time()
-            for m in group.members:
-                if m == self._peer_id or not runner.waits_on(m):
-                    gone_since.pop(m, None)
-                    continue
-                if m in live and live[m].abandoned == group.group_id:
-                    log.warning("round %s: member %s ended this attempt (it failed there) with its part of the "
-                                "exchange still owed: giving up on it", group.group_id, m[-8:])
-                    await runner.give_up_on(m, "ended its attempt")
-                    if m not in runner.heard_from:  # cut off (a new address, say): the connection to it is dead
-                        await self._disconnect({m})
-                    return
-                if m in live:
-                    gone_since.pop(m, None)
-                    continue
-                since, at_read = gone_since.setdefault(m, (now, reads))
-                if now - since >= VANISHED_S and reads - at_read >= 2:
-                    log.warning("round %s: member %s is gone from the run's records (no heartbeat for %.0f s) "
-                                "with its part of the exchange still owed: giving up on it", group.group_id,
-                                m[-8:], self.presence.record_ttl)
-                    await runner.give_up_on(m, "left the run's records")
-                    return
+        if cut_off_after and runner.silent_for() >= cut_off_after:
+            await self._cut_off(runner, group)
+            return True
+        frozen = probe.step()
+        if frozen is not None and runner.waits_on(frozen) and not runner.ended.is_set():
+            log.warning("round %s: member %s left a ping unanswered for %.0f s while the other members answered "
+                        "(frozen, or its links to this worker broke), with its part of the exchange still owed: "
+                        "giving up on it", group.group_id, frozen[-8:], PING_TIMEOUT_S)
+            await runner.give_up_on(frozen, "left a ping unanswered")
+            return True
+        live, reads = self._workers_snapshot, self._snapshot_reads
+        for m in group.members:
+            if m == self._peer_id or not runner.waits_on(m):
+                gone_since.pop(m, None)
+                continue
+            if m in live and live[m].abandoned == group.group_id:
+                log.warning("round %s: member %s ended this attempt (it failed there) with its part of the "
+                            "exchange still owed: giving up on it", group.group_id, m[-8:])
+                await runner.give_up_on(m, "ended its attempt")
+                if m not in runner.heard_from:  # cut off (a new address, say): the connection to it is dead
+                    await self._disconnect({m})
+                return True
+            if m in live:
+                gone_since.pop(m, None)
+                continue
+            since, at_read = gone_since.setdefault(m, (now, reads))
+            if now - since >= VANISHED_S and reads - at_read >= 2:
+                log.warning("round %s: member %s is gone from the run's records (no heartbeat for %.0f s) "
+                            "with its part of the exchange still owed: giving up on it", group.group_id,
+                            m[-8:], self.presence.record_ttl)
+                await runner.give_up_on(m, "left the run's records")
+                return True
+        return False
 
     async def _cut_off(self, runner: RoundRunner, group: Group) -> None:
         """This worker heard nothing from any member of the attempt for ``cut_off_after`` seconds while

@@ -7,6 +7,8 @@ import time
 
 import pytest
 
+from opendiloco.testing.proctree import descendants
+
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(300)]
 
 FAST = dict(straggler_wait=3, allreduce_timeout=8)
@@ -62,15 +64,25 @@ def test_late_joiner_downloads_state_and_trains_in_step(swarm):
           f"in {start['download_s']:.2f}s")
 
 
-@pytest.mark.parametrize("fault", ["kill", "stop"])
+def _thaw(pids: list[int]) -> None:
+    for pid in reversed(pids):  # its daemon first
+        os.kill(pid, signal.SIGCONT)
+
+
+@pytest.mark.parametrize("fault", ["kill", "stop", "freeze"])
 def test_peer_lost_mid_allreduce_survivors_finish_and_it_catches_up(swarm, fault):
-    """A member killed or frozen (SIGSTOP) mid-all-reduce. Killed, its streams close; frozen, it sends
-    nothing and closes nothing, and the survivors give up on it once its record has expired, not at
-    the exchange's timeout (given a long one here: before, they waited it out)."""
+    """A member killed, stopped or frozen mid-all-reduce. Killed, its streams close. Stopped (SIGSTOP to
+    the worker alone: its p2p daemon still echoes pings), it sends nothing and closes nothing, and the
+    survivors give up on it once its record has expired, not at the exchange's timeout (given a long one
+    here: before, they waited it out). Frozen (SIGSTOP to the worker and its daemon: a paused machine),
+    it leaves their pings unanswered while they echo each other's, and they give up on it for that,
+    its record still alive (it outlives the exchange's timeout here)."""
     swarm.bootstrap()
     # The survivors train until the test stops them (SIGTERM), so that they are still there to be
     # caught up from however fast this machine runs them.
     timeouts = FAST if fault == "kill" else {**FAST, "allreduce_timeout": FROZEN_TIMEOUT}
+    if fault == "freeze":
+        timeouts["record_ttl"] = 2 * FROZEN_TIMEOUT
     opts = dict(outer_steps=100_000, local_steps=5, step_delay=0.15, min_group_size=2, **timeouts)
     survivors = [swarm.worker(f"w{i}", seed=i + 1, **opts) for i in range(2)]
     victim = swarm.worker("victim", seed=9, stall_in_allreduce=(2, 30), **opts)
@@ -78,22 +90,34 @@ def test_peer_lost_mid_allreduce_survivors_finish_and_it_catches_up(swarm, fault
     swarm.wait_for(marker.exists, 120, "the victim to enter an all-reduce at or after outer step 2",
                    show=["victim", "w0"])
     hit = time.time()
-    os.kill(victim.pid, signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
-    # The round it stalled in: outer step 2, or a later one if the others ran ahead while it started.
-    after = int(marker.read_text().split()[0]) + 1
+    frozen = [victim.pid] + (descendants(victim.pid) if fault == "freeze" else [])
+    for pid in frozen:
+        os.kill(pid, signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
+    try:
+        # The round it stalled in: outer step 2, or a later one if the others ran ahead while it started.
+        after = int(marker.read_text().split()[0]) + 1
 
-    swarm.wait_for(lambda: all(after in ok_syncs(swarm, f"w{i}") for i in range(2)), FROZEN_TIMEOUT,
-                   "survivors to finish the round", show=["w0", "w1"])
-    held = max(ok_syncs(swarm, f"w{i}")[after]["time"] for i in range(2)) - hit
-    for i in range(2):
-        rec = ok_syncs(swarm, f"w{i}")[after]
-        assert rec["group_size"] == 2, rec  # the victim's contribution is not in it
-    if fault == "kill":  # held up by at most the all-reduce timeout plus matchmaking slack, not the 30 s stall
-        assert held < FAST["allreduce_timeout"] + FAST["straggler_wait"] + 8, held
-    else:  # its record expired (8 s after its last heartbeat) long before the exchange's timeout
-        assert held < FROZEN_TIMEOUT, held
-        assert any("gone from the run's records" in line for i in range(2) for line in
-                   swarm.log(f"w{i}", tail=200000).splitlines()), swarm.log("w0")
+        swarm.wait_for(lambda: all(after in ok_syncs(swarm, f"w{i}") for i in range(2)), FROZEN_TIMEOUT,
+                       "survivors to finish the round", show=["w0", "w1"])
+        held = max(ok_syncs(swarm, f"w{i}")[after]["time"] for i in range(2)) - hit
+        for i in range(2):
+            rec = ok_syncs(swarm, f"w{i}")[after]
+            assert rec["group_size"] == 2, rec  # the victim's contribution is not in it
+        logs = "\n".join(swarm.log(f"w{i}", tail=200000) for i in range(2))
+        if fault == "kill":  # held up by at most the all-reduce timeout plus matchmaking slack, not the 30 s stall
+            assert held < FAST["allreduce_timeout"] + FAST["straggler_wait"] + 8, held
+        elif fault == "stop":  # its record expired (8 s after its last heartbeat) long before the exchange's timeout
+            assert held < FROZEN_TIMEOUT, held
+            assert "gone from the run's records" in logs, swarm.log("w0")
+            assert "left a ping unanswered" not in logs, swarm.log("w0")  # its daemon echoed: alive, as far as it knows
+        else:  # its record still lives: an unanswered ping while the other survivor echoed
+            assert held < FROZEN_TIMEOUT, held
+            assert re.search(r"member \w+ left a ping unanswered", logs), swarm.log("w0")
+            assert "gone from the run's records" not in logs, swarm.log("w0")
+    except BaseException:
+        if fault != "kill":  # so that the harness's SIGTERM ends it
+            _thaw(frozen)
+        raise
     print(f"\n{fault}: survivors completed the outer step {held:.1f}s after the fault")
 
     if fault == "kill":
@@ -103,7 +127,7 @@ def test_peer_lost_mid_allreduce_survivors_finish_and_it_catches_up(swarm, fault
         name = "victim2"
     else:
         time.sleep(1)
-        os.kill(victim.pid, signal.SIGCONT)
+        _thaw(frozen)
         back, name = victim, "victim"
     # It comes back behind: it loads state from a peer instead of contributing a stale round, then
     # averages with the others again.

@@ -61,6 +61,7 @@ def main():
     p.add_argument("--join-timeout", type=float, default=30.0)
     p.add_argument("--matchmaking-timeout", type=float, default=30.0)
     p.add_argument("--max-wait", type=float, default=600.0)
+    p.add_argument("--record-ttl", type=float, default=4.0, help="seconds this worker's record outlives its heartbeat")
     p.add_argument("--partition-hold", type=float, default=SwarmSettings.partition_hold)
     p.add_argument("--pace", default="fixed", choices=["fixed", "swarm"])
     p.add_argument("--fragments", type=int, default=1)
@@ -82,7 +83,7 @@ def main():
                              result_compression=args.result_compression,
                              straggler_wait=args.straggler_wait, allreduce_timeout=args.allreduce_timeout,
                              matchmaking_timeout=args.matchmaking_timeout, max_wait=args.max_wait,
-                             heartbeat_interval=1.0, record_ttl=4.0, verify_timeout=3.0,
+                             heartbeat_interval=1.0, record_ttl=args.record_ttl, verify_timeout=3.0,
                              aggregation=Aggregation(args.aggregation), audit_chunks=args.audit_chunks,
                              config_fingerprint=args.config_fingerprint, partition_hold=args.partition_hold)
     comm = Communicator(dht, settings, secret=RunSecret.from_environment())  # closed if the env says so

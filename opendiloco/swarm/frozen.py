@@ -1,0 +1,88 @@
+"""A member of a round that froze mid-exchange (SIGSTOP, a paused VM, a machine asleep).
+
+It sends nothing and closes nothing, and its record lives on until ``record_ttl`` after its last
+heartbeat, so the others used to wait that long and more before they gave up on it: 10-13 s per
+freeze in the long world scenario, every other member idle. Its p2p daemon froze with it, so
+libp2p's ping to it goes unanswered; a member that is slow but alive (its training loop busy, its
+link full) echoes at once, because its daemon is another process. An unanswered ping proves
+nothing where this worker is the one cut off, so a member is taken for frozen only while another
+member proved this worker's links alive in the same window: a frame of the round, or an echo.
+
+Members reached through a relay are not pinged (their pings travel the relay's limited
+connection); their records still tell when they are gone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, Iterable
+
+SILENT_S = 2.0
+"""A member the round waits on that sent nothing for this long is pinged."""
+PING_TIMEOUT_S = 3.0
+"""The longest an echo takes from a live daemon: many round trips of the slowest link, and a loaded machine."""
+
+Ping = Callable[[str], Awaitable["bool | None"]]
+"""libp2p's ping to a peer: True if it echoed, False if the stream failed, None if no echo came in time."""
+
+
+class FrozenProbe:
+    """The pings of one attempt of a round, read by the watch over it once a second (``step``)."""
+
+    def __init__(self, runner, ping: Ping, me: str, skip: Iterable[str] = ()):
+        self._runner, self._ping, self._me = runner, ping, me
+        self._skip = set(skip) | {me}
+        self._pings: dict[str, tuple[float, asyncio.Task]] = {}
+        self._echoed_at: dict[str, float] = {}
+
+    def step(self) -> str | None:
+        """Reads the pings that ended and starts new ones; the member taken for frozen, if any."""
+        now = time.monotonic()
+        unanswered = []
+        for member, (sent, task) in list(self._pings.items()):
+            if not task.done():
+                continue
+            del self._pings[member]
+            if task.result() is True:
+                self._echoed_at[member] = now
+            elif task.result() is None:
+                unanswered.append((member, sent))
+        for member, sent in unanswered:
+            if not self._heard_since(member, sent) and self._others_alive_since(member, sent):
+                return member
+        owing = [m for m in self._runner.members
+                 if m not in self._skip and self._runner.waits_on(m) and self._silent(m, now) >= SILENT_S]
+        for member in owing:
+            self._send(member, now)
+        if owing and not any(self._others_alive_since(m, now - SILENT_S) for m in owing):
+            control = self._control(exclude=set(owing))
+            if control is not None:  # a member that can prove this worker's links alive while the others are pinged
+                self._send(control, now)
+        return None
+
+    def close(self) -> None:
+        for _, task in self._pings.values():
+            task.cancel()
+        self._pings.clear()
+
+    def _send(self, member: str, now: float) -> None:
+        if member not in self._pings:
+            self._pings[member] = (now, asyncio.ensure_future(self._ping(member)))
+
+    def _silent(self, member: str, now: float) -> float:
+        return now - self._runner.heard_from.get(member, self._runner.began_at)
+
+    def _heard_since(self, member: str, since: float) -> bool:
+        return self._runner.heard_from.get(member, float("-inf")) >= since
+
+    def _others_alive_since(self, member: str, since: float) -> bool:
+        return any(m != member and (self._heard_since(m, since) or self._echoed_at.get(m, float("-inf")) >= since)
+                   for m in self._runner.members if m != self._me)
+
+    def _control(self, exclude: set[str]) -> str | None:
+        """The member heard from last (first in the group where none was), outside ``exclude``."""
+        candidates = [m for m in self._runner.members if m not in self._skip and m not in exclude]
+        if not candidates:
+            return None
+        return max(candidates, key=lambda m: self._runner.heard_from.get(m, float("-inf")))
