@@ -73,6 +73,9 @@ class InDoubt(PeerFailure):
         self.ask = tuple(ask)
         self.held = held
         """The whole verified average (a ``RoundOutcome``) where every shard reached this worker, else None."""
+        self.failed_too: frozenset[str] = frozenset()
+        """Members that answered, when asked (``runner.resolve``), that they failed the attempt too: alive and
+        reachable, so not to blame for it, whichever of their streams this worker saw close first."""
 
 
 class RoundCounted(BehindError):

@@ -929,6 +929,21 @@ def test_a_member_killed_at_any_step_leaves_the_others_with_one_outcome(victim, 
     assert_one_outcome(results, flats)
 
 
+def test_members_that_said_they_failed_too_are_not_blamed_for_the_retry():
+    """A survivor's attempt fails on whichever stream it saw close first, often the other survivor's (it
+    failed on the victim a moment sooner). Asked, that survivor says it failed too: alive, so not a
+    suspect to leave out of the retry (``InDoubt.failed_too``), while the dead victim stays one."""
+    in_doubt = []
+    for at in CUTS:
+        results, _, happened, _ = cut_round("c", at, dead=True)
+        assert happened
+        in_doubt += [(m, o) for m, (what, o) in results.items() if what == "retry" and isinstance(o, InDoubt)]
+    assert in_doubt  # some cut leaves a survivor in doubt, asking
+    for m, doubt in in_doubt:
+        assert doubt.failed_too <= {"a", "b"} - {m}, (m, doubt.failed_too)
+    assert any(doubt.failed_too for _, doubt in in_doubt), in_doubt  # and one asked the other, and heard it failed
+
+
 @pytest.mark.parametrize("at", ["all-out", "after-confirm"])
 def test_a_frozen_member_ends_with_its_groups_outcome(at):
     """The victim goes silent instead (its streams hang): the others wait out the confirmations, the victim

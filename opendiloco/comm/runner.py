@@ -1246,6 +1246,7 @@ async def resolve(doubt: InDoubt, connect: Connect, key: RoundKey, timeout: floa
         raise RoundCounted(f"the group completed round {key} ({gid}) without this worker's confirmation (here: "
                            f"{doubt}); adopting its state", group_outer_step=step, completed=True)
     if all(a in ("failed", "ruled out", "gone") for a in answers.values()):
+        doubt.failed_too = frozenset(p for p, a in answers.items() if a == "failed")
         log.info("round %s: no member can have completed it (%s): retrying", gid,
                  ", ".join(f"{p[-8:]} {a}" for p, a in sorted(answers.items())))
         return None

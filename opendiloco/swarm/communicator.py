@@ -53,7 +53,7 @@ from . import records
 from .addresses import dial_addrs
 from .doctor import startup_warnings
 from .exclusion import EXCLUDE_ROUNDS, Offenders, UnreachablePeers
-from .frozen import PING_TIMEOUT_S, FrozenProbe
+from .frozen import PING_TIMEOUT_S, FrozenProbe, Unanswered
 from .hooks import RoundHooks
 from .majority import RecentMembers
 from .matchmaking import Doorbell, Matchmaker, MatchmakingSettings
@@ -274,6 +274,7 @@ class SwarmCommunicator(Communicator):
         self.presence.on_new_address = self._on_new_address
         self.presence.on_rejoined = self._on_rejoined
         self.records.on_peers_moved = self._note_peers_moved
+        self.unanswered = Unanswered(self._loop, lambda peer: ping(self.p2p, peer, timeout=PING_TIMEOUT_S))
         self.matchmaker = Matchmaker(self.records, self.presence, MatchmakingSettings(
             run_id=s.run_id, min_group_size=s.min_group_size, matchmaking_timeout=s.matchmaking_timeout,
             straggler_wait=s.straggler_wait, max_wait=s.max_wait,
@@ -284,7 +285,7 @@ class SwarmCommunicator(Communicator):
             self._interrupted,
             doorbell=self.doorbell, push=self._push,
             joiners=lambda step: self.state_server.recent_joiners(step, within=s.straggler_wait + 10.0),
-            offenders=self.offenders, unreachable=self.unreachable)
+            offenders=self.offenders, unreachable=self.unreachable, liveness=self.unanswered)
         self._workers_snapshot: dict[str, records.WorkerRecord] = {}
         self._snapshot_reads = 0  # successful reads of the run's workers so far
         self._pace_refresh = asyncio.run_coroutine_threadsafe(self._refresh_workers(), self._loop)
@@ -562,9 +563,10 @@ class SwarmCommunicator(Communicator):
                 self._used_attempt(key, attempt)
                 raise
             except AveragingError as e:
-                if isinstance(e, PeerFailure):  # one that refused us failed knowingly: it is back for the retry
+                if isinstance(e, PeerFailure):  # one that refused us, or said it failed too, is back for the retry
                     runner = self._runner if self._runner is not None and self._runner.group is group else None
-                    suspects |= e.peers - {self._peer_id} - (runner.refused_by if runner else set())
+                    suspects |= e.peers - {self._peer_id} - (runner.refused_by if runner else set()) - \
+                        (e.failed_too if isinstance(e, InDoubt) else set())
                 errors.append(f"attempt {attempt}: {e}")
                 log.warning("round %s, attempt %d with %d peers failed: %s", key, attempt, len(group.members), e)
                 self._used_attempt(key, attempt)
@@ -767,6 +769,7 @@ class SwarmCommunicator(Communicator):
             log.warning("round %s: member %s left a ping unanswered for %.0f s while the other members answered "
                         "(frozen, or its links to this worker broke), with its part of the exchange still owed: "
                         "giving up on it", group.group_id, frozen[-8:], PING_TIMEOUT_S)
+            self.unanswered.found(frozen)  # not waited for in the retry's matchmaking either
             await runner.give_up_on(frozen, "left a ping unanswered")
             return True
         live, reads = self._workers_snapshot, self._snapshot_reads

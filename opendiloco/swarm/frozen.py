@@ -1,4 +1,4 @@
-"""A member of a round that froze mid-exchange (SIGSTOP, a paused VM, a machine asleep).
+"""A peer that froze (SIGSTOP, a paused VM, a machine asleep): in a round's exchange, or on its way to one.
 
 It sends nothing and closes nothing, and its record lives on until ``record_ttl`` after its last
 heartbeat, so the others used to wait that long and more before they gave up on it: 10-13 s per
@@ -10,11 +10,16 @@ member proved this worker's links alive in the same window: a frame of the round
 
 Members reached through a relay are not pinged (their pings travel the relay's limited
 connection); their records still tell when they are gone.
+
+Matchmaking asks the same of the peers it would wait for (``Unanswered``): a peer that froze before
+its round, or whose round's attempt another member gave up on it in, keeps a record that says it is
+coming, and used to be waited for until that record expired or its grace ran out.
 """
 
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Awaitable, Callable, Iterable
 
@@ -22,6 +27,11 @@ SILENT_S = 2.0
 """A member the round waits on that sent nothing for this long is pinged."""
 PING_TIMEOUT_S = 3.0
 """The longest an echo takes from a live daemon: many round trips of the slowest link, and a loaded machine."""
+
+PING_EVERY_S = 1.0
+"""The least time between two pings matchmaking sends one peer."""
+FOUND_FOR_S = 10.0
+"""How long a peer found frozen is neither waited for nor grouped with by matchmaking (pinged again then)."""
 
 Ping = Callable[[str], Awaitable["bool | None"]]
 """libp2p's ping to a peer: True if it echoed, False if the stream failed, None if no echo came in time."""
@@ -86,3 +96,46 @@ class FrozenProbe:
         if not candidates:
             return None
         return max(candidates, key=lambda m: self._runner.heard_from.get(m, float("-inf")))
+
+
+class Unanswered:
+    """The peers found frozen, for matchmaking: each left a ping unanswered for ``PING_TIMEOUT_S`` while a
+    peer pinged with it echoed. Pings run on the communicator's loop; ``probe`` and ``frozen`` are called
+    from the round's thread."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, ping: Ping):
+        self._loop, self._ping = loop, ping
+        self._lock = threading.Lock()
+        self._found: dict[str, float] = {}
+        self._pinged: dict[str, float] = {}
+
+    def found(self, peer: str) -> None:
+        with self._lock:
+            self._found[peer] = time.monotonic()
+
+    def frozen(self) -> frozenset[str]:
+        now = time.monotonic()
+        with self._lock:
+            return frozenset(p for p, t in self._found.items() if now - t < FOUND_FOR_S)
+
+    def probe(self, peers: Iterable[str], controls: Iterable[str]) -> None:
+        """Pings those of ``peers`` not pinged within ``PING_EVERY_S``, with the first of ``controls`` that is
+        not among them (nothing without one: an unanswered ping proves nothing alone). Returns at once."""
+        now = time.monotonic()
+        with self._lock:
+            due = sorted(p for p in peers if now - self._pinged.get(p, float("-inf")) >= PING_EVERY_S)
+            control = next((c for c in controls if c not in due), None)
+            if not due or control is None:
+                return
+            for p in due:
+                self._pinged[p] = now
+        asyncio.run_coroutine_threadsafe(self._check(due, control), self._loop)
+
+    async def _check(self, peers: list[str], control: str) -> None:
+        answers = await asyncio.gather(self._ping(control), *(self._ping(p) for p in peers))
+        for peer, answer in zip(peers, answers[1:]):
+            if answer is None and answers[0] is True:
+                self.found(peer)
+            elif answer is True:  # back (thawed), or never frozen
+                with self._lock:
+                    self._found.pop(peer, None)

@@ -30,6 +30,7 @@ from ..comm.runner import Group, make_group_id
 from ..errors import AveragingError, BehindError, Interrupted
 from . import records
 from .exclusion import Offenders, UnreachablePeers, announced_avoid, conflict_free, conflicts, part_of, partition
+from .frozen import Unanswered
 from .presence import Presence
 
 log = logging.getLogger(__name__)
@@ -121,12 +122,14 @@ class Matchmaker:
                  codec_name: str, interrupted: threading.Event, *, doorbell: Doorbell | None = None,
                  push: Callable[[Sequence[str], str, int, list], None] | None = None,
                  joiners: Callable[[int], set[str]] | None = None, offenders: Offenders | None = None,
-                 unreachable: Offenders | None = None):
+                 unreachable: Offenders | None = None, liveness: Unanswered | None = None):
         """``joiners(outer_step)``: peers that just downloaded this worker's state of that outer step
         (they are on their way to its round, possibly before their progress record can be read).
         ``offenders``: the peers this worker caught sending malformed data; ``unreachable``: those it could
-        not dial (both named in its announcements)."""
+        not dial (both named in its announcements); ``liveness``: the peers found frozen (``frozen.py``),
+        neither waited for nor grouped with, and the pings that find them."""
         self.records, self.presence, self.settings = run_records, presence, settings
+        self.liveness = liveness
         self.joiners = joiners or (lambda outer_step: set())
         self.codec_name, self.interrupted = codec_name, interrupted
         self.me = presence.peer_id
@@ -247,7 +250,8 @@ class Matchmaker:
             self._set_avoids(announced_ok | {me})
             self.relayed = {p: ready[p].get("relayed") is True for p in announced_ok}
             self.relayed[me] = self._behind_nat()
-            compatible = announced_ok - (self.taken - {me}) - self._gone(workers, ready, key)
+            frozen = self.liveness.frozen() if self.liveness is not None else frozenset()
+            compatible = announced_ok - (self.taken - {me}) - self._gone(workers, ready, key) - frozen
             mine = part_of(me, compatible, self.avoids)  # without peers that members of it avoid
             self._tell_if_refused(key, compatible)
             # Peers heading for this round: at its outer step, or one behind with a streamed round
@@ -262,9 +266,12 @@ class Matchmaker:
                           workers[p].outer_step == key.outer_step - 1 and workers[p].heading < key.outer_step}
             heading = {p for p, r in workers.items() if r.heading == key.outer_step} | in_flight
             heading |= {p for p in joiners if p not in workers or workers[p].heading < key.outer_step}
-            expected = (heading - set(suspects) - self.taken) | {me}
+            expected = (heading - set(suspects) - self.taken - frozen) | {me}
             # A peer that would be left out of our group even if it came now is not waited for.
             missing = {p for p in expected - compatible if p in part_of(me, compatible | {p}, self.avoids)}
+            if self.liveness is not None:  # is what we wait for alive? (the frozen are asked again: back?)
+                self.liveness.probe({p for p in missing | (frozen & heading) if p in workers and not workers[p].relays},
+                                    controls=[p for p in sorted(compatible - {me}) if not self.relayed.get(p)])
             enough = len(mine) >= s.min_group_size
             now = self.records.clock.now()
             # Everyone measures from the earliest announcement, so that the leader and the members
@@ -310,7 +317,8 @@ class Matchmaker:
                     log.info("round %s: a group of %d without %s", key, len(mine), ", ".join(
                         f"{p[-8:]} (heading {workers[p].heading}, at {workers[p].outer_step}, "
                         f"{'waited for until %+.2fs' % (give_up_at - now) if p in missing else 'not waited for'}"
-                        f"{', no-show' if p in self.no_shows else ''})" for p in sorted(left)))
+                        f"{', no-show' if p in self.no_shows else ''}{', frozen' if p in frozen else ''})"
+                        for p in sorted(left)))
                 break
             self._raise_if_interrupted()
             if not enough and now >= max(shared + s.matchmaking_timeout, give_up_at):

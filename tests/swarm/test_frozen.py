@@ -1,11 +1,13 @@
 """The rule that takes a round's member for frozen (``swarm/frozen.py``), on the round's view of it.
 
-The swarm itself is tested in test_resilience.py (a member and its daemon frozen by SIGSTOP); here,
-the cases that a loopback swarm cannot make: this worker cut off from everyone (every ping
-unanswered), and a member that sends a frame while its ping is out.
+The swarm itself is tested in test_resilience.py (a worker and its daemon frozen by SIGSTOP, in a
+round and on its way to one); here, the cases that a loopback swarm cannot make: this worker cut off
+from everyone (every ping unanswered), a member that sends a frame while its ping is out, and a
+frozen peer that echoes again.
 """
 
 import asyncio
+import threading
 import time
 
 import pytest
@@ -97,3 +99,45 @@ def test_a_member_the_round_no_longer_waits_on_is_not_pinged():
     view, sent = RoundView([ME, A, B], owing=[]), []
     probe = FrozenProbe(view, pings({A: None, B: None}, sent), ME)
     assert asyncio.run(steps(probe, 6)) == [] and sent == []
+
+
+def _loop_thread():
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    return loop, thread
+
+
+def _until(condition, bound=10.0):
+    end = time.monotonic() + bound
+    while not condition() and time.monotonic() < end:
+        time.sleep(0.01)
+    return condition()
+
+
+def test_matchmaking_finds_a_peer_frozen_only_beside_one_that_echoes(monkeypatch):
+    """``Unanswered``, called from the round's thread as matchmaking does: a peer found frozen while a
+    control echoed; nobody found without a control; a found peer that echoes again is back."""
+    monkeypatch.setattr(frozen, "PING_EVERY_S", 0.0)
+    loop, thread = _loop_thread()
+    answers, sent = {A: None, B: True}, []
+    try:
+        liveness = frozen.Unanswered(loop, pings(answers, sent))
+        liveness.probe({A}, controls=[])  # no control: no ping at all
+        time.sleep(0.2)
+        assert sent == [] and liveness.frozen() == frozenset()
+        liveness.probe({A}, controls=[A, B])  # the control is never the peer asked about
+        assert _until(lambda: liveness.frozen() == {A})
+        assert set(sent) == {A, B}
+        answers[A] = True  # thawed
+        liveness.probe({A}, controls=[B])
+        assert _until(lambda: liveness.frozen() == frozenset())
+        answers[B] = None  # the control silent too: this worker may be the one cut off
+        answers[A] = None
+        liveness.probe({A}, controls=[B])
+        time.sleep(0.3)
+        assert liveness.frozen() == frozenset()
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5)
+        loop.close()
