@@ -28,7 +28,7 @@ from opendiloco.comm.runner import (
     shard_bounds_for,
 )
 from opendiloco.comm.wire import PREFIX, ByteStream, Code, Refused, memory_pipe
-from opendiloco.errors import AveragingError, InDoubt, PeerFailure, ProtocolError, RoundCounted
+from opendiloco.errors import AveragingError, InDoubt, PeerFailure, ProtocolError, RoundCounted, Unreachable
 from opendiloco.fingerprint import new_hasher
 from opendiloco.testing.memory import MemoryNetwork
 
@@ -778,8 +778,10 @@ class CutNetwork(MemoryNetwork):
     point of the protocol; ``drop``: frames the victim never receives. Streams opened after it are whole,
     unless the victim died there (``dead``: cut, and ``on_death`` called; nobody reaches it any more)."""
 
-    def __init__(self, victim: str, at: str, *, freeze: bool = False, dead: bool = False, drop=(), **kw):
+    def __init__(self, victim: str, at: str, *, freeze: bool = False, dead: bool = False, drop=(),
+                 undialled: bool = False, **kw):
         super().__init__(**kw)
+        self.undialled = undialled
         self.victim, self.at, self.freeze, self.dead, self.drop = victim, at, freeze, dead, frozenset(drop)
         self.on_death = None
         self.pipes: list[tuple[ByteStream, ByteStream]] = []
@@ -789,6 +791,8 @@ class CutNetwork(MemoryNetwork):
     def connector(self, me):
         async def connect(peer):
             if peer not in self.handlers:
+                if self.undialled:  # as the swarm's streams say it (a killed worker's address refuses)
+                    raise Unreachable(f"could not dial {peer}: failed to dial: connection refused", {peer})
                 raise ConnectionRefusedError(f"no peer {peer}")
             mine, theirs = memory_pipe(me, peer)
             if self.victim in (me, peer) and not self.done:
@@ -838,12 +842,14 @@ class CutNetwork(MemoryNetwork):
                 self.on_death()
 
 
-def cut_round(victim: str, at: str, *, timeout=5.0, confirm_timeout=2.0, **cut):
+def cut_round(victim: str, at: str, *, timeout=5.0, confirm_timeout=2.0, record_lives=False, **cut):
     """Runs a round of three members with ``victim``'s streams cut at ``at``; each member whose attempt
     failed in doubt asks the others, as the swarm does. Returns ({member: (what it does, its outcome or
     error)}, the flats, whether the cut happened, the runners). What a member does: "applied" (its own
     round), "adopted" (the average it held, which the group completed), "counted" (``RoundCounted``: adopt
-    the group's state), "retry" (nobody can have applied the round), or "dead" (the victim, killed)."""
+    the group's state), "retry" (nobody can have applied the round), or "dead" (the victim, killed).
+    ``record_lives``: a killed victim's record outlives it (nobody learns from the run's records that it
+    is gone, only that no dial reaches it)."""
     g = torch.Generator().manual_seed(len(at))
     flats = [torch.randn(CUT_N, generator=g) for _ in MEMBERS]
 
@@ -866,7 +872,8 @@ def cut_round(victim: str, at: str, *, timeout=5.0, confirm_timeout=2.0, **cut):
             except InDoubt as doubt:
                 try:
                     outcome = await resolve(doubt, net.connector(m), group.key, timeout + confirm_timeout,
-                                            net.rounds[m], gone=lambda peer: peer not in net.handlers)
+                                            net.rounds[m],
+                                            gone=lambda peer: not record_lives and peer not in net.handlers)
                 except RoundCounted as e:
                     return "counted", e
                 return ("adopted", outcome) if outcome is not None else ("retry", doubt)
@@ -927,6 +934,21 @@ def test_a_member_killed_at_any_step_leaves_the_others_with_one_outcome(victim, 
     if results[victim][0] == "dead":
         results = {m: results[m] for m in survivors}
     assert_one_outcome(results, flats)
+
+
+@pytest.mark.parametrize("at", ["owner-mid-results", "owner-after-results"])
+def test_a_killed_member_that_no_dial_reaches_is_not_waited_for_until_its_record_expires(at):
+    """The victim dies where the survivors may think it completed the round, so they ask it; its record
+    lives on (8 s in the swarm), but every dial to it fails at once: after ``UNDIALLED_GONE_S`` it is taken
+    for gone, and they retry (before, they waited out their question's bound, here 12 s, and then dropped
+    their work as possibly counted)."""
+    results, flats, happened, _ = cut_round("c", at, dead=True, undialled=True, record_lives=True, timeout=10.0)
+    assert happened
+    survivors = {m: results[m] for m in ("a", "b")}
+    assert_one_outcome(survivors, flats)
+    # Nobody dropped its work for a question left unanswered ("counted" without a completed round).
+    assert all(what in ("retry", "applied", "adopted") for what, _ in survivors.values()), survivors
+    assert any(isinstance(o, InDoubt) for _, o in survivors.values()), survivors  # and one did ask it
 
 
 def test_members_that_said_they_failed_too_are_not_blamed_for_the_retry():

@@ -1144,6 +1144,10 @@ async def ask_outcome(connect: Connect, peer: str, group_id: str, members: Seque
 
 GONE_POLL_S = 0.5
 """While a member is asked whether it completed a round, how often the asker looks whether it has left the run."""
+UNDIALLED_GONE_S = 3.0
+"""A member asked whether it completed a round that no dial has reached for this long, every dial failing
+(a killed worker's address refuses at once), is taken for gone: had it completed the round, its state is
+out of reach, and its record would only say so once it expires (``record_ttl``, 8 s in the long scenario)."""
 
 
 async def find_outcome(connect: Connect, doubt: InDoubt, timeout: float, gone: Callable[[str], bool] | None = None,
@@ -1156,7 +1160,8 @@ async def find_outcome(connect: Connect, doubt: InDoubt, timeout: float, gone: C
     again until ``timeout``, unless it is ruled out: a member completes only with every owner's shard, so
     one that another owner never began sending its shard's end to (that owner's final answer says so) has
     not. The others are asked only for that. A member that does not answer and has left the run, or
-    says in its record that it failed the attempt (``gone(peer)``), is not waited for: had it completed
+    says in its record that it failed the attempt (``gone(peer)``), or that no dial has reached for
+    ``UNDIALLED_GONE_S`` (a killed worker), is not waited for: had it completed
     the round, its state left with it, and the members' retry counts their work once in every state that
     remains. ``answers``: the last state of
     each member of ``doubt.ask`` ("unanswered" where none came, "gone", or "ruled out" where none is
@@ -1175,6 +1180,7 @@ async def find_outcome(connect: Connect, doubt: InDoubt, timeout: float, gone: C
         return bool(found) or all(answers[m] in ("failed", "gone") or ruled_out(m) for m in doubt.ask)
 
     async def ask(peer: str) -> None:
+        undialled_since = None  # (loop time) the end of the first of the dials to it that have all failed since
         while deadline - loop.time() > 0:
             asking = asyncio.ensure_future(ask_outcome(connect, peer, doubt.group_id, doubt.members))
             try:
@@ -1188,8 +1194,18 @@ async def find_outcome(connect: Connect, doubt: InDoubt, timeout: float, gone: C
                         return
                     await asyncio.wait({asking}, timeout=min(GONE_POLL_S, max(0.0, deadline - loop.time())))
                 answer = asking.result()
-            except Exception as e:  # unreachable, refused, or out of form: not an answer
+                undialled_since = None
+            except Unreachable as e:  # no dial reached it
+                undialled_since = loop.time() if undialled_since is None else undialled_since
+                if loop.time() - undialled_since >= UNDIALLED_GONE_S:
+                    answers[peer] = "gone"
+                    log.info("round %s: %s could not be dialled for %.0f s while asked how the round ended: taken "
+                             "for gone (%s)", doubt.group_id, peer[-8:], UNDIALLED_GONE_S, e)
+                    return
+                answer = Answer("unanswered")
+            except Exception as e:  # refused, or out of form: not an answer
                 log.debug("asking %s about round %s: %s", peer[-8:], doubt.group_id, e)
+                undialled_since = None
                 answer = Answer("unanswered")
             finally:
                 if not asking.done():
