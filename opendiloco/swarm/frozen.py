@@ -99,8 +99,9 @@ class FrozenProbe:
 
 
 class Unanswered:
-    """The peers found frozen, for matchmaking: each left a ping unanswered for ``PING_TIMEOUT_S`` while a
-    peer pinged with it echoed. Pings run on the communicator's loop; ``probe`` and ``frozen`` are called
+    """The peers found frozen, for matchmaking: each left a ping unanswered for ``PING_TIMEOUT_S`` (or
+    failed it: a killed worker, whose record lives on, refuses the dial) while a peer pinged with it
+    echoed. Pings run on the communicator's loop; ``probe`` and ``frozen`` are called
     from the round's thread."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, ping: Ping):
@@ -134,8 +135,8 @@ class Unanswered:
     async def _check(self, peers: list[str], control: str) -> None:
         answers = await asyncio.gather(self._ping(control), *(self._ping(p) for p in peers))
         for peer, answer in zip(peers, answers[1:]):
-            if answer is None and answers[0] is True:
-                self.found(peer)
-            elif answer is True:  # back (thawed), or never frozen
+            if answer is True:  # back (thawed), or never frozen
                 with self._lock:
                     self._found.pop(peer, None)
+            elif answers[0] is True:  # no echo (a killed worker's address refuses the dial: no better)
+                self.found(peer)

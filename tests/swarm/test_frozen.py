@@ -116,8 +116,8 @@ def _until(condition, bound=10.0):
 
 
 def test_matchmaking_finds_a_peer_frozen_only_beside_one_that_echoes(monkeypatch):
-    """``Unanswered``, called from the round's thread as matchmaking does: a peer found frozen while a
-    control echoed; nobody found without a control; a found peer that echoes again is back."""
+    """``Unanswered``, called from the round's thread as matchmaking does: a peer found frozen (or dead) while
+    a control echoed; nobody found without a control; a found peer that echoes again is back."""
     monkeypatch.setattr(frozen, "PING_EVERY_S", 0.0)
     loop, thread = _loop_thread()
     answers, sent = {A: None, B: True}, []
@@ -130,6 +130,12 @@ def test_matchmaking_finds_a_peer_frozen_only_beside_one_that_echoes(monkeypatch
         assert _until(lambda: liveness.frozen() == {A})
         assert set(sent) == {A, B}
         answers[A] = True  # thawed
+        liveness.probe({A}, controls=[B])
+        assert _until(lambda: liveness.frozen() == frozenset())
+        answers[A] = False  # its dial refused (a killed worker): no echo either
+        liveness.probe({A}, controls=[B])
+        assert _until(lambda: liveness.frozen() == {A})
+        answers[A] = True
         liveness.probe({A}, controls=[B])
         assert _until(lambda: liveness.frozen() == frozenset())
         answers[B] = None  # the control silent too: this worker may be the one cut off

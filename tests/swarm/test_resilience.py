@@ -145,11 +145,13 @@ def test_peer_lost_mid_allreduce_survivors_finish_and_it_catches_up(swarm, fault
     assert_hashes_agree(swarm, ["w0", "w1", name], steps)
 
 
-def test_a_peer_frozen_on_its_way_to_a_round_is_not_waited_for(swarm):
-    """A worker and its daemon frozen while they train (a paused machine): its record lives on and says
-    it is coming, so its peers used to wait for it until their grace or its record ran out (a minute
-    each here). They ping it instead, and a peer that leaves the ping unanswered while the other echoes
-    is neither waited for nor grouped with. Thawed, it catches up and averages with them again."""
+@pytest.mark.parametrize("fault", ["freeze", "kill"])
+def test_a_peer_frozen_or_killed_on_its_way_to_a_round_is_not_waited_for(swarm, fault):
+    """A worker and its daemon frozen (a paused machine) or killed while they train: its record lives on
+    and says it is coming, so its peers used to wait for it until their grace or its record ran out (a
+    minute each here). They ping it instead, and a peer that leaves the ping unanswered (frozen) or
+    fails it (killed: its address refuses the dial) while the other echoes is neither waited for nor
+    grouped with. Thawed, it catches up and averages with them again."""
     swarm.bootstrap()
     opts = dict(outer_steps=100_000, local_steps=5, step_delay=0.15, min_group_size=2, straggler_wait=60,
                 allreduce_timeout=FROZEN_TIMEOUT, record_ttl=2 * FROZEN_TIMEOUT)
@@ -159,24 +161,28 @@ def test_a_peer_frozen_on_its_way_to_a_round_is_not_waited_for(swarm):
     victim_id = swarm.records("victim", "start")[0]["peer_id"][-8:]
     frozen = [procs[2].pid] + descendants(procs[2].pid)
     for pid in frozen:
-        os.kill(pid, signal.SIGSTOP)
+        os.kill(pid, signal.SIGSTOP if fault == "freeze" else signal.SIGKILL)
     hit = time.time()
     try:
         def without_it(name):
             return [r for r in ok_syncs(swarm, name).values() if r["time"] > hit and r["group_size"] == 2]
         swarm.wait_for(lambda: all(len(without_it(n)) >= 2 for n in ("w0", "w1")), FROZEN_TIMEOUT,
-                       "two rounds of the others without the frozen one", show=["w0", "w1"])
+                       f"two rounds of the others without the {fault} one", show=["w0", "w1"])
         logs = "\n".join(swarm.log(n, tail=200000) for n in ("w0", "w1"))
         assert re.search(rf"a group of 2 without \w*{victim_id} \([^)]*frozen\)", logs), swarm.log("w0")
     finally:
-        _thaw(frozen)
-    swarm.wait_for(lambda: any(r["reason"] == "caught up from a peer" for r in swarm.records("victim"))
-                   and any(r["group_size"] == 3 and r["time"] > hit for r in ok_syncs(swarm, "victim").values()),
-                   180, "the thawed worker to catch up and average with the others again", show=["victim", "w0"])
-    for proc in procs:
+        if fault == "freeze":
+            _thaw(frozen)
+    alive = procs if fault == "freeze" else procs[:2]
+    if fault == "freeze":
+        swarm.wait_for(lambda: any(r["reason"] == "caught up from a peer" for r in swarm.records("victim"))
+                       and any(r["group_size"] == 3 and r["time"] > hit for r in ok_syncs(swarm, "victim").values()),
+                       180, "the thawed worker to catch up and average with the others again", show=["victim", "w0"])
+    for proc in alive:
         proc.send_signal(signal.SIGTERM)
-    swarm.wait(procs, timeout=60)
-    assert_hashes_agree(swarm, ["w0", "w1", "victim"], sorted(ok_syncs(swarm, "victim")))
+    swarm.wait(alive, timeout=60)
+    names = ["w0", "w1", "victim"] if fault == "freeze" else ["w0", "w1"]
+    assert_hashes_agree(swarm, names, sorted(ok_syncs(swarm, names[-1])))
 
 
 def test_drift_is_detected_and_healed(swarm):
