@@ -124,13 +124,19 @@ class Unanswered:
         not among them (nothing without one: an unanswered ping proves nothing alone). Returns at once."""
         now = time.monotonic()
         with self._lock:
+            for kept, bound in ((self._pinged, FOUND_FOR_S), (self._found, FOUND_FOR_S)):  # peers come and go
+                for p in [p for p, t in kept.items() if now - t >= bound]:
+                    del kept[p]
             due = sorted(p for p in peers if now - self._pinged.get(p, float("-inf")) >= PING_EVERY_S)
             control = next((c for c in controls if c not in due), None)
             if not due or control is None:
                 return
             for p in due:
                 self._pinged[p] = now
-        asyncio.run_coroutine_threadsafe(self._check(due, control), self._loop)
+        try:
+            asyncio.run_coroutine_threadsafe(self._check(due, control), self._loop)
+        except RuntimeError:  # the loop is closed: the communicator is shutting down
+            return
 
     async def _check(self, peers: list[str], control: str) -> None:
         answers = await asyncio.gather(self._ping(control), *(self._ping(p) for p in peers))
