@@ -274,7 +274,7 @@ class SwarmCommunicator(Communicator):
         self.presence.on_new_address = self._on_new_address
         self.presence.on_rejoined = self._on_rejoined
         self.records.on_peers_moved = self._note_peers_moved
-        self.unanswered = Unanswered(self._loop, lambda peer: ping(self.p2p, peer, timeout=PING_TIMEOUT_S))
+        self.unanswered = Unanswered(self._loop, self._ping)
         self.matchmaker = Matchmaker(self.records, self.presence, MatchmakingSettings(
             run_id=s.run_id, min_group_size=s.min_group_size, matchmaking_timeout=s.matchmaking_timeout,
             straggler_wait=s.straggler_wait, max_wait=s.max_wait,
@@ -747,8 +747,7 @@ class SwarmCommunicator(Communicator):
         it, does not reach a member whose stream to it is stuck (in a relay, say)."""
         loop = asyncio.get_running_loop()
         gone_since: dict[str, tuple[float, int]] = {}
-        probe = FrozenProbe(runner, functools.partial(ping, self.p2p, timeout=PING_TIMEOUT_S), self._peer_id,
-                            skip=group.relayed)
+        probe = FrozenProbe(runner, self._ping, self._peer_id, skip=group.relayed)
         try:
             while not runner.ended.is_set():
                 await asyncio.sleep(1.0)
@@ -849,6 +848,10 @@ class SwarmCommunicator(Communicator):
             return
         self._router_moved("this worker's DHT node lost every peer at once and found them again at the redial",
                            keep=set(self.relay_slots.relays))
+
+    async def _ping(self, peer: str) -> bool | None:
+        """libp2p's ping, as ``swarm/frozen.py`` reads it (this node's daemon is up once the loop runs)."""
+        return await ping(self.p2p, peer, timeout=PING_TIMEOUT_S)
 
     def _in_flight(self) -> RoundRunner | None:
         runner = self._runner

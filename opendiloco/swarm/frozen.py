@@ -124,8 +124,8 @@ class Unanswered:
         not among them (nothing without one: an unanswered ping proves nothing alone). Returns at once."""
         now = time.monotonic()
         with self._lock:
-            for kept, bound in ((self._pinged, FOUND_FOR_S), (self._found, FOUND_FOR_S)):  # peers come and go
-                for p in [p for p, t in kept.items() if now - t >= bound]:
+            for kept in (self._pinged, self._found):  # peers come and go
+                for p in [p for p, t in kept.items() if now - t >= FOUND_FOR_S]:
                     del kept[p]
             due = sorted(p for p in peers if now - self._pinged.get(p, float("-inf")) >= PING_EVERY_S)
             control = next((c for c in controls if c not in due), None)
