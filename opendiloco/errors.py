@@ -76,6 +76,10 @@ class InDoubt(PeerFailure):
         self.failed_too: frozenset[str] = frozenset()
         """Members that answered, when asked (``runner.resolve``), that they failed the attempt too: alive and
         reachable, so not to blame for it, whichever of their streams this worker saw close first."""
+        self.gone: frozenset[str] = frozenset()
+        """Members taken for gone when asked (left the run's records, said they abandoned the attempt, or no
+        dial reached them): not waited for in the retry, which would otherwise wait for a frozen one's
+        record to expire or a ping to find it (``swarm/frozen.py``); they may still join it."""
 
 
 class RoundCounted(BehindError):

@@ -256,3 +256,36 @@ def test_an_announcement_is_pushed_to_the_peers_that_may_group_with_it():
     with pytest.raises(AveragingError, match="need 2"):
         leader.form_group(RoundKey(5), 0, 10)  # "b" never comes
     assert leader_rings == [["b"]]
+
+
+def test_members_follow_the_peer_that_would_close_their_group_to_a_later_attempt():
+    """Leaders can disagree on who is ready: in the long world scenario a worker's new address made some
+    take it for frozen while it published a group of everyone. "a" (the smallest id, so it would close
+    the group "b" and "c" wait for) took that other group, failed it, and announced attempt 1: it never
+    publishes a group of attempt 0. "b" and "c" follow it to attempt 1 at once; before, they waited for
+    its group until the run moved on without them (15 s of everyone's time there)."""
+    table, key = Table(), RoundKey(6)
+    now = table.clock.now()
+    announce = {"numel": 10, "codec": "fp16", "part": SETTINGS.part_numel, "config": "", "since": now}
+    table.values[table.round_key(key)] = {"a": {"attempt": 0, **announce}}
+    workers = {p: WorkerRecord(p, outer_step=6, time=now) for p in "abc"}
+    settings = dataclasses.replace(SETTINGS, straggler_wait=20.0, matchmaking_timeout=20.0)
+    results: dict[str, object] = {}
+
+    def member(me: str, attempt: int, delay: float = 0.0) -> None:
+        time.sleep(delay)
+        mm = Matchmaker(Writer(table, me), Presence(me, lambda: workers), settings, "fp16", threading.Event())
+        try:
+            group, at = mm.form_group(key, attempt, 10)
+            results[me] = (group.members, at)
+        except AveragingError as e:
+            results[me] = e
+
+    began = time.monotonic()
+    threads = [threading.Thread(target=member, args=args) for args in (("b", 0), ("c", 0), ("a", 1, 1.0))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(45)
+    assert results == {m: (("a", "b", "c"), 1) for m in "abc"}, results
+    assert time.monotonic() - began < settings.straggler_wait  # followed, not waited out

@@ -688,6 +688,47 @@ def test_a_contribution_to_another_group_of_an_attempt_this_worker_is_grouped_in
     assert still
 
 
+def test_a_contribution_to_another_group_of_an_attempt_this_worker_failed_is_refused_at_once():
+    """As above, once this worker's group of the attempt has failed: it goes on to later attempts only, so
+    a stream for another group of that attempt (or an earlier one) is refused at once. In the long world
+    scenario the members of a group that another leader's members never took streamed to them while
+    those had failed theirs, and waited ``wait_for_group`` for nothing. One for a later attempt waits."""
+
+    async def scenario():
+        net = MemoryNetwork(wait_for_group=30.0)
+        for m in ("a", "m", "c"):
+            net.add(m)
+        key = str(RoundKey(52))
+
+        async def contribute(group_id: str, attempt):
+            stream = await net.connector("m")("a")
+            await stream.send(Code.CONTRIBUTE, {**OPENING, "sender": "m", "group_id": group_id, "round": key,
+                                                "attempt": attempt})
+            return await asyncio.wait_for(read_refusal(stream), 5.0)
+
+        mine = Group("c-leads-attempt-0", ("a", "c"), RoundKey(52), attempt=0)
+        await net.rounds["a"].register(RoundRunner(mine, "a", torch.zeros(8), 1.0, get_codec("fp16")))
+        net.rounds["a"].finish(mine.group_id)  # it failed: "a" is back in matchmaking, for attempt 1
+        at_once = await contribute("m-leads-attempt-0", 0)
+        later = asyncio.create_task(contribute("m-leads-attempt-1", 1))
+        await asyncio.sleep(0.5)
+        still = not later.done()
+        later.cancel()
+        await asyncio.gather(later, return_exceptions=True)
+        net.rounds["a"].reopen(key)  # the round begun anew: nothing of the old attempts stands
+        again = asyncio.create_task(contribute("m-leads-attempt-0-again", 0))
+        await asyncio.sleep(0.5)
+        waits_again = not again.done()
+        again.cancel()
+        await asyncio.gather(again, return_exceptions=True)
+        await net.drain()
+        return at_once, still, waits_again
+
+    at_once, still, waits_again = run(scenario())
+    assert isinstance(at_once, Refused) and "was in another group of round 52.0 at attempt 0" in str(at_once), at_once
+    assert still and waits_again
+
+
 def test_a_round_that_failed_while_a_step_was_under_way_fails_with_its_own_error():
     """The long scenario logged "failed here (KeyError: 0)": a member gave up on another as the audit
     began, which closed the members' streams (``_fail``), and the audit tripped on the missing one. The
@@ -949,6 +990,9 @@ def test_a_killed_member_that_no_dial_reaches_is_not_waited_for_until_its_record
     # Nobody dropped its work for a question left unanswered ("counted" without a completed round).
     assert all(what in ("retry", "applied", "adopted") for what, _ in survivors.values()), survivors
     assert any(isinstance(o, InDoubt) for _, o in survivors.values()), survivors  # and one did ask it
+    # Whoever took it for gone leaves it out of what the retry waits for (``InDoubt.gone``: suspects).
+    doubts = [o for _, o in survivors.values() if isinstance(o, InDoubt)]
+    assert all(o.gone <= {"c"} for o in doubts) and any(o.gone == {"c"} for o in doubts), [o.gone for o in doubts]
 
 
 def test_members_that_said_they_failed_too_are_not_blamed_for_the_retry():

@@ -949,6 +949,8 @@ class Rounds:
         self._registered = asyncio.Condition()
         self._completed: collections.OrderedDict[str, str] = collections.OrderedDict()
         """Round key -> the group id this worker completed it in (``completed``)."""
+        self._attempted: collections.OrderedDict[str, int] = collections.OrderedDict()
+        """Round key -> the latest attempt this worker took a group of (``register``)."""
 
     def completed(self, key: str, group_id: str) -> None:
         """This worker completed round ``key`` in group ``group_id``: a contribution to another group of that
@@ -962,10 +964,16 @@ class Rounds:
         """This worker starts round ``key`` again (it went back to the run's state, after a partition say):
         whatever it completed there before no longer stands."""
         self._completed.pop(key, None)
+        self._attempted.pop(key, None)
 
     async def register(self, runner: RoundRunner) -> None:
         async with self._registered:
             self._active[runner.group.group_id] = runner
+            key, attempt = str(runner.group.key), runner.group.attempt
+            self._attempted[key] = max(attempt, self._attempted.get(key, attempt))
+            self._attempted.move_to_end(key)
+            while len(self._attempted) > self.remember:
+                self._attempted.popitem(last=False)
             self._registered.notify_all()
 
     def finish(self, group_id: str) -> None:
@@ -1060,21 +1068,27 @@ class Rounds:
         finally:
             stream.close()
 
-    def _elsewhere(self, group_id: str, place: tuple[str, int] | None) -> RoundRunner | None:
-        """This worker's group of the same round at that attempt or a later one, if it is in one other than
-        ``group_id``: it will never join ``group_id`` (a member grouped it with another leader's group of
-        the attempt, which it did not take; its stream waited ``wait_for_group`` for nothing)."""
+    def _elsewhere(self, group_id: str, place: tuple[str, int] | None) -> str | None:
+        """Why this worker will never join ``group_id``, if it took another group of the same round at that
+        attempt or a later one: it is in it, or was (a member grouped it with another leader's group of the
+        attempt, which it did not take, or took and failed: from there it only goes on to later attempts).
+        Such a stream used to wait ``wait_for_group`` for nothing."""
         if place is None:
             return None
         round_key, attempt = place
-        return next((r for r in self._active.values() if r.group.group_id != group_id and r.group.attempt >= attempt
+        mine = next((r for r in self._active.values() if r.group.group_id != group_id and r.group.attempt >= attempt
                      >= 0 and str(r.group.key) == round_key), None)
+        if mine is not None:
+            return f"this worker is in another group of round {round_key[:32]} (attempt {mine.group.attempt})"
+        took = self._attempted.get(round_key)
+        if took is not None and took >= attempt >= 0 and group_id not in self._active:
+            return f"this worker was in another group of round {round_key[:32]} at attempt {took}"
+        return None
 
     def _refuse_if_elsewhere(self, group_id: str, place: tuple[str, int] | None) -> None:
-        mine = self._elsewhere(group_id, place)
-        if mine is not None:
-            raise ProtocolError(f"this worker is in another group of round {place[0][:32]} (attempt "
-                                f"{mine.group.attempt}), not in {group_id}")
+        why = self._elsewhere(group_id, place)
+        if why is not None:
+            raise ProtocolError(f"{why}, not in {group_id}")
 
     async def _find(self, group_id: str, remote: str, place: tuple[str, int] | None = None) -> RoundRunner:
         """The runner of ``group_id``, once registered; ``place``: the round key and attempt its opening names."""
@@ -1263,6 +1277,7 @@ async def resolve(doubt: InDoubt, connect: Connect, key: RoundKey, timeout: floa
                            f"{doubt}); adopting its state", group_outer_step=step, completed=True)
     if all(a in ("failed", "ruled out", "gone") for a in answers.values()):
         doubt.failed_too = frozenset(p for p, a in answers.items() if a == "failed")
+        doubt.gone = frozenset(p for p, a in answers.items() if a == "gone")
         log.info("round %s: no member can have completed it (%s): retrying", gid,
                  ", ".join(f"{p[-8:]} {a}" for p, a in sorted(answers.items())))
         return None

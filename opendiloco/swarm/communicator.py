@@ -567,6 +567,7 @@ class SwarmCommunicator(Communicator):
                     runner = self._runner if self._runner is not None and self._runner.group is group else None
                     suspects |= e.peers - {self._peer_id} - (runner.refused_by if runner else set()) - \
                         (e.failed_too if isinstance(e, InDoubt) else set())
+                    suspects |= (e.gone if isinstance(e, InDoubt) else set()) - {self._peer_id}
                 errors.append(f"attempt {attempt}: {e}")
                 log.warning("round %s, attempt %d with %d peers failed: %s", key, attempt, len(group.members), e)
                 self._used_attempt(key, attempt)

@@ -117,6 +117,14 @@ class LeftOut:
     members: frozenset[str]
 
 
+class LeaderWentOn(Exception):
+    """The peer a worker waits for to publish the group of its attempt has announced a later attempt."""
+
+    def __init__(self, leader: str, attempt: int):
+        super().__init__(f"{leader[-8:]} went on to attempt {attempt}")
+        self.leader, self.attempt = leader, attempt
+
+
 class Matchmaker:
     def __init__(self, run_records: records.RunRecords, presence: Presence, settings: MatchmakingSettings,
                  codec_name: str, interrupted: threading.Event, *, doorbell: Doorbell | None = None,
@@ -319,7 +327,13 @@ class Matchmaker:
                         f"{'waited for until %+.2fs' % (give_up_at - now) if p in missing else 'not waited for'}"
                         f"{', no-show' if p in self.no_shows else ''}{', frozen' if p in frozen else ''})"
                         for p in sorted(left)))
-                break
+                try:
+                    return self._adopt_group(key, attempt, announced_ok, set(workers) | {me}, numel), attempt
+                except LeaderWentOn as went:  # its group of this attempt will never come: to the later one
+                    log.info("round %s: %s, which would close the group of attempt %d, went on to attempt %d: "
+                             "following it", key, went.leader[-8:], attempt, went.attempt)
+                    attempt = went.attempt
+                    continue
             self._raise_if_interrupted()
             if not enough and now >= max(shared + s.matchmaking_timeout, give_up_at):
                 raise AveragingError(f"matchmaking for round {key}: {len(compatible)} peer(s) ready "
@@ -338,7 +352,6 @@ class Matchmaker:
             if polls % SLOW_READ_EVERY == 0 and pending is None:  # read in the background, taken when in
                 pending, pending_since = self.presence.read_live_workers(), time.monotonic()
             rang = self.doorbell.wait(str(key), attempt, self._gap(quiet))
-        return self._adopt_group(key, attempt, announced_ok, set(workers) | {me}, numel), attempt
 
     def _gap(self, quiet: int) -> float:
         """Seconds to the next look after ``quiet`` looks that found the same announcements."""
@@ -566,7 +579,19 @@ class Matchmaker:
                 self.relayed.update({p: announcements[p].get("relayed") is True for p in compatible
                                      if p in announcements and p != me})
                 gone = self._gone(workers, {p: announcements.get(p) for p in compatible}, key)
+                self._raise_if_leader_went_on(announcements, candidates, attempt)
             rang = self.doorbell.wait(str(key), attempt, s.poll_interval)
+
+    def _raise_if_leader_went_on(self, announcements: dict[str, dict], candidates: set[str], attempt: int) -> None:
+        """``LeaderWentOn`` if the candidate that would publish this attempt's group (the smallest) announced a
+        later attempt: it took another leader's group of this attempt, or failed one, and publishes none here.
+        Where leaders disagree on who is ready (one took a peer for frozen that another grouped), its members
+        waited for a group that never came until the run moved on without them: 15 s of the whole run after a
+        new address in the long world scenario."""
+        leader = min(candidates)
+        later = announcements.get(leader, {}).get("attempt", attempt)
+        if leader != self.me and attempt < later <= attempt + self.settings.max_attempt_jump:
+            raise LeaderWentOn(leader, later)
 
     def _raise_if_interrupted(self) -> None:
         if self.interrupted.is_set():
