@@ -56,6 +56,8 @@ PING_BYTES = 32
 PING_TIMEOUT = 5.0
 WATCH_EVERY_S = 1.0
 """How often a worker behind NAT pings its relays (``RelaySlots.watch``)."""
+MOVE_WINDOW_S = 2.0
+"""A move breaks the connections to every relay within this long (a few looks of ``watch``)."""
 AGAIN_S = 0.5
 """After a lost connection, the pause before a second ask for the slot when the first failed."""
 OWN_CLOSE_GRACE_S = 10.0
@@ -183,6 +185,8 @@ class RelaySlots:
         """Called (on the loop) with a relay's id when this node's connection to it broke and a new one
         holds its slot at once: its router's address changed (``watch``)."""
         self._own_close_at = -float("inf")
+        self._lost_at: dict[str, float] = {}
+        """When this node last found its connection to each relay lost (``watch``)."""
 
     def renew_soon(self) -> None:
         """Asks the relays again now (call on the node's loop): this node closed its connections itself."""
@@ -202,8 +206,9 @@ class RelaySlots:
     async def watch(self, every: float = WATCH_EVERY_S) -> None:
         """Pings each relay every ``every`` seconds (for ever: cancel to stop). A connection to a relay
         that is gone or answers a ping with a failure lost this node's slot there: it asks for one at
-        once, and if a new connection gives it one, calls ``on_moved`` (unless this node had just
-        closed its connections itself)."""
+        once, and if a new connection gives it one, calls ``on_moved``, unless this node had just closed
+        its connections itself, or the connection to another relay held in the same look (a router that
+        moved breaks them all; a relay that froze and thawed, or restarted, breaks its own)."""
         connected: set[str] = set()
         while True:
             await asyncio.sleep(every)
@@ -212,14 +217,14 @@ class RelaySlots:
             except Exception as e:  # asyncio.TimeoutError included: the daemon is busy; the next look tries again
                 log.debug("listing this node's connections: %s: %s", type(e).__name__, e)
                 continue
-            for relay in self.relays:
-                if relay in now:
-                    lost = await ping(self.p2p, relay) is False
-                else:
-                    lost = relay in connected
-                if not lost:
-                    continue
-                own = self.closed_recently()
+            pinged = [relay for relay in self.relays if relay in now]
+            echoes = await asyncio.gather(*(ping(self.p2p, relay) for relay in pinged))
+            lost = [relay for relay, echo in zip(pinged, echoes) if echo is False]
+            lost += [relay for relay in self.relays if relay not in now and relay in connected]
+            held_on = set(pinged) | connected  # the relays whose connections this look could judge
+            own = self.closed_recently()
+            moved_to = None
+            for relay in lost:
                 ok = await reserve(self.p2p, relay)
                 if not ok:  # the first ask may have gone out on the dying connection itself: once more
                     await asyncio.sleep(AGAIN_S)
@@ -227,11 +232,18 @@ class RelaySlots:
                 if ok:
                     now.add(relay)
                     self.held[relay] = True
-                    if not own and self.on_moved is not None:
-                        self.on_moved(relay)
+                    moved_to = moved_to or relay
                 else:
                     now.discard(relay)
                     self._soon.set()  # ``keep`` asks again from now on, every ``RETRY_S``
+            # A move resets every connection this node holds: one relay's connection lost while another's
+            # held is that relay's own hiccup (it froze or restarted), not this node's router.
+            looked_at = time.monotonic()
+            for relay in lost:
+                self._lost_at[relay] = looked_at
+            recently_lost = {r for r in held_on if looked_at - self._lost_at.get(r, -float("inf")) <= MOVE_WINDOW_S}
+            if moved_to is not None and not own and recently_lost >= held_on and self.on_moved is not None:
+                self.on_moved(moved_to)
             connected = now & set(self.relays)
 
     async def keep(self) -> None:

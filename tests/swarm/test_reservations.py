@@ -14,7 +14,16 @@ import pytest
 from hivemind.p2p import P2P
 
 from opendiloco.swarm.relays import close_connections, daemon_options, dial_via, uvarint
-from opendiloco.swarm.reservations import RESERVE, STATUS_OK, RelaySlots, answer_status, ping, relay_ids, reserve
+from opendiloco.swarm.reservations import (
+    MOVE_WINDOW_S,
+    RESERVE,
+    STATUS_OK,
+    RelaySlots,
+    answer_status,
+    ping,
+    relay_ids,
+    reserve,
+)
 from opendiloco.testing.ports import free_port
 from tests.swarm.test_reversal import _joined, _reserved
 
@@ -195,3 +204,50 @@ def test_a_relay_answer_is_read_as_protobuf_and_bounded():
 
 def test_the_relays_of_a_record_are_named_by_peer_id():
     assert relay_ids([f"/ip4/10.0.0.1/tcp/1/p2p/{PEER}", "/ip4/10.0.0.2/tcp/1"]) == [PEER]
+
+
+@pytest.mark.swarm
+def test_one_relay_losing_its_connection_while_another_holds_is_no_move():
+    """A relay that froze and thawed (or restarted) breaks its own connection to a NAT'd worker, not the
+    worker's others: that is no move of the worker's router. In the long world scenario both NAT'd workers
+    took a relay's thaw for their own move, their peers closed every connection to them, and the round
+    failed for all twelve. A move breaks every relay's connection (``watch`` reports it then: both here)."""
+    async def run():
+        relays = [await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"], **daemon_options(False, [])) for _ in range(2)]
+        nodes = list(relays)
+        try:
+            addrs = [str(a) for r in relays for a in await r.get_visible_maddrs()]
+            natted = await _joined(addrs, host_maddrs=[], **daemon_options(True, addrs))
+            nodes.append(natted)
+            natted_id, ids = natted.peer_id.to_base58(), [r.peer_id.to_base58() for r in relays]
+            assert [await ping(natted, i) for i in ids] == [True, True]
+            moves = []
+            slots = RelaySlots(natted, addrs, every=3600)
+            slots.on_moved = moves.append
+            watching = asyncio.ensure_future(slots.watch(every=0.2))
+            try:
+                await asyncio.sleep(1.0)  # it has seen both connections
+                await close_connections(relays[0], natted_id)  # the first relay's hiccup
+                for _ in range(50):
+                    if slots.held.get(ids[0]):
+                        break
+                    await asyncio.sleep(0.1)
+                await asyncio.sleep(1.0)
+                hiccup = list(moves)
+                await asyncio.sleep(MOVE_WINDOW_S)  # the hiccup is no part of what comes next
+                for r in relays:  # a move: every connection reset
+                    await close_connections(r, natted_id)
+                for _ in range(50):
+                    if moves != hiccup:
+                        break
+                    await asyncio.sleep(0.1)
+                await asyncio.sleep(1.0)  # nothing more comes
+            finally:
+                watching.cancel()
+            assert slots.held == {i: True for i in ids}, slots.held
+            assert hiccup == []
+            assert len(moves) == 1 and moves[0] in ids, moves
+        finally:
+            await asyncio.gather(*(p.shutdown() for p in nodes), return_exceptions=True)
+
+    asyncio.run(asyncio.wait_for(run(), 90))
