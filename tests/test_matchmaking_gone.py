@@ -289,3 +289,65 @@ def test_members_follow_the_peer_that_would_close_their_group_to_a_later_attempt
         t.join(45)
     assert results == {m: (("a", "b", "c"), 1) for m in "abc"}, results
     assert time.monotonic() - began < settings.straggler_wait  # followed, not waited out
+
+
+def _pinged_liveness(answers: dict[str, bool | None], sent: list[str]):
+    """``frozen.Unanswered`` on a loop of its own, its pings answered from ``answers`` (libp2p's ping: True
+    for an echo, False for a failed dial, None for none in time)."""
+    import asyncio
+
+    from opendiloco.swarm.frozen import Unanswered
+
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+
+    async def ping(peer):
+        sent.append(peer)
+        return answers[peer]
+
+    def stop():
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5)
+        loop.close()
+    return Unanswered(loop, ping), stop
+
+
+@pytest.mark.parametrize("record", ["quiet", "fresh"])
+def test_a_peer_behind_nat_is_asked_by_a_ping_once_its_record_missed_a_heartbeat(record):
+    """"c" is behind NAT (its record names relays) and heading for the round. Killed, its record goes
+    quiet and its relays refuse a dial to it: "a" and "b" go ahead without it at once (in the long world
+    scenario each NAT'd worker's kill held the next round 7 s, until its record expired). Alive, its record
+    is fresh: it is not pinged (a ping through a relay may fail for a live peer), and is waited for."""
+    table, key = Table(), RoundKey(7)
+    now = table.clock.now()
+    stale = now - 5.0 if record == "quiet" else now + 60.0  # "fresh": written as the round goes on
+    workers = {"a": WorkerRecord("a", outer_step=7, time=now), "b": WorkerRecord("b", outer_step=7, time=now),
+               "c": WorkerRecord("c", outer_step=7, time=stale, relays=("/ip4/10.0.0.1/tcp/1/p2p/R",))}
+    settings = dataclasses.replace(SETTINGS, straggler_wait=6.0, matchmaking_timeout=6.0)
+    sent: list[str] = []
+    liveness, stop = _pinged_liveness({"a": True, "b": True, "c": False}, sent)
+    results: dict[str, object] = {}
+
+    def member(me: str) -> None:
+        mm = Matchmaker(Writer(table, me), Presence(me, lambda: workers), settings, "fp16", threading.Event(),
+                        liveness=liveness)
+        began = time.monotonic()
+        try:
+            results[me] = (mm.form_group(key, 0, 10)[0].members, time.monotonic() - began)
+        except AveragingError as e:
+            results[me] = e
+
+    try:
+        threads = [threading.Thread(target=member, args=(m,)) for m in "ab"]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(45)
+    finally:
+        stop()
+    assert {m: r[0] for m, r in results.items()} == {"a": ("a", "b"), "b": ("a", "b")}, results
+    if record == "quiet":
+        assert "c" in sent and all(r[1] < settings.straggler_wait for r in results.values()), results
+    else:
+        assert "c" not in sent and all(r[1] >= settings.straggler_wait for r in results.values()), results

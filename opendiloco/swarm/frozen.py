@@ -8,8 +8,11 @@ link full) echoes at once, because its daemon is another process. An unanswered 
 nothing where this worker is the one cut off, so a member is taken for frozen only while another
 member proved this worker's links alive in the same window: a frame of the round, or an echo.
 
-Members reached through a relay are not pinged (their pings travel the relay's limited
-connection); their records still tell when they are gone.
+Members reached through a relay are not pinged in a round (their pings travel the relay's limited
+connection); their records still tell when they are gone. Matchmaking pings one whose record has missed
+a heartbeat (``RELAYED_QUIET_S``), and takes only a failed ping for an answer (``Unanswered``): a killed
+one's relays hold no slot for it and refuse the dial at once, while an echo that is late through a relay
+proves nothing, and a dial to a live one may fail for a while (a relay's hiccup, a dial backoff).
 
 Matchmaking asks the same of the peers it would wait for (``Unanswered``): a peer that froze before
 its round, or whose round's attempt another member gave up on it in, keeps a record that says it is
@@ -31,6 +34,9 @@ PING_TIMEOUT_S = 3.0
 PING_EVERY_S = 1.0
 """The least time between two pings matchmaking sends one peer."""
 FOUND_FOR_S = 10.0
+RELAYED_QUIET_S = 3.0
+"""A peer behind NAT whose record is this old (a heartbeat and a half at the default 2 s) is asked by a ping
+in matchmaking; one whose record is fresher is alive, whatever a ping through a relay says."""
 """How long a peer found frozen is neither waited for nor grouped with by matchmaking (pinged again then)."""
 
 Ping = Callable[[str], Awaitable["bool | None"]]
@@ -114,15 +120,24 @@ class Unanswered:
         with self._lock:
             self._found[peer] = time.monotonic()
 
+    def back(self, peers: Iterable[str]) -> None:
+        """These peers proved alive otherwise (a peer behind NAT wrote a fresh record): not frozen."""
+        with self._lock:
+            for peer in peers:
+                self._found.pop(peer, None)
+
     def frozen(self) -> frozenset[str]:
         now = time.monotonic()
         with self._lock:
             return frozenset(p for p, t in self._found.items() if now - t < FOUND_FOR_S)
 
-    def probe(self, peers: Iterable[str], controls: Iterable[str]) -> None:
+    def probe(self, peers: Iterable[str], controls: Iterable[str], relayed: Iterable[str] = ()) -> None:
         """Pings those of ``peers`` not pinged within ``PING_EVERY_S``, with the first of ``controls`` that is
-        not among them (nothing without one: an unanswered ping proves nothing alone). Returns at once."""
+        not among them (nothing without one: an unanswered ping proves nothing alone). Returns at once.
+        Of the ``relayed`` (reached through relays), only a failed ping counts: a killed one's relays refuse
+        the dial; a late echo may be the relay's."""
         now = time.monotonic()
+        relayed = frozenset(relayed)
         with self._lock:
             for kept in (self._pinged, self._found):  # peers come and go
                 for p in [p for p, t in kept.items() if now - t >= FOUND_FOR_S]:
@@ -134,15 +149,15 @@ class Unanswered:
             for p in due:
                 self._pinged[p] = now
         try:
-            asyncio.run_coroutine_threadsafe(self._check(due, control), self._loop)
+            asyncio.run_coroutine_threadsafe(self._check(due, control, relayed), self._loop)
         except RuntimeError:  # the loop is closed: the communicator is shutting down
             return
 
-    async def _check(self, peers: list[str], control: str) -> None:
+    async def _check(self, peers: list[str], control: str, relayed: frozenset[str] = frozenset()) -> None:
         answers = await asyncio.gather(self._ping(control), *(self._ping(p) for p in peers))
         for peer, answer in zip(peers, answers[1:]):
             if answer is True:  # back (thawed), or never frozen
                 with self._lock:
                     self._found.pop(peer, None)
-            elif answers[0] is True:  # no echo (a killed worker's address refuses the dial: no better)
-                self.found(peer)
+            elif answers[0] is True and (answer is False or peer not in relayed):
+                self.found(peer)  # no echo (a killed worker's address refuses the dial: no better)

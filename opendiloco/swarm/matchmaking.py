@@ -30,7 +30,7 @@ from ..comm.runner import Group, make_group_id
 from ..errors import AveragingError, BehindError, Interrupted
 from . import records
 from .exclusion import Offenders, UnreachablePeers, announced_avoid, conflict_free, conflicts, part_of, partition
-from .frozen import Unanswered
+from .frozen import RELAYED_QUIET_S, Unanswered
 from .presence import Presence
 
 log = logging.getLogger(__name__)
@@ -258,7 +258,7 @@ class Matchmaker:
             self._set_avoids(announced_ok | {me})
             self.relayed = {p: ready[p].get("relayed") is True for p in announced_ok}
             self.relayed[me] = self._behind_nat()
-            frozen = self.liveness.frozen() if self.liveness is not None else frozenset()
+            frozen = self._frozen(workers)
             compatible = announced_ok - (self.taken - {me}) - self._gone(workers, ready, key) - frozen
             mine = part_of(me, compatible, self.avoids)  # without peers that members of it avoid
             self._tell_if_refused(key, compatible)
@@ -278,8 +278,11 @@ class Matchmaker:
             # A peer that would be left out of our group even if it came now is not waited for.
             missing = {p for p in expected - compatible if p in part_of(me, compatible | {p}, self.avoids)}
             if self.liveness is not None:  # is what we wait for alive? (the frozen are asked again: back?)
-                self.liveness.probe({p for p in missing | (frozen & heading) if p in workers and not workers[p].relays},
-                                    controls=[p for p in sorted(compatible - {me}) if not self.relayed.get(p)])
+                asked = {p for p in missing | (frozen & heading) if p in workers}
+                relayed = {p for p in asked if workers[p].relays}
+                self.liveness.probe(asked - (relayed - self._quiet(workers, relayed)),
+                                    controls=[p for p in sorted(compatible - {me}) if not self.relayed.get(p)],
+                                    relayed=relayed)
             enough = len(mine) >= s.min_group_size
             now = self.records.clock.now()
             # Everyone measures from the earliest announcement, so that the leader and the members
@@ -416,6 +419,24 @@ class Matchmaker:
         if not vouched:  # believed for one grace at most: an honest newcomer that joined through another member
             expected = min(expected, began + s.straggler_wait)
         return min(max(expected, began) + s.straggler_wait, began + s.max_wait)
+
+    def _frozen(self, workers: dict) -> frozenset[str]:
+        """The peers found frozen (``frozen.Unanswered``), less those behind NAT whose record is fresh: a
+        heartbeat proves them alive, whatever a ping through a relay said."""
+        if self.liveness is None:
+            return frozenset()
+        found = self.liveness.frozen()
+        relayed = {p for p in found if p in workers and workers[p].relays}
+        alive = relayed - self._quiet(workers, relayed)
+        if alive:
+            self.liveness.back(alive)
+        return found - alive
+
+    def _quiet(self, workers: dict, peers: set[str]) -> set[str]:
+        """Those of ``peers`` whose record has missed a heartbeat (``frozen.RELAYED_QUIET_S``)."""
+        clock = self.records.clock
+        now = clock.now()
+        return {p for p in peers if now - clock.in_mine(p, workers[p].time) >= RELAYED_QUIET_S}
 
     def _shared_start(self, announcements: dict, began: float, now: float) -> float:
         """The earliest plausible ``since`` among compatible announcements (ours if none is)."""

@@ -147,3 +147,29 @@ def test_matchmaking_finds_a_peer_frozen_only_beside_one_that_echoes(monkeypatch
         loop.call_soon_threadsafe(loop.stop)
         thread.join(5)
         loop.close()
+
+
+def test_matchmaking_takes_only_a_failed_ping_of_a_peer_behind_nat_for_an_answer(monkeypatch):
+    """A peer reached through relays: a killed one's relays hold no slot for it and refuse the dial (a
+    failed ping), so it is not waited for (in the long world scenario each NAT'd worker's kill cost the
+    next round 7 s, everyone waiting for its record to expire); an echo that is late through a relay
+    proves nothing, so silence alone finds nobody there."""
+    monkeypatch.setattr(frozen, "PING_EVERY_S", 0.0)
+    loop, thread = _loop_thread()
+    answers, sent = {RELAYED: None, B: True}, []
+    try:
+        liveness = frozen.Unanswered(loop, pings(answers, sent))
+        liveness.probe({RELAYED}, controls=[B], relayed={RELAYED})
+        assert _until(lambda: RELAYED in sent)
+        time.sleep(0.3)
+        assert liveness.frozen() == frozenset()  # late through its relay: not found
+        answers[RELAYED] = False  # its relays refuse the dial: killed
+        liveness.probe({RELAYED}, controls=[B], relayed={RELAYED})
+        assert _until(lambda: liveness.frozen() == {RELAYED})
+        answers[RELAYED] = True  # back
+        liveness.probe({RELAYED}, controls=[B], relayed={RELAYED})
+        assert _until(lambda: liveness.frozen() == frozenset())
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5)
+        loop.close()
