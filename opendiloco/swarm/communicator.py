@@ -64,7 +64,7 @@ from .presence import OtherSettings, Presence
 from .pushed_records import MAX_PUSH_BYTES, PushedRecord, decode_push, encode_push
 from .quorum import confirmed
 from .relays import DIAL_TIMEOUT, RENEW_BEFORE_ROUND_S, RENEW_GRACE_S, RelayLinks, close_connections
-from .reservations import RelaySlots, ping
+from .reservations import WIDEN_EVERY_S, RelaySlots, ping, widen
 from .reversal import ConnectionReversal
 from .signing import Identity
 from .state_transfer import StateServer, download_bound, fetch_state, own_check
@@ -410,6 +410,18 @@ class SwarmCommunicator(Communicator):
             self.relay_slots.on_slot_back = self._on_slot_back
             self._in_background(self.relay_slots.keep())
             self._in_background(self.relay_slots.watch())
+            self._in_background(self._widen_relays())
+
+    async def _widen_relays(self) -> None:
+        """Behind NAT: slots on the run's public workers too, named in this worker's record (``widen``)."""
+        while True:
+            await asyncio.sleep(WIDEN_EVERY_S)
+            try:
+                if await widen(self.relay_slots, self._peer_id, self._workers_snapshot):
+                    self.presence.relays = self.relay_slots.named()
+                    self.presence.publish_soon()
+            except Exception as e:  # the next look tries again
+                log.debug("holding slots on the run's workers: %s: %s", type(e).__name__, e)
 
     # -- matchmaking pushes ------------------------------------------------------------------
     async def _on_ring(self, stream: ByteStream) -> None:

@@ -34,10 +34,10 @@ PING_TIMEOUT_S = 3.0
 PING_EVERY_S = 1.0
 """The least time between two pings matchmaking sends one peer."""
 FOUND_FOR_S = 10.0
+"""How long a peer found frozen is neither waited for nor grouped with by matchmaking (pinged again then)."""
 RELAYED_QUIET_S = 3.0
 """A peer behind NAT whose record is this old (a heartbeat and a half at the default 2 s) is asked by a ping
 in matchmaking; one whose record is fresher is alive, whatever a ping through a relay says."""
-"""How long a peer found frozen is neither waited for nor grouped with by matchmaking (pinged again then)."""
 
 Ping = Callable[[str], Awaitable["bool | None"]]
 """libp2p's ping to a peer: True if it echoed, False if the stream failed, None if no echo came in time."""

@@ -28,6 +28,7 @@ their dead connections to it: in the long scenario one such move held all twelve
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import os
 import time
@@ -35,7 +36,8 @@ from collections.abc import Callable, Sequence
 
 from hivemind.p2p import P2P, PeerID
 
-from .relays import uvarint
+from .addresses import dial_addrs
+from .relays import MAX_RELAYS, checked_relays, uvarint
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +62,8 @@ MOVE_WINDOW_S = 2.0
 """A move breaks the connections to every relay within this long (a few looks of ``watch``)."""
 AGAIN_S = 0.5
 """After a lost connection, the pause before a second ask for the slot when the first failed."""
+WIDEN_EVERY_S = 5.0
+"""How often a worker behind NAT looks for public workers of the run to hold more slots on (``widen``)."""
 OWN_CLOSE_GRACE_S = 10.0
 """After the worker closed its connections itself (``renew_soon``), a lost connection is no sign of a move."""
 
@@ -173,6 +177,10 @@ class RelaySlots:
         self.p2p, self.every = p2p, every
         self.relays = relay_ids(relays)
         """Its relays' peer ids."""
+        self.addresses: dict[str, str] = {r: a for r, a in zip(relay_ids(relays), relays)}
+        """Each relay's full address (``.../p2p/ID``), as this worker's record names it."""
+        self.adopted: set[str] = set()
+        """The relays taken from the run (``adopt``), besides the initial ones."""
         self._soon = asyncio.Event()
         self.held: dict[str, bool] = {}
         """Whether each relay gave this node its slot the last time it was asked."""
@@ -187,6 +195,28 @@ class RelaySlots:
         self._own_close_at = -float("inf")
         self._lost_at: dict[str, float] = {}
         """When this node last found its connection to each relay lost (``watch``)."""
+
+    def adopt(self, address: str) -> None:
+        """A relay this node just got a slot on (a public worker of the run): kept and watched like the initial
+        ones, and named in its record (``named``)."""
+        relay = relay_ids([address])[0]
+        if relay not in self.relays:
+            self.relays.append(relay)
+            self.addresses[relay] = address
+            self.adopted.add(relay)
+            self.held[relay] = True
+
+    def drop(self, relay: str) -> None:
+        """Forgets an adopted relay (it left the run); the initial ones are kept whatever happens."""
+        if relay in self.adopted:
+            self.adopted.discard(relay)
+            self.relays.remove(relay)
+            self.addresses.pop(relay, None)
+            self.held.pop(relay, None)
+
+    def named(self) -> tuple[str, ...]:
+        """The full addresses of its relays, for its record."""
+        return tuple(self.addresses[r] for r in self.relays if r in self.addresses)
 
     def renew_soon(self) -> None:
         """Asks the relays again now (call on the node's loop): this node closed its connections itself."""
@@ -248,8 +278,11 @@ class RelaySlots:
 
     async def keep(self) -> None:
         while True:
-            results = await asyncio.gather(*(reserve(self.p2p, relay) for relay in self.relays))
-            for relay, ok in zip(self.relays, results):
+            relays = list(self.relays)  # relays are adopted and dropped meanwhile
+            results = await asyncio.gather(*(reserve(self.p2p, relay) for relay in relays))
+            for relay, ok in zip(relays, results):
+                if relay not in self.relays:
+                    continue
                 if ok and self.held.get(relay) is False:
                     log.info("relay %s holds this worker's slot again: workers behind NAT reach it there", relay[-8:])
                     if self.on_slot_back is not None:
@@ -265,3 +298,41 @@ class RelaySlots:
                 await asyncio.wait_for(self._soon.wait(), wait)
             except asyncio.TimeoutError:
                 pass
+
+
+def relay_address(peer: str, addrs: Sequence[str]) -> str | None:
+    """A public worker's full address for a record's relays (its first that is not loopback, where it has
+    one), or None if no address of it makes one a reader would take."""
+    ordered = sorted(addrs, key=lambda a: a.startswith(("/ip4/127.", "/ip6/::1/")))
+    for addr in ordered:
+        full = f"{addr}/p2p/{peer}"
+        if checked_relays([full]):
+            return full
+    return None
+
+
+async def widen(slots: RelaySlots, me: str, workers: dict) -> bool:
+    """Holds slots on public workers of the run (``workers``: their records) until this node has
+    ``MAX_RELAYS``, and forgets adopted ones that left the run; True if its relays changed (its record
+    should name them). A worker behind NAT started with one initial peer holds one relay: when that peer
+    is down, no other worker behind NAT can reach it (in the long world scenario, one of the two NAT'd
+    workers was left out of every round while the bootstrap was down). Which public workers each picks
+    is spread by its own id, so that no one of them carries every slot."""
+    changed = False
+    for relay in sorted(slots.adopted - set(workers)):
+        slots.drop(relay)
+        changed = True
+    public = [p for p, r in workers.items() if p != me and p not in slots.relays and r.addrs and not r.relays
+              and not r.left]
+    public.sort(key=lambda p: hashlib.sha256(f"{me} {p}".encode()).digest())
+    for peer in public:
+        if len(slots.relays) >= MAX_RELAYS:
+            break
+        address = relay_address(peer, workers[peer].addrs)
+        if address is None or not await dial_addrs(slots.p2p, peer, workers[peer].addrs):
+            continue
+        if await reserve(slots.p2p, peer):
+            slots.adopt(address)
+            changed = True
+            log.info("holds a slot on %s too: workers behind NAT reach this worker there", peer[-8:])
+    return changed

@@ -13,6 +13,7 @@ import asyncio
 import pytest
 from hivemind.p2p import P2P
 
+from opendiloco.swarm.records import WorkerRecord
 from opendiloco.swarm.relays import close_connections, daemon_options, dial_via, uvarint
 from opendiloco.swarm.reservations import (
     MOVE_WINDOW_S,
@@ -21,8 +22,10 @@ from opendiloco.swarm.reservations import (
     RelaySlots,
     answer_status,
     ping,
+    relay_address,
     relay_ids,
     reserve,
+    widen,
 )
 from opendiloco.testing.ports import free_port
 from tests.swarm.test_reversal import _joined, _reserved
@@ -247,6 +250,48 @@ def test_one_relay_losing_its_connection_while_another_holds_is_no_move():
             assert slots.held == {i: True for i in ids}, slots.held
             assert hiccup == []
             assert len(moves) == 1 and moves[0] in ids, moves
+        finally:
+            await asyncio.gather(*(p.shutdown() for p in nodes), return_exceptions=True)
+
+    asyncio.run(asyncio.wait_for(run(), 90))
+
+
+def test_a_relay_is_named_by_an_address_other_workers_can_dial():
+    assert relay_address(PEER, ["/ip4/127.0.0.1/tcp/31337", "/ip4/10.0.0.2/tcp/31337"]) == \
+        f"/ip4/10.0.0.2/tcp/31337/p2p/{PEER}"  # loopback last
+    assert relay_address(PEER, ["/ip4/127.0.0.1/tcp/1"]) == f"/ip4/127.0.0.1/tcp/1/p2p/{PEER}"  # all it has
+    assert relay_address(PEER, []) is None
+    assert relay_address("not-a-peer-id", ["/ip4/10.0.0.2/tcp/1"]) is None
+
+
+@pytest.mark.swarm
+def test_a_worker_behind_nat_holds_slots_on_the_runs_public_workers_too():
+    """Started with one initial peer, a worker behind NAT holds one relay: when that peer is down, no
+    other worker behind NAT reaches it. ``widen`` takes a slot on a public worker of the run (a record
+    that names addresses and no relays) and names it; one that leaves the run is forgotten, the initial
+    relay never is. A public peer then reaches the NAT'd node through the adopted relay alone."""
+    async def run():
+        relay = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"], **daemon_options(False, []))
+        nodes = [relay]
+        try:
+            first, natted = await _behind_nat(nodes)
+            public = await _joined(first, host_maddrs=["/ip4/127.0.0.1/tcp/0"], **daemon_options(False, []))
+            nodes.append(public)
+            me, public_id = natted.peer_id.to_base58(), public.peer_id.to_base58()
+            addrs = tuple(str(a).rsplit("/p2p/", 1)[0] for a in await public.get_visible_maddrs())
+            slots = RelaySlots(natted, first, every=3600)
+            initial = slots.named()
+            natted_peer = WorkerRecord(me, relays=initial)  # another NAT'd worker's record: no relay of it
+            workers = {public_id: WorkerRecord(public_id, addrs=addrs), "12D3KooWother": natted_peer}
+            assert await widen(slots, me, workers)
+            assert slots.named() == initial + (relay_address(public_id, addrs),)
+            assert not await widen(slots, me, workers)  # nothing new
+            third = await _joined(first, host_maddrs=["/ip4/127.0.0.1/tcp/0"], **daemon_options(False, []))
+            nodes.append(third)
+            await relay.shutdown()  # the initial relay is gone: reached through the adopted one
+            assert await dial_via(third, me, [relay_address(public_id, addrs)], timeout=10.0)
+            assert await widen(slots, me, {})  # the public worker left the run
+            assert slots.named() == initial
         finally:
             await asyncio.gather(*(p.shutdown() for p in nodes), return_exceptions=True)
 
