@@ -58,8 +58,9 @@ PING_BYTES = 32
 PING_TIMEOUT = 5.0
 WATCH_EVERY_S = 1.0
 """How often a worker behind NAT pings its relays (``RelaySlots.watch``)."""
-MOVE_WINDOW_S = 2.0
-"""A move breaks the connections to every relay within this long (a few looks of ``watch``)."""
+SILENT_RELAY_S = 30.0
+"""A relay whose connection broke within this long of a ping it left unanswered froze and thawed (or its
+link was down): no sign of this node's move. A router's move breaks connections that echoed just before."""
 AGAIN_S = 0.5
 """After a lost connection, the pause before a second ask for the slot when the first failed."""
 WIDEN_EVERY_S = 5.0
@@ -193,8 +194,8 @@ class RelaySlots:
         """Called (on the loop) with a relay's id when this node's connection to it broke and a new one
         holds its slot at once: its router's address changed (``watch``)."""
         self._own_close_at = -float("inf")
-        self._lost_at: dict[str, float] = {}
-        """When this node last found its connection to each relay lost (``watch``)."""
+        self._silent_at: dict[str, float] = {}
+        """When each relay last left a ping unanswered (``watch``)."""
 
     def adopt(self, address: str) -> None:
         """A relay this node just got a slot on (a public worker of the run): kept and watched like the initial
@@ -237,8 +238,9 @@ class RelaySlots:
         """Pings each relay every ``every`` seconds (for ever: cancel to stop). A connection to a relay
         that is gone or answers a ping with a failure lost this node's slot there: it asks for one at
         once, and if a new connection gives it one, calls ``on_moved``, unless this node had just closed
-        its connections itself, or the connection to another relay held in the same look (a router that
-        moved breaks them all; a relay that froze and thawed, or restarted, breaks its own)."""
+        its connections itself, or that relay left a ping unanswered within ``SILENT_RELAY_S`` (it froze
+        and thawed: its own hiccup). Requiring every relay's connection to break (tried first) missed real
+        moves: the daemon dialled some relays anew at once, and their pings echoed."""
         connected: set[str] = set()
         while True:
             await asyncio.sleep(every)
@@ -249,9 +251,12 @@ class RelaySlots:
                 continue
             pinged = [relay for relay in self.relays if relay in now]
             echoes = await asyncio.gather(*(ping(self.p2p, relay) for relay in pinged))
+            looked_at = time.monotonic()
+            for relay, echo in zip(pinged, echoes):
+                if echo is None:  # no echo in time: the relay is frozen, or its link is
+                    self._silent_at[relay] = looked_at
             lost = [relay for relay, echo in zip(pinged, echoes) if echo is False]
             lost += [relay for relay in self.relays if relay not in now and relay in connected]
-            held_on = set(pinged) | connected  # the relays whose connections this look could judge
             own = self.closed_recently()
             moved_to = None
             for relay in lost:
@@ -262,17 +267,14 @@ class RelaySlots:
                 if ok:
                     now.add(relay)
                     self.held[relay] = True
-                    moved_to = moved_to or relay
+                    # A relay that went silent before its connection broke froze (or its link did) and came
+                    # back: its own hiccup. A move breaks connections that were echoing a moment before.
+                    if looked_at - self._silent_at.get(relay, -float("inf")) > SILENT_RELAY_S:
+                        moved_to = moved_to or relay
                 else:
                     now.discard(relay)
                     self._soon.set()  # ``keep`` asks again from now on, every ``RETRY_S``
-            # A move resets every connection this node holds: one relay's connection lost while another's
-            # held is that relay's own hiccup (it froze or restarted), not this node's router.
-            looked_at = time.monotonic()
-            for relay in lost:
-                self._lost_at[relay] = looked_at
-            recently_lost = {r for r in held_on if looked_at - self._lost_at.get(r, -float("inf")) <= MOVE_WINDOW_S}
-            if moved_to is not None and not own and recently_lost >= held_on and self.on_moved is not None:
+            if moved_to is not None and not own and self.on_moved is not None:
                 self.on_moved(moved_to)
             connected = now & set(self.relays)
 
