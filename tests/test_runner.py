@@ -7,6 +7,7 @@ format by hand (``ByteStream.send`` or raw bytes) as member ``b`` of a two-membe
 from __future__ import annotations
 
 import asyncio
+import functools
 import struct
 
 import msgpack
@@ -643,6 +644,22 @@ def test_a_contribution_to_another_group_of_a_round_this_worker_completed_is_ref
     assert waiting
 
 
+def _three_members():
+    """"a", "m" and "c" on one in-memory network; "a"'s streams wait for their group 30 s at most."""
+    net = MemoryNetwork(wait_for_group=30.0)
+    for m in ("a", "m", "c"):
+        net.add(m)
+    return net
+
+
+async def _contribute(net, key: str, group_id: str, attempt):
+    """What "a" answers "m" streaming to it a contribution to ``group_id`` at ``attempt`` of round ``key``."""
+    stream = await net.connector("m")("a")
+    await stream.send(Code.CONTRIBUTE, {**OPENING, "sender": "m", "group_id": group_id, "round": key,
+                                        "attempt": attempt})
+    return await asyncio.wait_for(read_refusal(stream), 5.0)
+
+
 def test_a_contribution_to_another_group_of_an_attempt_this_worker_is_grouped_in_is_refused_at_once():
     """Two leaders each published a group of the same attempt holding a member (each left out a peer the
     other waited for): the member takes one, and the other's members streamed to it and waited
@@ -652,16 +669,8 @@ def test_a_contribution_to_another_group_of_an_attempt_this_worker_is_grouped_in
     for a later attempt may still come, and waits."""
 
     async def scenario():
-        net = MemoryNetwork(wait_for_group=30.0)
-        for m in ("a", "m", "c"):
-            net.add(m)
-        key = str(RoundKey(51))
-
-        async def contribute(group_id: str, attempt):
-            stream = await net.connector("m")("a")
-            await stream.send(Code.CONTRIBUTE, {**OPENING, "sender": "m", "group_id": group_id, "round": key,
-                                                "attempt": attempt})
-            return await asyncio.wait_for(read_refusal(stream), 5.0)
+        net, key = _three_members(), str(RoundKey(51))
+        contribute = functools.partial(_contribute, net, key)
 
         early = asyncio.create_task(contribute("m-leads-attempt-2", 2))  # before a took its group: waits
         await asyncio.sleep(0.3)
@@ -695,16 +704,8 @@ def test_a_contribution_to_another_group_of_an_attempt_this_worker_failed_is_ref
     those had failed theirs, and waited ``wait_for_group`` for nothing. One for a later attempt waits."""
 
     async def scenario():
-        net = MemoryNetwork(wait_for_group=30.0)
-        for m in ("a", "m", "c"):
-            net.add(m)
-        key = str(RoundKey(52))
-
-        async def contribute(group_id: str, attempt):
-            stream = await net.connector("m")("a")
-            await stream.send(Code.CONTRIBUTE, {**OPENING, "sender": "m", "group_id": group_id, "round": key,
-                                                "attempt": attempt})
-            return await asyncio.wait_for(read_refusal(stream), 5.0)
+        net, key = _three_members(), str(RoundKey(52))
+        contribute = functools.partial(_contribute, net, key)
 
         mine = Group("c-leads-attempt-0", ("a", "c"), RoundKey(52), attempt=0)
         await net.rounds["a"].register(RoundRunner(mine, "a", torch.zeros(8), 1.0, get_codec("fp16")))

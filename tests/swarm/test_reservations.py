@@ -55,6 +55,14 @@ async def _behind_nat(nodes: list) -> tuple[list[str], P2P]:
     return first, natted
 
 
+def _watched(natted: P2P, relays: list[str]):
+    """``RelaySlots.watch`` over ``relays`` at 5 looks a second: (the slots, the moves it reports, its task)."""
+    moves: list[str] = []
+    slots = RelaySlots(natted, relays, every=3600)
+    slots.on_moved = moves.append
+    return slots, moves, asyncio.ensure_future(slots.watch(every=0.2))
+
+
 @pytest.mark.swarm
 @pytest.mark.parametrize("renew", [False, True], ids=["daemon-alone", "renewed"])
 def test_a_worker_behind_nat_is_reached_through_a_relay_that_restarted(renew, tmp_path):
@@ -163,10 +171,7 @@ def test_a_worker_behind_nat_sees_its_connection_to_its_relay_break_and_takes_it
             first, natted = await _behind_nat(nodes)
             natted_id, relay_id = natted.peer_id.to_base58(), relay.peer_id.to_base58()
             assert await ping(natted, relay_id) is True
-            moves = []
-            slots = RelaySlots(natted, first, every=3600)
-            slots.on_moved = moves.append
-            watching = asyncio.ensure_future(slots.watch(every=0.2))
+            slots, moves, watching = _watched(natted, first)
             try:
                 await asyncio.sleep(1.0)  # it has seen the connection
                 assert moves == []  # a healthy connection is no move
@@ -225,10 +230,7 @@ def test_a_relay_that_froze_and_thawed_is_no_move():
             nodes.append(natted)
             natted_id, ids = natted.peer_id.to_base58(), [r.peer_id.to_base58() for r in relays]
             assert [await ping(natted, i) for i in ids] == [True, True]
-            moves = []
-            slots = RelaySlots(natted, addrs, every=3600)
-            slots.on_moved = moves.append
-            watching = asyncio.ensure_future(slots.watch(every=0.2))
+            slots, moves, watching = _watched(natted, addrs)
             try:
                 await asyncio.sleep(1.0)  # it has seen both connections
                 daemon = relays[0]._child
