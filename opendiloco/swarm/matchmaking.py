@@ -499,12 +499,14 @@ class Matchmaker:
 
     def _set_avoids(self, candidates: set[str]) -> None:
         """``avoids``: what the candidates' announcements keep apart. Names of unreachable peers count only
-        where they leave some part of two or more (as a group of two whose link broke once would
-        otherwise be two workers alone for ever: the outer step, which lapses the names, never moves);
-        the same on every member, from the announcements alone."""
+        where they leave some part big enough for a group (two or more, and ``min_group_size``): else
+        nobody averages, the outer step, which lapses the names, never moves, and they bind for ever
+        (two workers whose link broke once; three behind one failed dial in a run that needs all
+        three). The same on every member, from the announcements alone."""
         refusals = {p: self.refusals.get(p, frozenset()) for p in candidates}
         both = {p: refusals[p] | self.unreachables.get(p, frozenset()) for p in candidates}
-        self.avoids = both if max(map(len, partition(candidates, both)), default=0) >= 2 else refusals
+        big_enough = max(2, self.settings.min_group_size)
+        self.avoids = both if max(map(len, partition(candidates, both)), default=0) >= big_enough else refusals
 
     def _apart(self, candidates: set[str]) -> list[str]:
         """The candidates kept apart from this worker because one of the two could not dial the other."""

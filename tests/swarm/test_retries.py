@@ -214,6 +214,25 @@ def test_two_workers_whose_link_broke_once_average_again_when_it_is_back(workers
     assert b.peer_id not in c.unreachable  # a public peer that cannot be dialled is dead or restarting: not named
 
 
+def test_three_workers_that_need_each_other_average_again_after_a_failed_dial(workers):
+    """A run that needs all three: a name that would leave two in a part (below ``min_group_size``) is
+    not followed either. Before, the name bound until its outer step lapsed, and the outer step could
+    never move (the world test ``natmix`` stalled so: a NAT'd worker's first dial of the other failed
+    before that one's relay was in its record)."""
+    comms = workers(3, dataclasses.replace(SETTINGS, min_group_size=3, max_attempts=2, straggler_wait=5.0,
+                                           matchmaking_timeout=15.0), behind_nat=2)
+    a, b, c = comms
+    c.hooks = NoLinkBetween(b.peer_id, times=1)
+    for _ in range(4):
+        out = together(comms, RoundKey(0))
+        if not any(isinstance(r, Exception) for r in out):
+            break
+    assert not any(isinstance(r, Exception) for r in out), out
+    assert out[0].peers == out[1].peers == out[2].peers and len(out[0].peers) == 3
+    assert all(torch.equal(out[0].flat, r.flat) for r in out[1:])
+    assert any(b.peer_id in g and c.peer_id in g for g in c.hooks.groups[1:]), c.hooks.groups  # tried again
+
+
 def test_a_peer_whose_dial_fails_is_named_unreachable():
     """What the daemon says when it cannot reach a peer at all becomes ``Unreachable`` (a peer that
     answers and then fails is another error)."""
