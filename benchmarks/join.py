@@ -22,6 +22,12 @@ workers' seconds between outer steps and in matchmaking, before the join and in 
 joiner was starting, downloading and making its first round, as ratios to the rounds before.
 
     python -m benchmarks.join --held --held-dir runs/bench_join_held
+
+``--held-throttle S`` adds ``S`` seconds of sleep to every inner step of every worker (``train.throttle``):
+the time an accelerator computes while its host's CPU is free. On one 2-core machine the joiner's
+start and a fourth training process otherwise take CPU from the old workers, which machines of
+their own would not; with the steps mostly sleep, what is left between outer steps is the round
+itself and any wait for the joiner.
 """
 
 from __future__ import annotations
@@ -177,8 +183,9 @@ def held(args) -> None:
         sys.exit(f"error: {work} exists; pass a new --held-dir")
     olds = [work / f"worker-{i}" for i in range(3)]
     joiner_dir = work / "joiner"
+    model = [*HELD_MODEL, "--train.throttle", str(args.held_throttle)]
     swarm = subprocess.Popen(["bash", str(root / "scripts/local_swarm.sh"), "-n", "3", "--config", args.held_config,
-                              "--run-dir", str(work), "--", *HELD_MODEL], cwd=root, stdout=subprocess.DEVNULL,
+                              "--run-dir", str(work), "--", *model], cwd=root, stdout=subprocess.DEVNULL,
                              stderr=subprocess.DEVNULL, start_new_session=True)
     joiner = None
     try:
@@ -197,7 +204,7 @@ def held(args) -> None:
         joiner = subprocess.Popen(["bash", str(root / "scripts/join_swarm.sh"), "--peers-file",
                                    str(work / "bootstrap.addrs"), "--secret-file", str(work / "run.secret"),
                                    "--config", args.held_config, "--run-id", "local", "--run-dir", str(joiner_dir),
-                                   "--", *HELD_MODEL], cwd=root, stdout=open(work / "logs/joiner.log", "w"),
+                                   "--", *model], cwd=root, stdout=open(work / "logs/joiner.log", "w"),
                                   stderr=subprocess.STDOUT, start_new_session=True)
         wait(lambda: sum(r["ok"] and r["group_size"] == 4 for r in _metrics(joiner_dir)) >= args.after,
              "rounds with the joiner")
@@ -282,6 +289,8 @@ def main() -> None:
     p.add_argument("--report-only", action="store_true", help="--held: the table of a run already in --held-dir")
     p.add_argument("--world-run", help="the same table for a world run (benchmarks/scenarios/slowjoin.toml)")
     p.add_argument("--held-config", default="configs/tiny.toml")
+    p.add_argument("--held-throttle", type=float, default=0.0,
+                   help="--held: seconds of sleep per inner step of every worker (an accelerator's time)")
     p.add_argument("--before", type=int, default=6, help="--held: outer steps each old worker applies first")
     p.add_argument("--after", type=int, default=3, help="--held: rounds the joiner makes with the old workers")
     p.add_argument("--role", choices=["donor", "joiner"], help=argparse.SUPPRESS)

@@ -10,7 +10,10 @@ the join is the same in both arms; the arms differ only in whether the joiner ta
 Adam moments. Figures, each a ratio within one seed's pair of arms:
 
 - the joiner's mean training loss in its first round (and its second), over the old workers' mean
-  in the same round;
+  in the same round (each on its own data shard, so a shard's difficulty is in it);
+- the held-out loss of the joiner's own weights at the end of each round's inner steps (before the
+  outer step averages them), over the old workers' mean: the same held-out batches for every
+  worker, so only what the round's training did differs;
 - the held-out loss of θ_global after each outer step after the join, warm over cold.
 """
 
@@ -47,9 +50,9 @@ def run(seed: int, warm: bool, args, work: Path) -> dict:
         t.metrics = MetricsWriter(Path(cfg.run.dir) / "metrics.jsonl")
         return t
 
-    def rounds(ts, n_rounds, losses):
+    def steps(ts, n, losses):
         def replica(i):
-            for _ in range(n_rounds * args.h):
+            for _ in range(n):
                 loss, _ = ts[i].train_step()
                 losses[i].append(loss)
 
@@ -57,7 +60,7 @@ def run(seed: int, warm: bool, args, work: Path) -> dict:
 
     group3 = InProcessGroup(3, compression="fp16", timeout=600)
     old = [trainer(r, group3.members[r]) for r in range(3)]
-    rounds(old, args.before, [[] for _ in old])
+    steps(old, args.before * args.h, [[] for _ in old])
     group4 = InProcessGroup(4, compression="fp16", timeout=600)
     for r, t in enumerate(old):
         t.opt.communicator = group4.members[r]
@@ -72,15 +75,17 @@ def run(seed: int, warm: bool, args, work: Path) -> dict:
             entry["exp_avg"].zero_()
     ts = [*old, joiner]
     losses = [[] for _ in ts]
-    held_out = []
+    held_out, local = [], []
     for _ in range(args.after):
-        rounds(ts, 1, losses)
+        steps(ts, args.h - 1, losses)  # the round's last inner step is followed by its outer step
+        local.append([t.evaluate() for t in ts])
+        steps(ts, 1, losses)
         assert len({t.opt.global_hash() for t in ts}) == 1, "replicas disagree"
         held_out.append(joiner.evaluate())
     per_round = [[statistics.fmean(w[k * args.h:(k + 1) * args.h]) for k in range(args.after)] for w in losses]
     return {"seed": seed, "warm": warm, "joiner": per_round[3], "old": [statistics.fmean(r) for r in
                                                                         zip(*per_round[:3])],
-            "held_out": held_out}
+            "held_out": held_out, "local_held_out": local}
 
 
 def main(argv=None) -> int:
@@ -103,11 +108,13 @@ def main(argv=None) -> int:
                 results.append(run(seed, warm, args, Path(tmp)))
     print(f"beta2={args.beta2}, H={args.h}, join after {args.before} outer steps, "
           f"{args.after} outer steps of 4 workers after it")
-    print("seed  arm   joiner/old loss, round 1  round 2   held-out after each outer step")
+    print("seed  arm     joiner/old training loss, round 1  round 2   joiner/old held-out of its weights, "
+          "round 1  round 2   held-out after each outer step")
     for r in results:
         ratios = [j / o for j, o in zip(r["joiner"], r["old"])]
-        print(f"{r['seed']:4d}  {str(r['warm']):6s}  {ratios[0]:24.3f}  {ratios[1]:7.3f}   "
-              + " ".join(f"{x:.4f}" for x in r["held_out"]))
+        local = [w[3] / statistics.fmean(w[:3]) for w in r["local_held_out"]]
+        print(f"{r['seed']:4d}  {str(r['warm']):6s}  {ratios[0]:32.3f}  {ratios[1]:7.3f}   {local[0]:46.4f}  "
+              f"{local[1]:7.4f}   " + " ".join(f"{x:.4f}" for x in r["held_out"]))
     for seed in args.seeds:
         cold, warm = (next(r for r in results if r["seed"] == seed and r["warm"] == w) for w in (False, True))
         print(f"seed {seed}: held-out loss warm/cold after each outer step: "
