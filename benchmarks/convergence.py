@@ -45,6 +45,7 @@ def config(run_dir: Path, worker: str, *, h: int, outer_lr: float, batch: int, w
     from opendiloco.train.config import load_config
 
     outer = "solo-outer" if solo else "outer"  # a lone worker's outer step has keys of its own
+    compression, _, decay = compression.partition("@")  # topk64+e2m1@0.95: [swarm] error_decay = 0.95
 
     return load_config(ROOT / "configs" / "tiny.toml", [
         "--optim.inner", inner, "--model.init-seed", str(seed), "--train.seed", str(seed),
@@ -53,7 +54,8 @@ def config(run_dir: Path, worker: str, *, h: int, outer_lr: float, batch: int, w
         "--optim.local-steps", str(h), f"--optim.{outer}-lr", str(outer_lr), "--optim.warmup-steps", str(warmup),
         "--optim.min-lr-ratio", "1.0", "--optim.pace", "fixed", "--run.worker", worker,
         "--run.dir", str(run_dir / worker), "--run.progress", "false", "--swarm.compression", compression,
-        *([] if outer_momentum is None else [f"--optim.{outer}-momentum", str(outer_momentum)])])
+        *([] if outer_momentum is None else [f"--optim.{outer}-momentum", str(outer_momentum)]),
+        *([] if not decay else ["--swarm.error-decay", decay])])
 
 
 def trainers(n: int, run_dir: Path, communicators, **kw):
@@ -109,8 +111,8 @@ def job(spec: dict) -> dict:
         n = spec["workers"]
         compression = spec.get("compression", "fp16")  # error feedback as the trainer sets it for the format
         solo = spec.get("solo", False)  # one worker without a swarm, as the trainer runs it
-        members = [SingleWorker(compression=compression)] if solo else \
-            InProcessGroup(n, compression=compression, timeout=600).members
+        wire = compression.partition("@")[0]
+        members = [SingleWorker(compression=wire)] if solo else InProcessGroup(n, compression=wire, timeout=600).members
         ts = trainers(n, run_dir, members, h=spec["H"], outer_lr=spec["outer_lr"], compression=compression,
                       outer_momentum=spec.get("outer_momentum"), solo=solo,
                       **common)
@@ -231,7 +233,8 @@ def main(argv=None) -> int:
     p.add_argument("--jobs", type=int, default=2)
     p.add_argument("--inners", type=lambda s: s.split(","), default=["adamw"], help="inner optimizers: adamw,muon")
     p.add_argument("--compressions", type=lambda s: s.split(","), default=["fp16"],
-                   help="DiLoCo's wire formats, e.g. fp16,subset32+int4 ([swarm] compression)")
+                   help="DiLoCo's wire formats, e.g. fp16,subset32+int4 ([swarm] compression); topk64+e2m1@0.95 adds "
+                        "[swarm] error_decay = 0.95")
     p.add_argument("--outer-momentum", type=float, default=None,
                    help="the outer Nesterov momentum of every DiLoCo run (unset: the config's, 0.9; 0 with "
                         "--outer-lrs 1: plain averaging)")

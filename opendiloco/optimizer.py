@@ -110,6 +110,12 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
     round sends a shared-seed 1/N of the pseudo-gradient and owes the rest to later rounds: an unsent
     value keeps its local work in θ_local (the next Δ holds it), a sent one owes the codec's error.
 
+    ``error_decay`` (top-k formats only; SparseLoCo's rule): every value's θ_local restarts from θ_global
+    after a round, and what was not sent is owed in the residual instead, decayed by ``error_decay``
+    each round (the contribution is Δ + decay · residual). The decayed residual then does what outer
+    momentum does, so it goes with a plain outer step (SGD, no momentum). Unset: the unsent keep
+    their local work, as with a subset.
+
     ``warm_start``: with an Adam inner optimizer, the state this worker serves joiners carries its Adam
     moments too, and a joiner whose inner optimizer has no state yet starts from the donor's (checked:
     ``opendiloco.state_check``) instead of empty moments, so that its first round counts as much as its
@@ -133,6 +139,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         mix: float = 0.0,
         error_feedback: bool = False,
         warm_start: bool = False,
+        error_decay: float | None = None,
     ):
         if not isinstance(local_steps, int) or isinstance(local_steps, bool) or local_steps < 1:
             raise ValueError(f"local_steps must be a positive integer, got {local_steps!r}")
@@ -184,6 +191,12 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
             if self.outer.buffers:
                 raise ValueError(f"{codec.label} averages updates, not values: this module's buffers (e.g. BatchNorm "
                                  "statistics) need a dense or subsetN+ format")
+        if error_decay is not None and (self.topk is None or not 0 < error_decay <= 1):
+            raise ValueError(f"error_decay ({error_decay!r}) is for top-k wire formats, in (0, 1]; this communicator "
+                             f"sends {codec.label}")
+        self.error_decay = error_decay
+        """SparseLoCo's rule (top-k): the unsent owed in a residual decayed by this, θ_local reset; None: in
+        the weights."""
         self.weight_by_samples = weight_by_samples or pace == "swarm"
         self.pace = pace
         self.catch_up_timeout = catch_up_timeout
@@ -469,7 +482,8 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
                 # rounds in the weights: owed in the residual, a value's displacement would be redone from
                 # the same θ_global every round it waits, and overshoot when it is sent).
                 sent = work = None
-                if round_.own_finite and (self.subset is not None or self.topk is not None):
+                keeps_local = self.subset is not None or (self.topk is not None and self.error_decay is None)
+                if round_.own_finite and keeps_local:
                     if round_.weight <= 0:  # nothing of it was counted: all of its work stays local
                         sent = torch.empty(0, dtype=torch.long)
                     elif self.topk is not None:  # the values the round sent: those it did not owe whole
@@ -499,6 +513,9 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
                     owed[sent] = kept
             elif work is not None and self.error_feedback:  # a round of weight 0: what it owed is in the weights now
                 fragment.residuals()[0][: fragment.param_numel()].zero_()
+            elif self.error_decay is not None and round_.own_finite:  # weight 0, θ_local reset: all of it is owed
+                m = fragment.param_numel()
+                fragment.residuals()[0][:m].copy_(contribution.flat[:m])
             self._global_changed(fragment)  # publishes the fresh pace with the new outer step
             report.global_hash = self.global_hash()
         if not report.ok:
@@ -543,7 +560,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
             weight = 0.0
         elif self.error_feedback:  # buffers are values, not updates: no feedback for them
             m = fragment.param_numel()
-            flat[:m].add_(fragment.residuals()[0][:m])
+            flat[:m].add_(fragment.residuals()[0][:m], alpha=1.0 if self.error_decay is None else self.error_decay)
         return weight, own_finite
 
     def _round_failed(self, reason: str, seconds: float, own_finite: bool) -> SyncReport:

@@ -12,7 +12,7 @@ import torch
 from opendiloco import DiLoCoOptimizer, InProcessGroup
 from opendiloco.comm.aggregation import Aggregation
 from opendiloco.comm.compression import codec_label, get_codec
-from opendiloco.comm.topk import CHUNK, pack_indices, parse_topk, unpack_indices
+from opendiloco.comm.topk import CHUNK, index_bytes, pack_indices, parse_topk, unpack_indices
 from opendiloco.comm.wire import Code, Refused
 from opendiloco.errors import PeerFailure, ProtocolError
 from opendiloco.fingerprint import new_hasher
@@ -32,8 +32,9 @@ def test_a_payload_holds_the_largest_of_each_chunk_in_the_value_format_and_zeros
         assert chunk.abs()[kept].min() >= chunk.abs()[~kept].max()
     positions = got.nonzero().squeeze(1)
     torch.testing.assert_close(got[positions], values.roundtrip(x[positions]), rtol=0, atol=0)
-    # per 64 values: a 12-bit index, a 4-bit value and its share of the value format's scales: 1/62 of fp16's bytes
-    assert codec.wire_bytes(1 << 20) == pytest.approx(2 * (1 << 20) / 62, rel=0.02)
+    # per 64 values: an 8-bit index, a 4-bit value and its share of the value format's scales: 1/82 of
+    # fp16's bytes, 1/164 of fp32's
+    assert codec.wire_bytes(1 << 20) == pytest.approx(4 * (1 << 20) / 164, rel=0.01)
 
 
 def test_what_is_not_sent_is_owed_exactly_and_error_feedback_adds_up_over_rounds():
@@ -57,29 +58,39 @@ def forged(kind: str) -> bytes:
     """A top-k payload of one full chunk and a tail of 100 values (one entry), its indices forged."""
     codec, numel = get_codec(NAME), CHUNK + 100
     fields = codec.encode(torch.randn(numel, generator=torch.Generator().manual_seed(2)))
-    index = unpack_indices(fields["index"], CHUNK // 64 + 1)
+    index = unpack_indices(fields["index"], numel, 64)
     if kind == "outside":
         index[-1] = 100  # past the tail chunk
     elif kind == "repeated":
         index[5] = index[4]  # one value counted twice
-    elif kind == "unsorted":
-        index[[3, 4]] = index[[4, 3]]
-    fields["index"] = pack_indices(index)
-    if kind == "padding":  # 65 indices: the 66th, padding, must be zero
-        fields["index"][-1] = 1
+    elif kind == "unsorted":  # two in one high bucket (their low bits out of order): all the code can say
+        index[:4] = torch.tensor([1, 130, 129, 200])
+    fields["index"] = pack_indices(index, numel, 64)
+    if kind == "padding":  # the tail's high part holds 3 bits in its byte: the others must be zero
+        fields["index"][-1] |= 0x80
+    elif kind == "count":  # a 65th entry in the full chunk's high part (its bitmap's first zero set)
+        high = fields["index"][48:64]
+        zero = int((((high.to(torch.int64).unsqueeze(-1) >> torch.arange(8)) & 1).view(-1) == 0).nonzero()[0])
+        high[zero // 8] |= 1 << (zero % 8)
     return b"".join(fields[n].numpy().tobytes() for n in sorted(fields))
 
 
-def test_indices_pack_two_in_three_bytes_and_back():
-    index = torch.randint(0, CHUNK, (1001,), generator=torch.Generator().manual_seed(5))
-    packed = pack_indices(index)
-    assert packed.dtype == torch.uint8 and packed.numel() == 3 * 501
-    assert torch.equal(unpack_indices(packed, 1001), index)
-    edges = torch.tensor([0, 4095, 2048, 1])
-    assert torch.equal(unpack_indices(pack_indices(edges), 4), edges)
+def test_indices_are_elias_fano_coded_in_log2_n_plus_2_bits_and_back():
+    for every, bits in ((64, 8), (32, 7), (8, 5)):
+        numel = 5 * CHUNK + 1000
+        index = torch.cat([torch.randperm(CHUNK, generator=torch.Generator().manual_seed(c))[: CHUNK // every].sort()
+                           .values for c in range(5)] + [torch.tensor(sorted(
+                               torch.randperm(1000, generator=torch.Generator().manual_seed(9))[: 1000 // every]
+                               .tolist()))])
+        packed = pack_indices(index, numel, every)
+        assert packed.dtype == torch.uint8 and packed.numel() == index_bytes(numel, every)
+        assert index_bytes(CHUNK, every) * 8 == bits * (CHUNK // every)
+        assert torch.equal(unpack_indices(packed, numel, every), index)
+    edges = torch.tensor([0, 1, 2047, 4095])  # topk1024: four per chunk
+    assert torch.equal(unpack_indices(pack_indices(edges, CHUNK, 1024), CHUNK, 1024), edges)
 
 
-@pytest.mark.parametrize("kind", ["outside", "repeated", "unsorted", "padding"])
+@pytest.mark.parametrize("kind", ["outside", "repeated", "unsorted", "padding", "count"])
 def test_forged_indices_are_refused(kind):
     with pytest.raises(ProtocolError, match="top-k ind"):
         get_codec(NAME).from_bytes(forged(kind), CHUNK + 100)
@@ -92,9 +103,9 @@ def test_a_member_that_sends_forged_indices_is_refused_and_named():
 
     async def script(stream):
         fields = codec.encode(torch.randn(PART))
-        index = unpack_indices(fields["index"], PART // 8)
+        index = unpack_indices(fields["index"], PART, 8)
         index[7] = index[6]
-        fields["index"] = pack_indices(index)
+        fields["index"] = pack_indices(index, PART, 8)
         await stream.send(Code.CONTRIBUTE, {**OPENING, "codec": f"{codec_label(codec, codec.averages)}|"
                                                                f"{Aggregation().label}"})
         await stream.send(Code.PART, {"i": 0}, b"".join(fields[n].numpy().tobytes() for n in sorted(fields)))
@@ -214,6 +225,54 @@ def test_what_a_round_did_not_send_is_owed_in_the_weights_not_the_residual():
     assert torch.equal(local[moved], global_[moved])
     assert bool((local[~moved] != global_[~moved]).all())  # their local work, kept
     assert torch.equal(residual[: local.numel()][~moved], torch.zeros(int((~moved).sum())))
+
+
+@pytest.mark.parametrize("decay", [1.0, 0.5])
+def test_with_error_decay_every_value_restarts_from_global_and_the_unsent_is_owed_decayed(decay):
+    """SparseLoCo's rule (``error_decay``): after a round θ_local is θ_global for every value, and the
+    residual holds what was not sent (and the rounding of what was); the next contribution adds it
+    decayed. With decay 1, what was sent plus what is owed is all the work done."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 64, bias=False)
+    # fp32 averages: θ_global then moves by exactly what was sent (e2m1 averages round it once more)
+    group = InProcessGroup(1, compression="topk16+e2m1", result_compression="none")
+    opt = DiLoCoOptimizer(model.parameters(), local_steps=2, communicator=group.members[0], error_feedback=True,
+                          error_decay=decay,
+                          outer_optimizer=lambda p: torch.optim.SGD(p, lr=1.0))
+    local = []  # θ_local after each inner step
+    opt.inner.register_step_post_hook(lambda *_: local.append(model.weight.detach().clone().reshape(-1)))
+    owed = torch.zeros(64 * 64)
+    work = torch.zeros(64 * 64)
+    start = opt.outer.global_params[0].detach().clone().reshape(-1)
+    for _ in range(4):
+        before = opt.outer.global_params[0].detach().clone().reshape(-1)
+        for _ in range(2):
+            model(torch.randn(8, 64)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+        after = opt.outer.global_params[0].detach().reshape(-1)
+        sent = before - after  # one worker, outer SGD at lr 1: θ_global moves by what it sent
+        contribution = before - local[-1] + decay * owed
+        assert 0 < int((sent != 0).sum()) <= 64 * 64 // 16
+        assert torch.equal(model.weight.detach().reshape(-1), after)  # every value restarts from θ_global
+        owed = opt.error_residual()[: 64 * 64].clone()
+        torch.testing.assert_close(sent + owed, contribution, rtol=0, atol=1e-6)
+        work += before - local[-1]
+    if decay == 1.0:  # all that was sent, and what is still owed: the work of the four rounds
+        torch.testing.assert_close(start - opt.outer.global_params[0].detach().reshape(-1) + owed, work,
+                                   rtol=0, atol=1e-5)
+
+
+def test_error_decay_is_for_top_k_formats_only():
+    model = torch.nn.Linear(8, 8)
+    with pytest.raises(ValueError, match="error_decay"):
+        DiLoCoOptimizer(model.parameters(), local_steps=2, error_feedback=True, error_decay=0.9,
+                        communicator=InProcessGroup(1, compression="e2m1").members[0])
+    with pytest.raises(ValueError, match="error_decay"):
+        SwarmConfig(compression="e2m1", error_decay=0.9)
+    with pytest.raises(ValueError):
+        SwarmConfig(compression="topk64+e2m1", error_decay=1.5)
+    assert SwarmConfig(compression="topk64+e2m1", error_decay=0.95).error_decay == 0.95
 
 
 def test_a_round_of_weight_zero_keeps_all_its_work_local_and_owes_nothing_twice():

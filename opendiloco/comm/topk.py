@@ -1,13 +1,16 @@
 """Top-k contributions: each member sends the largest 1/N of its values in every chunk, with their indices.
 
 ``topk64+e2m1`` sends, of every ``CHUNK`` = 4096 consecutive values of a contribution, the 64 of
-largest magnitude (4096 / 64), their positions as 12-bit indices (two in three bytes) and their
-values in ``e2m1`` (SparseLoCo's shape). The contributions travel in the group's all-reduce like any other: a shard's
-owner decodes each member's entries (zeros elsewhere) and averages them, so the average holds the
-union of the members' indices, and it travels back dense in the value format (``averages``: the
-codec the averages go in unless ``result_compression`` names another). Measured before this was
-built (``benchmarks/topk_union.py``): the members' largest values overlap, so for 8-32 workers the
-all-reduce moves fewer bytes than an all-gather of everyone's entries would.
+largest magnitude (4096 / 64), their positions and their values in ``e2m1`` (SparseLoCo's shape).
+Positions are Elias-Fano coded per chunk (``pack_indices``): log2(N) + 2 bits each, 8 for
+``topk64`` where plain 12-bit indices (SparseLoCo's, and this format's revision 2) take 12; a
+chunk's field has a fixed size, so a payload's length is checked before anything is decoded.
+The contributions travel in the group's all-reduce like any other: a shard's owner decodes each member's
+entries (zeros elsewhere) and averages them, so the average holds the union of the members' indices, and
+it travels back dense in the value format (``averages``: the codec the averages go in unless
+``result_compression`` names another). Measured before this was built (``benchmarks/topk_union.py``):
+the members' largest values overlap, so for 8-32 workers the all-reduce moves fewer bytes than an
+all-gather of everyone's entries would.
 
 What a member does not send is owed to its later rounds (error feedback, required). The codec's
 error is exactly the values it left out plus what the value format rounded; ``DiLoCoOptimizer``
@@ -45,30 +48,93 @@ def parse_topk(name: str) -> tuple[int | None, str]:
     return every, match.group(2)
 
 
-def pack_indices(index: torch.Tensor) -> torch.Tensor:
-    """12-bit indices (0..4095), two in three bytes: a's low byte; a's high nibble | b's low nibble << 4;
-    b's high byte. An odd count is padded with a zero."""
-    index = index.to(torch.int32)
-    if index.numel() % 2:
-        index = torch.cat([index, index.new_zeros(1)])
-    a, b = index[0::2], index[1::2]
-    return torch.stack([a & 0xFF, (a >> 8) | ((b & 0xF) << 4), b >> 4], 1).to(torch.uint8).reshape(-1)
-
-
-def unpack_indices(packed: torch.Tensor, count: int) -> torch.Tensor:
-    """The ``count`` indices ``pack_indices`` packed (int64); ``ProtocolError`` if the padding is not zero."""
-    triples = packed.to(torch.int64).view(-1, 3)
-    a = triples[:, 0] | ((triples[:, 1] & 0xF) << 8)
-    b = (triples[:, 1] >> 4) | (triples[:, 2] << 4)
-    index = torch.stack([a, b], 1).reshape(-1)
-    if index.numel() > count and bool(index[count:].any()):
-        raise ProtocolError("top-k indices: nonzero padding")
-    return index[:count]
+def _layout(size: int, k: int) -> tuple[int, int, int, int]:
+    """Elias-Fano fields of one chunk of ``size`` values with ``k`` entries: (low bits per index, bits of
+    the high part, bytes of the low part, bytes of the high part). Fixed by ``size`` and ``k`` alone,
+    so a payload's length is known before it is read."""
+    low = max(0, (size // k).bit_length() - 1)  # floor(log2(size / k))
+    high = k + ((size - 1) >> low) + 1
+    return low, high, (k * low + 7) // 8, (high + 7) // 8
 
 
 def _chunk_sizes(numel: int) -> list[int]:
     full, tail = divmod(numel, CHUNK)
     return [CHUNK] * full + ([tail] if tail else [])
+
+
+def _runs(numel: int, every: int) -> list[tuple[int, int, int]]:
+    """(chunks, their size, entries each): the full chunks, then the tail chunk if any."""
+    full, tail = divmod(numel, CHUNK)
+    runs = [(full, CHUNK, CHUNK // every)] if full else []
+    return runs + ([(1, tail, max(1, tail // every))] if tail else [])
+
+
+def index_bytes(numel: int, every: int) -> int:
+    """Bytes of the index field of a ``topk{every}+`` payload of ``numel`` values."""
+    return sum(n * sum(_layout(size, k)[2:]) for n, size, k in _runs(numel, every))
+
+
+_BIT = torch.arange(8, dtype=torch.int64)
+
+
+def _to_bytes(bits: torch.Tensor) -> torch.Tensor:
+    """[rows, n] of 0/1 -> [rows, ceil(n / 8)] uint8, the first bit in each byte's lowest."""
+    rows, n = bits.shape
+    if n == 0:
+        return torch.zeros(rows, 0, dtype=torch.uint8)
+    bits = torch.nn.functional.pad(bits.to(torch.int64), (0, -n % 8))
+    return (bits.view(rows, -1, 8) << _BIT).sum(-1).to(torch.uint8)
+
+
+def _to_bits(data: torch.Tensor, n: int, what: str) -> torch.Tensor:
+    """The first ``n`` bits of each row of uint8 ``data`` (int64 0/1); ``ProtocolError`` if any bit past
+    them (padding) is set."""
+    if data.shape[1] == 0:
+        return torch.zeros(data.shape[0], 0, dtype=torch.int64)
+    bits = ((data.to(torch.int64).unsqueeze(-1) >> _BIT) & 1).view(data.shape[0], -1)
+    if bool(bits[:, n:].any()):
+        raise ProtocolError(f"top-k indices: nonzero padding in the {what} part")
+    return bits[:, :n]
+
+
+def pack_indices(index: torch.Tensor, numel: int, every: int) -> torch.Tensor:
+    """Chunk-relative ``index`` (ascending within each chunk, ``_runs`` many per chunk), Elias-Fano coded:
+    per chunk, each index's low bits, then a bitmap with bit ``(index >> low) + i`` set for its ``i``-th
+    index (log2(every) + 2 bits per index: 8 for ``topk64``, where 12 bits spell any of 4096)."""
+    out, at = [], 0
+    for n, size, k in _runs(numel, every):
+        low, high, _, _ = _layout(size, k)
+        x = index[at : at + n * k].to(torch.int64).view(n, k)
+        at += n * k
+        low_bits = ((x.unsqueeze(-1) >> torch.arange(low)) & 1).view(n, k * low)
+        where = (x >> low) + torch.arange(k)
+        if bool((where >= high).any()):
+            raise ValueError("top-k index outside its chunk")
+        high_bits = torch.zeros(n, high, dtype=torch.int64).scatter_(1, where, 1)
+        out.append(torch.cat([_to_bytes(low_bits), _to_bytes(high_bits)], 1).reshape(-1))
+    return torch.cat(out) if out else torch.zeros(0, dtype=torch.uint8)
+
+
+def unpack_indices(packed: torch.Tensor, numel: int, every: int) -> torch.Tensor:
+    """The chunk-relative indices ``pack_indices`` coded (int64), each chunk's checked: as many as it
+    holds, no padding bit set, strictly increasing, inside the chunk (``ProtocolError`` otherwise)."""
+    out, at = [], 0
+    for n, size, k in _runs(numel, every):
+        low, high, low_bytes, high_bytes = _layout(size, k)
+        rows = packed[at : at + n * (low_bytes + high_bytes)].view(n, low_bytes + high_bytes)
+        at += n * (low_bytes + high_bytes)
+        low_bits = _to_bits(rows[:, :low_bytes], k * low, "low").view(n, k, low)
+        high_bits = _to_bits(rows[:, low_bytes:], high, "high")
+        if bool((high_bits.sum(1) != k).any()):
+            raise ProtocolError("top-k indices: a chunk's count is not what its size gives")
+        where = high_bits.nonzero()[:, 1].view(n, k)  # row-major: ascending within each row
+        x = ((where - torch.arange(k)) << low) | (low_bits << torch.arange(low)).sum(-1)
+        if bool((x >= size).any()):
+            raise ProtocolError("top-k index outside its chunk")
+        if k > 1 and bool((x[:, 1:] <= x[:, :-1]).any()):
+            raise ProtocolError("top-k indices not strictly increasing within a chunk")
+        out.append(x.reshape(-1))
+    return torch.cat(out) if out else torch.zeros(0, dtype=torch.int64)
 
 
 class TopK(Codec):
@@ -77,7 +143,7 @@ class TopK(Codec):
     def __init__(self, every: int, values: Codec):
         self.every, self.values = every, values
         self.name = f"topk{every}+{values.label}"
-        self.revision = 2  # 2: 12-bit indices (1: 16-bit)
+        self.revision = 3  # 3: Elias-Fano indices (2: 12-bit, 1: 16-bit)
 
     @property
     def averages(self) -> Codec:
@@ -91,7 +157,7 @@ class TopK(Codec):
 
     def expected_fields(self, numel):
         kept = self._kept(numel)
-        fields = {"index": (torch.uint8, 3 * ((kept + 1) // 2))}
+        fields = {"index": (torch.uint8, index_bytes(numel, self.every))}
         fields.update({f"v_{name}": spec for name, spec in self.values.expected_fields(kept).items()})
         return fields
 
@@ -113,26 +179,16 @@ class TopK(Codec):
     def encode(self, flat):
         flat = flat.detach().float().reshape(-1)
         positions, picked = self._select(flat)
-        fields = {"index": pack_indices(positions % CHUNK)}
+        fields = {"index": pack_indices(positions % CHUNK, flat.numel(), self.every)}
         fields.update({f"v_{name}": t for name, t in self.values.encode(picked.contiguous()).items()})
         return fields
 
     def _positions(self, index: torch.Tensor, numel: int) -> torch.Tensor:
-        """Whole-vector positions of a payload's indices, refusing any outside its chunk or out of order."""
+        """Whole-vector positions of a payload's indices (checked by ``unpack_indices``)."""
         sizes = _chunk_sizes(numel)
         counts = torch.tensor([self._k(s) for s in sizes], dtype=torch.long)
-        index = unpack_indices(index, int(counts.sum()))
         chunk_of = torch.repeat_interleave(torch.arange(len(sizes)), counts)
-        limit = torch.tensor(sizes, dtype=torch.long)[chunk_of]
-        if bool(((index < 0) | (index >= limit)).any()):
-            raise ProtocolError("top-k index outside its chunk")
-        starts = torch.cumsum(counts, 0) - counts
-        step = index[1:] - index[:-1]
-        first = torch.zeros(index.numel(), dtype=torch.bool)
-        first[starts] = True
-        if bool((step <= 0)[~first[1:]].any()):
-            raise ProtocolError("top-k indices not strictly increasing within a chunk")
-        return chunk_of * CHUNK + index
+        return chunk_of * CHUNK + unpack_indices(index, numel, self.every)
 
     def decode(self, encoded, numel):
         kept = self._kept(numel)

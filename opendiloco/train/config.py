@@ -292,6 +292,10 @@ class SwarmConfig(Section):
     error_feedback: bool | None = None
     """Add what the wire format lost of a contribution to the next one; unset: on for the 8- and
     4-bit formats and the subset formats (which cannot run without it)."""
+    error_decay: float | None = Field(None, gt=0, le=1)
+    """Top-k formats only (SparseLoCo's rule): θ_local restarts from θ_global after every round and what
+    was not sent is owed in the residual, decayed by this each round; pair it with a plain outer step
+    ([optim] outer_momentum = 0). Unset: the unsent keep their local progress."""
     min_group_size: int = Field(1, ge=1)
     matchmaking_timeout: float = Field(30.0, gt=0, le=SECONDS_MAX)
     allreduce_timeout: float = Field(60.0, gt=0, le=SECONDS_MAX)
@@ -384,6 +388,8 @@ class SwarmConfig(Section):
         if self.error_feedback is False and sparse:
             raise ValueError(f"error_feedback: {self.compression} owes what a round does not send to later rounds; "
                              "it needs error feedback (leave error_feedback unset)")
+        if self.error_decay is not None and parse_topk(self.compression)[0] is None:
+            raise ValueError(f"error_decay is for the top-k formats (topkN+), not {self.compression!r}")
         return self
 
     @property

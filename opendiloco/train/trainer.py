@@ -279,6 +279,7 @@ class Trainer:
             mix=o.mix,
             error_feedback=cfg.swarm.uses_error_feedback,
             warm_start=o.warm_start,
+            error_decay=cfg.swarm.error_decay,
         )
         schedule = functools.partial(lr_lambda, warmup=o.warmup_steps, total=cfg.train.total_steps,
                                      min_ratio=o.min_lr_ratio)
