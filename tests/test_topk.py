@@ -275,15 +275,17 @@ def test_error_decay_is_for_top_k_formats_only():
     assert SwarmConfig(compression="topk64+e2m1", error_decay=0.95).error_decay == 0.95
 
 
-def test_a_round_of_weight_zero_keeps_all_its_work_local_and_owes_nothing_twice():
+@pytest.mark.parametrize("decay", [None, 0.9])
+def test_a_round_of_weight_zero_keeps_all_its_work_local_and_owes_nothing_twice(decay):
     """A worker that syncs again with no steps since its last round (weight 0 under ``weight_by_samples``)
     still holds carried work: none of it was counted, so all of it stays in its weights and none in its
-    residual (before, the carried values were owed in both)."""
+    residual (before, the carried values were owed in both). With ``error_decay`` every value restarts
+    from θ_global, so all of it is owed in the residual instead, once."""
     torch.manual_seed(0)
     group = InProcessGroup(2, compression="topk16+e2m1")
     models = [torch.nn.Linear(64, 64, bias=False) for _ in range(2)]
     models[1].load_state_dict(models[0].state_dict())
-    opts = [DiLoCoOptimizer(m.parameters(), local_steps=100, communicator=c, error_feedback=True,
+    opts = [DiLoCoOptimizer(m.parameters(), local_steps=100, communicator=c, error_feedback=True, error_decay=decay,
                             weight_by_samples=True, outer_optimizer=lambda p: torch.optim.SGD(p, lr=1.0))
             for m, c in zip(models, group.members)]
     import threading
@@ -311,5 +313,10 @@ def test_a_round_of_weight_zero_keeps_all_its_work_local_and_owes_nothing_twice(
     first = both([0, 2])
     assert all(r.ok for r in first) and first[0].weight == 0
     local, global_ = models[0].weight.detach().reshape(-1), opts[0].outer.global_params[0].detach().reshape(-1)
+    if decay is not None:  # all of it owed in the residual, none in the weights
+        assert torch.equal(local, global_)
+        torch.testing.assert_close(opts[0].error_residual()[: local.numel()], work_before + decay * owed_before,
+                                   rtol=0, atol=1e-6)
+        return
     torch.testing.assert_close(global_ - local, work_before + owed_before, rtol=0, atol=1e-6)  # all of it, local
     assert not opts[0].error_residual()[: local.numel()].any()  # and owed once only
