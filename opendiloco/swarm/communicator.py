@@ -63,7 +63,7 @@ from .node import start_dht, visible_maddrs, worker_identity
 from .presence import OtherSettings, Presence
 from .pushed_records import MAX_PUSH_BYTES, PushedRecord, decode_push, encode_push
 from .quorum import confirmed
-from .relays import DIAL_TIMEOUT, RENEW_BEFORE_ROUND_S, RENEW_GRACE_S, RelayLinks, close_connections
+from .relays import DIAL_TIMEOUT, RENEW_BEFORE_ROUND_S, RelayLinks, close_connections
 from .reservations import WIDEN_EVERY_S, RelaySlots, ping, widen
 from .reversal import ConnectionReversal
 from .signing import Identity
@@ -387,6 +387,8 @@ class SwarmCommunicator(Communicator):
             links = RelayLinks(self.records.relay_book, self.p2p, hold_streams.connect)
             await hold_streams.listen(links.serve_hold)
         self.relay_links = links
+        self._relayed_round_done = False
+        """A round completed since the relayed connections were last replaced (``_round`` replaces them)."""
         self.relay_slots = RelaySlots(self.p2p, self.dht.relays) if links is not None else None
         # A public worker that cannot dial one behind NAT asks it through its relay to dial back; one behind
         # NAT serves those asks (a NAT'd peer is reached through relays: ``links``).
@@ -512,9 +514,15 @@ class SwarmCommunicator(Communicator):
         began, entered_at = time.perf_counter(), time.time()
         self._loop.call_soon_threadsafe(self.rounds.reopen, str(key))  # before any peer can hear of this round
         self.hooks.round_began(key, flat)
-        if self.relay_links is not None:  # a relayed connection about to reach its relay's time limit
+        if self.relay_links is not None:
+            # Relayed connections that carried the last round (a relay's quota is per connection), or are
+            # about to reach its time limit, are replaced now, before this worker announces itself, so
+            # that no member's stream of this round meets a connection being replaced. Replaced a second
+            # after each round instead, they met the next round's first attempt whenever rounds came
+            # that fast (natmix: the first attempt of every round failed).
+            older_than, self._relayed_round_done = (0.0 if self._relayed_round_done else RENEW_BEFORE_ROUND_S), False
             try:
-                self._call(self.relay_links.renew(RENEW_BEFORE_ROUND_S), timeout=DIAL_TIMEOUT + 5)
+                self._call(self.relay_links.renew(older_than), timeout=DIAL_TIMEOUT + 5)
             except Exception as e:  # the round's streams dial anew
                 log.debug("renewing relayed connections: %s: %s", type(e).__name__, e)
         self.state = RoundState.ANNOUNCE
@@ -594,8 +602,7 @@ class SwarmCommunicator(Communicator):
             self.presence.partners.add(group.members)
             self.unreachable.reached(group.members)
             self.recent.completed(group.members)
-            if self.relay_links is not None:  # each round on relayed connections with their whole quota
-                self._loop.call_soon_threadsafe(self._renew_relayed_later)
+            self._relayed_round_done = True  # the next round starts on fresh relayed connections
             self.report_progress(last_sync_time=self.records.clock.now())
             result = AverageResult(outcome.flat, group.members, outcome.total_weight, time.perf_counter() - began,
                                      extra={"attempts": len(errors) + 1, "group_id": group.group_id,
@@ -607,16 +614,6 @@ class SwarmCommunicator(Communicator):
             return result
         self.state = RoundState.FAILED
         raise AveragingError(f"round {key}: no complete round in {s.max_attempts} attempts: " + "; ".join(errors))
-
-    def _renew_relayed_later(self) -> None:
-        async def renew() -> None:
-            await asyncio.sleep(RENEW_GRACE_S)
-            try:
-                await self.relay_links.renew()
-            except Exception as e:  # the next stream dials anew
-                log.debug("renewing relayed connections: %s: %s", type(e).__name__, e)
-
-        self._in_background(renew())
 
     def _check_drift_late(self, key: RoundKey, read: concurrent.futures.Future) -> None:
         """The drift check on the read of the run's workers made at the round's start, where the group

@@ -33,9 +33,9 @@ hivemind 1.1.12's daemon:
   round (``comm.runner.shard_bounds_for``): what two of them send each other is a few small frames;
 - the limit is per connection, not per stream: a connection held across rounds ran out of it every
   7-8 rounds of the long scenario (about 17 KiB a round between two workers behind NAT), and that
-  round failed for every member. So a held connection is replaced by a fresh one after every round
-  (``RelayLinks.renew``), and before one if it is older than ``RENEW_BEFORE_ROUND_S`` (the relay also
-  ends a relayed connection after 2 minutes).
+  round failed for every member. So a held connection that carried a round is replaced by a fresh
+  one when the next round starts (``RelayLinks.renew``), as is one older than ``RENEW_BEFORE_ROUND_S``
+  (the relay also ends a relayed connection after 2 minutes).
 """
 
 from __future__ import annotations
@@ -64,9 +64,6 @@ MAX_HELD = 64
 RENEW_BEFORE_ROUND_S = 60.0
 """A held relayed connection older than this is replaced before a round begins (a relay ends one after 2
 minutes: a round must not start on one about to end)."""
-RENEW_GRACE_S = 1.0
-"""After a round completed here, how long its last frames (other members' confirmations and audit answers)
-get before this worker's relayed connections are replaced."""
 MAX_HOLDS_PER_PEER = 2
 MAX_HOLDS = 256
 """Hold streams a worker accepts from one peer, and in all (more are closed at once)."""
