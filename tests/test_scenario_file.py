@@ -136,3 +136,15 @@ def test_a_step_reapplied_after_a_heal_is_not_a_lasting_split():
     assert not _last_steps_agree(forked)
     went_back = {1: [rec("a", 1, "h1", 1.0), rec("d", 1, "h1", 1.1), rec("a", 1, "alone", 9.0)]}
     assert not _last_steps_agree(went_back)  # the one that stands is the later, lone one
+
+
+def test_a_restart_that_resumed_and_then_adopted_the_runs_state_counts_as_resumed():
+    """The CI scenario's worker a resumed from its checkpoint (inner step 10), found the run two outer
+    steps ahead, and adopted its state at inner step 0: its start record says resumed, at inner step 0.
+    The report read that as a fresh start (it asked for inner step > 0 too) and the CI test failed."""
+    from opendiloco.testing.scenario_report import resumed_from_checkpoint
+
+    assert resumed_from_checkpoint({"event": "start", "inner_step": 0, "outer_step": 3, "resumed": True})
+    assert resumed_from_checkpoint({"event": "start", "inner_step": 10, "outer_step": 1, "resumed": True})
+    assert not resumed_from_checkpoint({"event": "start", "inner_step": 0, "outer_step": 0, "resumed": False})
+    assert not resumed_from_checkpoint({"event": "start", "inner_step": 0, "outer_step": 0})

@@ -82,6 +82,14 @@ def _partition_sides(events: list[dict], world: dict) -> list[tuple[float, float
     return out
 
 
+def resumed_from_checkpoint(start: dict) -> bool:
+    """Whether a worker's launch (its ``start`` record) restored a checkpoint. The record's own flag, and
+    nothing else: a restart whose checkpoint the run had moved past adopts the run's state and starts
+    at the run's position, which early in a run can be inner step 0 (the CI scenario's restart once
+    read as fresh so)."""
+    return start.get("resumed") is True
+
+
 def analyse(out_dir: str | Path, max_wait: float | None = None, clean: dict | None = None) -> dict:
     """The report of one played scenario (``clean``: the report of the same world without faults)."""
     out = Path(out_dir)
@@ -143,7 +151,7 @@ def analyse(out_dir: str | Path, max_wait: float | None = None, clean: dict | No
             "warm_live_s": life.seconds(w, warm),
             "longest_sync_s": max((r.get("sync_s") or 0.0 for r in outer), default=0.0),
             "launch_to_first_contribution_s": first_contrib,
-            "resumed": [bool(s.get("resumed")) and (s.get("inner_step") or 0) > 0 for s in starts],
+            "resumed": [resumed_from_checkpoint(s) for s in starts],
             "tracebacks": text.count("Traceback (most recent call last)"),
             "exit_codes": [e.get("code") for e in events if e["kind"] == "exit" and e.get("worker") == w],
         }
