@@ -57,16 +57,16 @@ def _layout(size: int, k: int) -> tuple[int, int, int, int]:
     return low, high, (k * low + 7) // 8, (high + 7) // 8
 
 
-def _chunk_sizes(numel: int) -> list[int]:
-    full, tail = divmod(numel, CHUNK)
-    return [CHUNK] * full + ([tail] if tail else [])
+def _entries(size: int, every: int) -> int:
+    """How many values a chunk of ``size`` sends: 1/``every`` of them, at least one."""
+    return max(1, size // every)
 
 
 def _runs(numel: int, every: int) -> list[tuple[int, int, int]]:
     """(chunks, their size, entries each): the full chunks, then the tail chunk if any."""
     full, tail = divmod(numel, CHUNK)
-    runs = [(full, CHUNK, CHUNK // every)] if full else []
-    return runs + ([(1, tail, max(1, tail // every))] if tail else [])
+    runs = [(full, CHUNK, _entries(CHUNK, every))] if full else []
+    return runs + ([(1, tail, _entries(tail, every))] if tail else [])
 
 
 def index_bytes(numel: int, every: int) -> int:
@@ -150,10 +150,10 @@ class TopK(Codec):
         return self.values
 
     def _k(self, size: int) -> int:
-        return max(1, size // self.every)
+        return _entries(size, self.every)
 
     def _kept(self, numel: int) -> int:
-        return sum(self._k(size) for size in _chunk_sizes(numel))
+        return sum(n * k for n, _, k in _runs(numel, self.every))
 
     def expected_fields(self, numel):
         kept = self._kept(numel)
@@ -185,10 +185,11 @@ class TopK(Codec):
 
     def _positions(self, index: torch.Tensor, numel: int) -> torch.Tensor:
         """Whole-vector positions of a payload's indices (checked by ``unpack_indices``)."""
-        sizes = _chunk_sizes(numel)
-        counts = torch.tensor([self._k(s) for s in sizes], dtype=torch.long)
-        chunk_of = torch.repeat_interleave(torch.arange(len(sizes)), counts)
-        return chunk_of * CHUNK + unpack_indices(index, numel, self.every)
+        # the full chunks are the first numel // CHUNK; a tail chunk, if any, follows them
+        chunk_of = [torch.arange(n).repeat_interleave(k) + (numel // CHUNK if size < CHUNK else 0)
+                    for n, size, k in _runs(numel, self.every)]
+        return torch.cat(chunk_of or [torch.zeros(0, dtype=torch.long)]) * CHUNK + unpack_indices(
+            index, numel, self.every)
 
     def decode(self, encoded, numel):
         kept = self._kept(numel)

@@ -176,10 +176,8 @@ class RelaySlots:
 
     def __init__(self, p2p: P2P, relays: Sequence[str], every: float = RESERVE_EVERY_S):
         self.p2p, self.every = p2p, every
-        self.relays = relay_ids(relays)
-        """Its relays' peer ids."""
-        self.addresses: dict[str, str] = {r: a for r, a in zip(relay_ids(relays), relays)}
-        """Each relay's full address (``.../p2p/ID``), as this worker's record names it."""
+        self.addresses: dict[str, str] = {relay_ids([a])[0]: a for a in relays if relay_ids([a])}
+        """Each relay's full address (``.../p2p/ID``) by its peer id, as this worker's record names it."""
         self.adopted: set[str] = set()
         """The relays taken from the run (``adopt``), besides the initial ones."""
         self._soon = asyncio.Event()
@@ -197,12 +195,16 @@ class RelaySlots:
         self._silent_at: dict[str, float] = {}
         """When each relay last left a ping unanswered (``watch``)."""
 
+    @property
+    def relays(self) -> list[str]:
+        """Its relays' peer ids, the initial ones first."""
+        return list(self.addresses)
+
     def adopt(self, address: str) -> None:
         """A relay this node just got a slot on (a public worker of the run): kept and watched like the initial
         ones, and named in its record (``named``)."""
         relay = relay_ids([address])[0]
-        if relay not in self.relays:
-            self.relays.append(relay)
+        if relay not in self.addresses:
             self.addresses[relay] = address
             self.adopted.add(relay)
             self.held[relay] = True
@@ -211,13 +213,12 @@ class RelaySlots:
         """Forgets an adopted relay (it left the run); the initial ones are kept whatever happens."""
         if relay in self.adopted:
             self.adopted.discard(relay)
-            self.relays.remove(relay)
-            self.addresses.pop(relay, None)
+            del self.addresses[relay]
             self.held.pop(relay, None)
 
     def named(self) -> tuple[str, ...]:
         """The full addresses of its relays, for its record."""
-        return tuple(self.addresses[r] for r in self.relays if r in self.addresses)
+        return tuple(self.addresses.values())
 
     def renew_soon(self) -> None:
         """Asks the relays again now (call on the node's loop): this node closed its connections itself."""
