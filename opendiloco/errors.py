@@ -76,6 +76,9 @@ class InDoubt(PeerFailure):
         self.failed_too: frozenset[str] = frozenset()
         """Members that answered, when asked (``runner.resolve``), that they failed the attempt too: alive and
         reachable, so not to blame for it, whichever of their streams this worker saw close first."""
+        self.distrusted: frozenset[str] = frozenset()
+        """Members whose bytes failed this worker's own checks or audit, or that gave up on the attempt blaming
+        no other member (``comm/blame.py``): their word that the round completed is not believed."""
         self.gone: frozenset[str] = frozenset()
         """Members taken for gone when asked (left the run's records, said they abandoned the attempt, or no
         dial reached them): not waited for in the retry, which would otherwise wait for a frozen one's

@@ -217,6 +217,32 @@ def as_sent(expected: torch.Tensor, codec: Codec) -> torch.Tensor:
     return codec.roundtrip(expected) if rounding(codec)[0] == 1 else expected
 
 
+def result_norm_bound(aggregation: Aggregation, declared: Sequence[float], norms: Sequence[float], codec: Codec,
+                      numel: int) -> float:
+    """The largest norm an honest owner's result part of ``numel`` values can have, from what it committed
+    to: the members' declared weights and their parts' norms (each member checks its own entries).
+
+    The part is a weighted mean of the members' clipped parts (``"mean"``), or a point that CenteredClip
+    moves only within their convex hull (``"centered-clip"``), so by the triangle inequality its norm is at
+    most the weighted mean (or the largest) of their clipped norms; then the result codec's rounding (at
+    most ``step`` of each block's largest magnitude per value: ``sqrt(block) * step`` of the norm), with
+    1% for norms that two machines sum in another order. Every value of every part is bounded so, not
+    only the audited chunks."""
+    weights, _ = aggregation.weights(list(declared))
+    total = sum(weights)
+    members = [i for i, w in enumerate(weights) if w > 0]
+    if total <= 0 or not members:
+        return 0.0
+    scale, _ = aggregation.scales({i: norms[i] for i in members})
+    clipped = [0.0 if scale[i] == 0 else scale[i] * norms[i] for i in members]
+    if aggregation.method == "mean":
+        bound = sum(weights[i] / total * n for i, n in zip(members, clipped))
+    else:
+        bound = max(clipped)
+    block, step, absolute = rounding(codec)
+    return bound * (1 + step * math.sqrt(min(block, max(numel, 1)))) * 1.01 + absolute * math.sqrt(numel) + 1e-30
+
+
 def check_chunk(aggregation: Aggregation, declared: Sequence[float], norms: Sequence[float],
                 values: Sequence[torch.Tensor], result: torch.Tensor, tol: torch.Tensor,
                 codec: Codec | None = None) -> str | None:

@@ -38,6 +38,7 @@ from ..fingerprint import new_hasher, tensor_bytes
 from . import audit
 from .aggregation import Aggregation
 from .base import RoundKey
+from .blame import blamed, breaks_attempt
 from .buffers import all_finite
 from .compression import Codec, codec_label
 from .wire import ByteStream, Code, Refused, StreamClosed, payload_size
@@ -77,6 +78,11 @@ def shard_bounds_for(numel: int, members: Sequence[str],
         else:
             bounds.append((cursor, cursor))
     return bounds
+
+
+MIN_AUDIT_ANSWER_S = 5.0
+"""The least time a member is given to answer an audit (``RoundRunner.answer_bound``): the chunks are
+small and it has every part by then, but a loaded machine's event loop may lag."""
 
 
 def part_bounds(numel: int, part_numel: int) -> list[tuple[int, int]]:
@@ -316,6 +322,9 @@ class RoundRunner:
         self.refused_by: set[str] = set()
         """Members that refused this worker's streams (``REFUSE``): their attempt failed and they said so,
         so they are alive and back for the retry (not suspects to leave behind)."""
+        self._gave_up: dict[str, frozenset[str]] = {}
+        """Members that refused this worker's streams or asked how the round ended while it still needed their
+        bytes, with whom they blamed for it (``blame.py``; ``breakers``)."""
         self._changed = asyncio.Condition()
         self._shard_digests: dict[int, str] = {}
         self._shard_totals: dict[int, float] = {}
@@ -323,12 +332,17 @@ class RoundRunner:
         self._failed = asyncio.Event()
         self._confirms: dict[str, str] = {}
         self._auditing: set[str] = set()  # members whose audit answers are still to come
+        self.answer_bound = max(confirm_timeout, MIN_AUDIT_ANSWER_S)
+        """Seconds within which every member answers this worker's audit, from the request."""
         self._serving: set[str] = set()
         self._parts_out: set[int] = set()
         """Owners this worker has sent (or begun sending) its last part of their shard to."""
         self._results_out: set[str] = set()
         """Members this worker has sent (or begun sending) the end of its own shard's result to."""
         self.finished = False
+        self.audited = not audit_chunks
+        """Whether this worker's own audit of every other owner passed (always, without an audit): a round is
+        applied here only then, never on another member's word (``_held``)."""
         self.digest: str | None = None
         """The whole average's digest, once the round has completed here."""
         self.ended = asyncio.Event()
@@ -373,6 +387,7 @@ class RoundRunner:
             digest = self._whole_digest()
             if self.audit_chunks:
                 await self._unless_failed(self._audit())
+                self.audited = True
             confirmed, missing = await self._verify(digest)
         except BaseException as e:
             failed.cancel()
@@ -386,8 +401,10 @@ class RoundRunner:
             failure = e if isinstance(e, AveragingError) else AveragingError(f"{type(e).__name__}: {e}")
             ask = self.may_have_completed()
             if ask:  # this worker cannot tell on its own whether the round happened: resolve() asks them
-                raise InDoubt(str(failure), getattr(failure, "peers", ()), group_id=self.group.group_id, me=self.me,
-                              members=self.members, ask=ask, held=self._held(began)) from e
+                doubt = InDoubt(str(failure), getattr(failure, "peers", ()), group_id=self.group.group_id,
+                                me=self.me, members=self.members, ask=ask, held=self._held(began))
+                doubt.distrusted = frozenset(self.malformed) | self._broke
+                raise doubt from e
             if failure is e:
                 raise
             raise failure from e
@@ -438,9 +455,13 @@ class RoundRunner:
         completed it are asked, as after any failure."""
         await self._fail(AveragingError(f"abandoned: {why}"))
 
-    async def give_up_on(self, member: str, why: str = "failed its attempt") -> None:
+    async def give_up_on(self, member: str, why: str = "failed its attempt",
+                         blame: frozenset[str] | None = None) -> None:
         """What we still wait for from ``member`` will never come (its attempt failed: it asks how the round
-        ended; or it left the run), so the round fails here now instead of at its timeout."""
+        ended, naming ``blame``; or it left the run: ``blame`` None), so the round fails here now instead of
+        at its timeout."""
+        if blame is not None:
+            self._gave_up.setdefault(member, blame)
         await self._fail(PeerFailure(f"{member[-8:]} {why} before this worker had all it sends", {member}))
 
     def may_have_completed(self) -> tuple[str, ...]:
@@ -455,9 +476,33 @@ class RoundRunner:
             return ()
         return tuple(sorted(self._results_out))
 
+    @property
+    def breakers(self) -> set[str]:
+        """The members that broke this attempt here: the culprits of its first failure that gave up on it
+        (refused, or asked how it ended, while this worker still needed their bytes) without blaming a
+        third member (``blame.breaks_attempt``). The communicator leaves them out of the round's retries."""
+        error = self.error
+        if not isinstance(error, PeerFailure) or isinstance(error, Malformed):
+            return set()
+        return set(error.peers) & self._broke
+
+    @property
+    def _broke(self) -> frozenset[str]:
+        """The members that gave up on this attempt blaming no third member (``blame.breaks_attempt``)."""
+        return frozenset(p for p, blame in self._gave_up.items() if breaks_attempt(p, self.me, blame))
+
+    def blame(self) -> frozenset[str]:
+        """Whom this worker's own failure of the round names (what its refusals and questions carry)."""
+        error = self.error
+        return frozenset(error.peers) - {self.me} if isinstance(error, PeerFailure) else frozenset()
+
     def _held(self, began: float) -> RoundOutcome | None:
-        """The whole average if every shard reached this worker verified and no member confirmed
-        another one (a failed attempt may still hold it), else None."""
+        """The whole average if every shard reached this worker verified, its own audit passed, and no
+        member confirmed another one (a failed attempt may still hold it), else None. Without its own audit
+        a worker holds nothing to apply: an owner that leaves it unanswered and says "done" when asked
+        would have its result applied unchecked."""
+        if not self.audited:
+            return None
         if len(self._shard_digests) != len(self.members) or None in self._shard_digests.values() \
                 or len({round(t, 9) for t in self._shard_totals.values()}) != 1:
             return None
@@ -520,6 +565,7 @@ class RoundRunner:
                     hasher.update(frame.payload)
                     if manifest is not None:
                         roots, norms = self._checked_manifest(frame.meta, j, i)
+                        self._check_size(peer, i, target, manifest["weights"], norms)
                         hasher.update(audit.manifest_bytes(roots, norms))
                         manifest["roots"].append(roots)
                         manifest["norms"].append(norms)
@@ -628,6 +674,17 @@ class RoundRunner:
             raise ProtocolError(f"the owner misreports this worker's part {i} (its commitment names other values)")
         return roots, norms
 
+    def _check_size(self, owner: str, i: int, values: torch.Tensor, weights: list[float], norms: list[float]) -> None:
+        """Every value of an owner's result part, not only the audited chunks: its norm within what the
+        members' committed norms and weights allow (``audit.result_norm_bound``); else the owner is named."""
+        size = audit.norm_of(values)
+        limit = audit.result_norm_bound(self.aggregation, weights, norms, self.result_codec, values.numel())
+        if size > limit:
+            failure = Malformed(f"{owner[-8:]} owns a shard whose result part {i} is larger than its members' "
+                                f"parts allow (norm {size:.3g} > {limit:.3g})", {owner})
+            self._note_malformed(failure)
+            raise failure
+
     def _chunk_span(self, j: int, i: int, c: int) -> tuple[int, int, int, int]:
         """Where chunk c of part i of shard j lies: (the part's first value in the flat vector, the part's
         length, the chunk's [start, end) within the part)."""
@@ -685,16 +742,24 @@ class RoundRunner:
                 raise failure
 
     async def _ask(self, m: int, stream: ByteStream, asked: list) -> list[torch.Tensor]:
-        """Member m's values of the ``asked`` chunks, each proven against its owner's committed root."""
+        """Member m's values of the ``asked`` chunks, each proven against its owner's committed root.
+
+        A member that keeps its stream open and answers nothing within ``answer_bound`` (it has every part
+        of the round by then: it asks nothing of anyone to answer), or answers out of form, is named
+        (``Malformed``): a round is applied only where its own audit passed, so silence would otherwise
+        stall every auditor for nothing, attempt after attempt. One that refuses or closes its stream (its
+        attempt failed) only fails the attempt."""
         peer = self.members[m]
         self._auditing.add(peer)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.answer_bound
         try:
             await stream.send(Code.AUDIT, {"chunks": asked})
             out = []
             for j, i, c in asked:
                 _, numel, ca, cb = self._chunk_span(j, i, c)
                 frame = await asyncio.wait_for(stream.recv(max_payload=4 * (cb - ca), expect=Code.AUDIT_ANSWER),
-                                               self.timeout)
+                                               max(0.0, deadline - loop.time()))
                 self._heard(peer)
                 self.bytes_received += payload_size(frame.payload)
                 if payload_size(frame.payload) != 4 * (cb - ca):
@@ -707,8 +772,19 @@ class RoundRunner:
                                       "match what the owner committed to", {peer, self.members[j]})
                 out.append(values)
             return out
-        except (ProtocolError, OSError, ConnectionError, asyncio.TimeoutError) as e:
+        except asyncio.TimeoutError:
+            failure = Malformed(f"{peer[-8:]} left this worker's audit unanswered for {self.answer_bound:.0f}s",
+                                {peer})
+            self._note_malformed(failure)
+            raise failure from None
+        except (StreamClosed, Refused, OSError, ConnectionError) as e:
+            if isinstance(e, Refused):
+                self._checked(peer, e)
             raise PeerFailure(f"audit answers from {peer[-8:]}: {type(e).__name__}: {e}", {peer}) from None
+        except ProtocolError as e:  # its own bytes: out of form, of the wrong size or code
+            failure = Malformed(f"{peer[-8:]} answered this worker's audit out of form: {e}", {peer})
+            self._note_malformed(failure)
+            raise failure from None
         finally:
             self._auditing.discard(peer)
 
@@ -812,7 +888,7 @@ class RoundRunner:
                     failure = PeerFailure(f"{sender[-8:]}: {e}", {sender})
             if not self.finished:
                 await self._fail(failure)
-            await stream.refuse(str(e))
+            await stream.refuse(str(e), blame=self.blame())
             log.debug("contribution from %s ended: %s", sender[-8:], e)
         finally:
             stream.close()
@@ -857,6 +933,7 @@ class RoundRunner:
         bytes failed a check here; the error itself when the stream only closed or was refused."""
         if isinstance(error, Refused):
             self.refused_by.add(peer)
+            self._gave_up.setdefault(peer, error.blame)
         if isinstance(error, (StreamClosed, Refused)):
             return error
         failure = Malformed(f"{peer[-8:]} sent malformed data: {error}", {peer})
@@ -1010,7 +1087,7 @@ class Rounds:
                                              self.wait_for_group)
             group_id = meta_field(opening.meta, "group_id", str)
             if opening.code == Code.ASK_OUTCOME:
-                await self._answer(stream, group_id)
+                await self._answer(stream, group_id, blamed(opening.meta.get("blame")))
                 return
             if meta_field(opening.meta, "sender", str) != stream.remote:
                 raise ProtocolError("sender field does not match the authenticated peer id")
@@ -1036,7 +1113,7 @@ class Rounds:
             log.debug("contribution stream from %s outlived its round", stream.remote[-8:])
             stream.close()
 
-    async def _answer(self, stream: ByteStream, group_id: str) -> None:
+    async def _answer(self, stream: ByteStream, group_id: str, blame: frozenset[str] = frozenset()) -> None:
         """Tells a member of round ``group_id`` whether the round completed here, once it has ended here
         (waiting at most as long as the round may still last). Only members of the round are answered. A
         member asks only once its own attempt failed: if the round here still waits for its bytes, it fails
@@ -1049,7 +1126,7 @@ class Rounds:
             raise ProtocolError(f"{remote[-8:]} is not a member of round {group_id}")
         if runner is not None and not runner.ended.is_set():
             if runner.waits_on(remote):  # it asks because its attempt failed: what we wait for never comes
-                await runner.give_up_on(remote)
+                await runner.give_up_on(remote, blame=blame)
             if self._asking[remote] >= self.max_waiting_per_peer:
                 raise ProtocolError(f"too many questions of {remote[-8:]} waiting; {group_id} refused")
             self._asking[remote] += 1
@@ -1134,14 +1211,16 @@ class Answer:
     """The members the answering member began sending its shard's end to (final once it is done or failed)."""
 
 
-async def ask_outcome(connect: Connect, peer: str, group_id: str, members: Sequence[str]) -> Answer:
+async def ask_outcome(connect: Connect, peer: str, group_id: str, members: Sequence[str],
+                      blame: Sequence[str] = ()) -> Answer:
     """``peer``'s answer about round ``group_id`` (of ``members``); ``ProtocolError`` if it does not fit.
+    ``blame``: whom this worker's failure of the round names (``blame.py``).
 
     The answer comes on the stream this worker opened to ``peer``: from that authenticated peer.
     """
     stream = await connect(peer)
     try:
-        await stream.send(Code.ASK_OUTCOME, {"group_id": group_id})
+        await stream.send(Code.ASK_OUTCOME, {"group_id": group_id, "blame": sorted(blame)[:16]})
         frame = await stream.recv(max_payload=0, expect=Code.OUTCOME)
     finally:
         stream.close()
@@ -1180,7 +1259,14 @@ async def find_outcome(connect: Connect, doubt: InDoubt, timeout: float, gone: C
     remains. ``answers``: the last state of
     each member of ``doubt.ask`` ("unanswered" where none came, "gone", or "ruled out" where none is
     needed any more).
+
+    A member whose bytes failed this worker's own checks or audit (or left it unanswered), or that gave up
+    on the round blaming no other member (``doubt.distrusted``), is not believed when it says "done"
+    ("distrusted"), nor about whom it sent its shard to: an owner that keeps its result from the audit and
+    then says the round completed would otherwise have it applied. A member whose stream only closed, or
+    that did not answer in time, may have completed the round, and is believed.
     """
+    distrusted = frozenset(doubt.distrusted) - {doubt.me}
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     answers = {m: "unanswered" for m in doubt.members if m != doubt.me}
@@ -1191,12 +1277,13 @@ async def find_outcome(connect: Connect, doubt: InDoubt, timeout: float, gone: C
         return any(m not in sent_to for p, sent_to in final.items() if p != m)
 
     def decided() -> bool:
-        return bool(found) or all(answers[m] in ("failed", "gone") or ruled_out(m) for m in doubt.ask)
+        return bool(found) or all(answers[m] in ("failed", "gone", "distrusted") or ruled_out(m) for m in doubt.ask)
 
     async def ask(peer: str) -> None:
         undialled_since = None  # (loop time) the end of the first of the dials to it that have all failed since
         while deadline - loop.time() > 0:
-            asking = asyncio.ensure_future(ask_outcome(connect, peer, doubt.group_id, doubt.members))
+            asking = asyncio.ensure_future(ask_outcome(connect, peer, doubt.group_id, doubt.members,
+                                                       sorted(set(doubt.peers) - {doubt.me})))
             try:
                 # A dial into a partition neither answers nor fails for as long as the daemon tries (30 s):
                 # a member that has left the run meanwhile is not waited for that long.
@@ -1229,6 +1316,11 @@ async def find_outcome(connect: Connect, doubt: InDoubt, timeout: float, gone: C
             if answer.state == "unanswered" and gone is not None and gone(peer):
                 answers[peer] = "gone"
                 return
+            if answer.state == "done" and peer in distrusted:
+                answers[peer] = "distrusted"
+                log.warning("round %s: %s says it completed the round, but this worker's own checks of it failed "
+                            "(%s): not believed", doubt.group_id, peer[-8:], doubt)
+                return
             if answer.state in ("done", "failed"):
                 final[peer] = answer.sent_to
                 if answer.state == "done" and peer in doubt.ask:  # only those can have completed it
@@ -1245,7 +1337,7 @@ async def find_outcome(connect: Connect, doubt: InDoubt, timeout: float, gone: C
             task.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
     for m in doubt.ask:
-        if answers[m] not in ("failed", "gone") and ruled_out(m) and not found:
+        if answers[m] not in ("failed", "gone", "distrusted") and ruled_out(m) and not found:
             answers[m] = "ruled out"
     return (found[0] if found else None), {m: answers[m] for m in doubt.ask}
 
@@ -1275,13 +1367,13 @@ async def resolve(doubt: InDoubt, connect: Connect, key: RoundKey, timeout: floa
             return doubt.held
         raise RoundCounted(f"the group completed round {key} ({gid}) without this worker's confirmation (here: "
                            f"{doubt}); adopting its state", group_outer_step=step, completed=True)
-    if all(a in ("failed", "ruled out", "gone") for a in answers.values()):
+    if all(a in ("failed", "ruled out", "gone", "distrusted") for a in answers.values()):
         doubt.failed_too = frozenset(p for p, a in answers.items() if a == "failed")
         doubt.gone = frozenset(p for p, a in answers.items() if a == "gone")
         log.info("round %s: no member can have completed it (%s): retrying", gid,
                  ", ".join(f"{p[-8:]} {a}" for p, a in sorted(answers.items())))
         return None
-    silent = sorted(p[-8:] for p, a in answers.items() if a not in ("failed", "ruled out", "gone"))
+    silent = sorted(p[-8:] for p, a in answers.items() if a not in ("failed", "ruled out", "gone", "distrusted"))
     log.warning("round %s: %s did not say within %.0fs whether they completed it; this worker's contribution may "
                 "have been counted, so its local work is dropped and the run's state adopted (correctness over "
                 "goodput)", gid, silent, timeout)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import msgpack
 
 from ..errors import ProtocolError
+from .blame import MAX_BLAMED, blamed
 
 PREFIX = struct.Struct("!BII")
 MAX_META_BYTES = 16 << 10
@@ -85,7 +86,12 @@ class StreamClosed(ProtocolError):
 
 
 class Refused(ProtocolError):
-    """The peer answered with ``REFUSE``."""
+    """The peer answered with ``REFUSE``; ``blame``: the members it says caused it (``blamed``)."""
+
+    def __init__(self, message: str, blame: frozenset[str] = frozenset()):
+        super().__init__(message)
+        self.blame = blame
+
 
 
 @dataclass
@@ -126,9 +132,14 @@ class ByteStream:
         self.bytes_sent += payload_len
         await self.writer.drain()
 
-    async def refuse(self, reason: str) -> None:
+    async def refuse(self, reason: str, blame=()) -> None:
+        """Tells the peer this end will not go on, and why; ``blame``: the members this worker's own failure
+        names, if it failed (so that the peer does not take the refusal for the cause)."""
+        meta = {"reason": reason[:MAX_REASON_CHARS]}
+        if blame:
+            meta["blame"] = sorted(blame)[:MAX_BLAMED]
         try:
-            await self.send(Code.REFUSE, {"reason": reason[:MAX_REASON_CHARS]})
+            await self.send(Code.REFUSE, meta)
         except Exception:  # the peer may be gone already: refusing is best effort
             pass
 
@@ -153,7 +164,8 @@ class ByteStream:
             raise StreamClosed(f"stream to {self.remote[-8:]} broke: {e}") from None
         meta = _unpack_meta(raw)
         if code == Code.REFUSE:
-            raise Refused(f"{self.remote[-8:]} refused: {str(meta.get('reason', ''))[:MAX_REASON_CHARS]}")
+            raise Refused(f"{self.remote[-8:]} refused: {str(meta.get('reason', ''))[:MAX_REASON_CHARS]}",
+                          blamed(meta.get("blame")))
         if expect is not None:
             allowed = expect if isinstance(expect, tuple) else (expect,)
             if code not in allowed:

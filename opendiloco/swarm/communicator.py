@@ -52,7 +52,7 @@ from ..pacing import Pace
 from . import records
 from .addresses import dial_addrs
 from .doctor import startup_warnings
-from .exclusion import EXCLUDE_ROUNDS, Offenders, UnreachablePeers
+from .exclusion import EXCLUDE_ROUNDS, Breakers, Offenders, UnreachablePeers
 from .frozen import PING_TIMEOUT_S, FrozenProbe, Unanswered
 from .hooks import RoundHooks
 from .majority import RecentMembers
@@ -257,6 +257,8 @@ class SwarmCommunicator(Communicator):
         self.recent = RecentMembers(self._peer_id, s.partition_hold)
         """The members of this worker's last rounds: a group that lacks most of them holds (``majority.py``)."""
         self.unreachable = UnreachablePeers()
+        self.breakers = Breakers()
+        """Members that broke an attempt of this worker's (``RoundRunner.breakers``): out of the round's retries."""
         """Members this worker could not dial: apart from it for a few outer steps."""
 
         self._loop = uvloop.new_event_loop()
@@ -285,7 +287,7 @@ class SwarmCommunicator(Communicator):
             self._interrupted,
             doorbell=self.doorbell, push=self._push,
             joiners=lambda step: self.state_server.recent_joiners(step, within=s.straggler_wait + 10.0),
-            offenders=self.offenders, unreachable=self.unreachable, liveness=self.unanswered)
+            offenders=self.offenders, unreachable=self.unreachable, liveness=self.unanswered, breakers=self.breakers)
         self._workers_snapshot: dict[str, records.WorkerRecord] = {}
         self._snapshot_reads = 0  # successful reads of the run's workers so far
         self._pace_refresh = asyncio.run_coroutine_threadsafe(self._refresh_workers(), self._loop)
@@ -651,6 +653,9 @@ class SwarmCommunicator(Communicator):
         if runner is not None and runner.group is group:
             for peer, reason in dict(runner.malformed).items():  # a stopped attempt may still be ending
                 self.offenders.add(peer, group.key.outer_step, reason)
+            for peer in runner.breakers - set(runner.malformed):
+                self.breakers.add(peer, group.key.outer_step, f"gave up on attempt {group.attempt} blaming no other "
+                                                              "member")
             for peer in set(runner.unreachable):
                 self.unreachable.failed_dial(peer, group.key.outer_step, relayed=peer in group.relayed)
 

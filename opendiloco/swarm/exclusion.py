@@ -18,6 +18,14 @@ gone), or a public member it could not dial twice in a row, is named the same wa
 so the group goes on without one of the two, and they try each other again once the names lapse.
 The matchmaker follows these names only where they leave some part of two or more (two workers
 apart would each be alone, and the names would never lapse).
+
+A member that broke an attempt of this worker's without sending anything malformed (it refused, or asked
+how the round ended while this worker still needed its bytes, blaming no third member: ``comm/blame.py``)
+is named under ``broke`` (``Breakers``): for the rest of that round the first time, twice as many outer
+steps at each repeat within ``EXCLUDE_ROUNDS`` (at most that many). Its names are followed as those of
+unreachable peers are, only where they leave a group big enough. So one such member costs a round at most
+one attempt, and ever fewer rounds as it goes on; an honest member named by mistake (it failed for a
+reason it did not give) sits out one round's retries.
 """
 
 from __future__ import annotations
@@ -106,6 +114,33 @@ class UnreachablePeers(Offenders):
         """A round with ``peers`` completed: their failed dials are forgotten."""
         for peer in peers:
             self._strikes.pop(peer, None)
+
+
+class Breakers(Offenders):
+    """The members that broke an attempt of this worker's (``RoundRunner.breakers``): out of its groups
+    for the rest of that outer step the first time, then 1, 3, 7... more while they keep at it (a strike
+    older than ``EXCLUDE_ROUNDS`` outer steps is forgotten)."""
+
+    what = "broke an attempt"
+
+    def __init__(self, capacity: int = MAX_OFFENDERS):
+        super().__init__(0, capacity)
+        self._strikes: collections.OrderedDict[str, tuple[int, int]] = collections.OrderedDict()
+        """peer -> (strikes, the outer step of the latest)."""
+
+    def add(self, peer: str, outer_step: int, reason: str) -> None:
+        count, last = self._strikes.pop(peer, (0, outer_step))
+        count = count + 1 if outer_step - last <= EXCLUDE_ROUNDS else 1
+        self._strikes[peer] = (count, outer_step)
+        while len(self._strikes) > self.capacity:
+            self._strikes.popitem(last=False)
+        self.rounds = exclusion_rounds(count)
+        super().add(peer, outer_step, reason)
+
+
+def exclusion_rounds(strikes: int) -> int:
+    """Outer steps after the current one that a member that broke ``strikes`` attempts is left out for."""
+    return min(EXCLUDE_ROUNDS, 2 ** (max(strikes, 1) - 1) - 1)
 
 
 def announced_avoid(value, field: str = "avoid") -> frozenset[str]:

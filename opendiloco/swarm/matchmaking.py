@@ -29,7 +29,16 @@ from ..comm.base import RoundKey
 from ..comm.runner import Group, make_group_id
 from ..errors import AveragingError, BehindError, Interrupted
 from . import records
-from .exclusion import Offenders, UnreachablePeers, announced_avoid, conflict_free, conflicts, part_of, partition
+from .exclusion import (
+    Breakers,
+    Offenders,
+    UnreachablePeers,
+    announced_avoid,
+    conflict_free,
+    conflicts,
+    part_of,
+    partition,
+)
 from .frozen import RELAYED_QUIET_S, Unanswered
 from .presence import Presence
 
@@ -130,12 +139,15 @@ class Matchmaker:
                  codec_name: str, interrupted: threading.Event, *, doorbell: Doorbell | None = None,
                  push: Callable[[Sequence[str], str, int, list], None] | None = None,
                  joiners: Callable[[int], set[str]] | None = None, offenders: Offenders | None = None,
-                 unreachable: Offenders | None = None, liveness: Unanswered | None = None):
+                 unreachable: Offenders | None = None, liveness: Unanswered | None = None,
+                 breakers: Offenders | None = None):
         """``joiners(outer_step)``: peers that just downloaded this worker's state of that outer step
         (they are on their way to its round, possibly before their progress record can be read).
         ``offenders``: the peers this worker caught sending malformed data; ``unreachable``: those it could
-        not dial (both named in its announcements); ``liveness``: the peers found frozen (``frozen.py``),
-        neither waited for nor grouped with, and the pings that find them."""
+        not dial; ``breakers``: those that broke an attempt of its (all three named in its announcements,
+        the last two followed only where they leave a group big enough: ``_set_avoids``); ``liveness``:
+        the peers found frozen (``frozen.py``), neither waited for nor grouped with, and the pings that find
+        them."""
         self.records, self.presence, self.settings = run_records, presence, settings
         self.liveness = liveness
         self.joiners = joiners or (lambda outer_step: set())
@@ -151,13 +163,16 @@ class Matchmaker:
         self._taken_for = ""
         self.offenders = offenders if offenders is not None else Offenders()
         self.unreachable = unreachable if unreachable is not None else UnreachablePeers()
+        self.breakers = breakers if breakers is not None else Breakers()
         self.avoids: dict[str, frozenset[str]] = {}
         """The peers each peer that announced the current attempt keeps out of its group (its
         announcement's ``avoid`` and ``unreachable``)."""
         self.refusals: dict[str, frozenset[str]] = {}
         """Of those, the peers each one names for malformed data (its ``avoid``)..."""
         self.unreachables: dict[str, frozenset[str]] = {}
-        """...and those it could not dial (its ``unreachable``)."""
+        """...and those it could not dial (its ``unreachable``)..."""
+        self.broken: dict[str, frozenset[str]] = {}
+        """...and those that broke an attempt of its (its ``broke``)."""
         self.relayed: dict[str, bool] = {}
         """Whether each peer that announced the current attempt is reached only through relays (its
         announcement's ``relayed``): such a member owns an empty shard (``shard_bounds_for``)."""
@@ -190,6 +205,7 @@ class Matchmaker:
         rang, quiet, last_seen = False, 0, frozenset()
         mine_avoid: frozenset[str] = frozenset()
         mine_unreachable: frozenset[str] = frozenset()  # what we announced for this attempt, read back or not
+        mine_broke: frozenset[str] = frozenset()
         gkey = self.records.group_key(key, attempt)
         pending, workers = (workers, None) if isinstance(workers, concurrent.futures.Future) else (None, workers)
         if pending is not None:
@@ -226,10 +242,11 @@ class Matchmaker:
                 value = {"attempt": attempt, "numel": numel, "codec": self.codec_name, "part": s.part_numel,
                          "config": s.config, "since": began, "avoid": self.offenders.active(key.outer_step),
                          "unreachable": self.unreachable.active(key.outer_step),
+                         "broke": self.breakers.active(key.outer_step),
                          "relayed": self._behind_nat()}
                 record = self.records.store(announce_key, value, self.records.clock.now() + s.record_ttl, wait=False)
                 ready[me], announced, mine_avoid = value, attempt, announced_avoid(value)
-                mine_unreachable = announced_avoid(value, "unreachable")
+                mine_unreachable, mine_broke = announced_avoid(value, "unreachable"), announced_avoid(value, "broke")
                 # To every peer that may group with us: the one that closes groups, and members that check a
                 # group against its members' announcements.
                 to = (set(view) | set(ready) | self.joiners(key.outer_step)) - {me}
@@ -254,7 +271,8 @@ class Matchmaker:
             announced_ok = self._compatible(ready, attempt, numel) - self._moved_on(workers, key)
             self.refusals = {p: announced_avoid(ready[p]) for p in announced_ok}
             self.unreachables = {p: announced_avoid(ready[p], "unreachable") for p in announced_ok}
-            self.refusals[me], self.unreachables[me] = mine_avoid, mine_unreachable
+            self.broken = {p: announced_avoid(ready[p], "broke") for p in announced_ok}
+            self.refusals[me], self.unreachables[me], self.broken[me] = mine_avoid, mine_unreachable, mine_broke
             self._set_avoids(announced_ok | {me})
             self.relayed = {p: ready[p].get("relayed") is True for p in announced_ok}
             self.relayed[me] = self._behind_nat()
@@ -504,7 +522,8 @@ class Matchmaker:
         (two workers whose link broke once; three behind one failed dial in a run that needs all
         three). The same on every member, from the announcements alone."""
         refusals = {p: self.refusals.get(p, frozenset()) for p in candidates}
-        both = {p: refusals[p] | self.unreachables.get(p, frozenset()) for p in candidates}
+        both = {p: refusals[p] | self.unreachables.get(p, frozenset()) | self.broken.get(p, frozenset())
+                for p in candidates}
         big_enough = max(2, self.settings.min_group_size)
         self.avoids = both if max(map(len, partition(candidates, both)), default=0) >= big_enough else refusals
 
@@ -598,6 +617,8 @@ class Matchmaker:
                 self.refusals.update({p: announced_avoid(announcements[p]) for p in compatible if p in announcements})
                 self.unreachables.update({p: announced_avoid(announcements[p], "unreachable") for p in compatible
                                           if p in announcements})
+                self.broken.update({p: announced_avoid(announcements[p], "broke") for p in compatible
+                                    if p in announcements})
                 self._set_avoids(compatible | {me})
                 self.relayed.update({p: announcements[p].get("relayed") is True for p in compatible
                                      if p in announcements and p != me})

@@ -20,6 +20,7 @@ pytestmark = [pytest.mark.swarm, pytest.mark.timeout(300)]
 
 ATTACKER = Path(__file__).with_name("attack_poison.py")
 OWNER = Path(__file__).with_name("attack_owner.py")
+SILENT_OWNER = Path(__file__).with_name("attack_silent_owner.py")
 OPTS = dict(outer_steps=6, local_steps=5, straggler_wait=5, allreduce_timeout=20, matchmaking_timeout=60)
 
 
@@ -67,17 +68,30 @@ def test_an_insider_cannot_take_over_the_average(swarm, aggregation):
         assert poisoned < 5 * first, (poisoned, clean, first)
 
 
-@pytest.mark.parametrize("result", ["60000", "-4x"])
+OWNERS = {"60000": (OWNER, {"owner_result": "60000"}), "-4x": (OWNER, {"owner_result": "-4x"}),
+          # It also leaves every audit request unanswered (-1x: minus the mean, of the mean's own size, so only
+          # the audit can tell); "ask" asks every member how the round ended as
+          # soon as its results are out. Before, members whose audit stalled failed in doubt, heard "done"
+          # from it, and applied the average they held: loss 2e13 in the first poisoned round, nobody named.
+          "silent": (SILENT_OWNER, {"owner_result": "-1x"}),
+          "silent-ask": (SILENT_OWNER, {"owner_result": "-1x", "ask": True}),
+          "silent-60000": (SILENT_OWNER, {"owner_result": "60000", "ask": True})}
+
+
+@pytest.mark.parametrize("result", list(OWNERS))
 def test_a_shard_owner_cannot_decide_its_shard(swarm, result):
     """An insider that owns a shard sets its result (tests/swarm/attack_owner.py). Before the owners'
     audit, every round was "ok", digests agreeing, nobody named, and the loss went to 1e16. Now every
-    member audits random chunks of every other owner's result: the round it does so in fails for
-    everyone, it is named, left out of the next groups, and the honest workers go on."""
+    member audits random chunks of every other owner's result (and bounds its whole size): the round it
+    does so in fails for everyone, it is named, left out of the next groups, and the honest workers go on.
+    An owner that does not answer the audit gets no further: a member applies a round only where its own
+    audit passed."""
     swarm.bootstrap()
     opts = dict(run_id="owned", run_until_stopped=True, local_steps=10, step_delay=0.05, straggler_wait=4,
                 allreduce_timeout=20, matchmaking_timeout=60, min_group_size=2)
     honest = [spawn(swarm, WORKER, f"honest{i}", seed=i + 1, **opts) for i in range(3)]
-    owner = spawn(swarm, OWNER, "owner", seed=4, owner_result=result, **opts)
+    script, extra = OWNERS[result]
+    owner = spawn(swarm, script, "owner", seed=4, **extra, **opts)
     names = [f"honest{i}" for i in range(3)]
     deadline = time.monotonic() + 240
     while not all(sum(r["ok"] for r in swarm.records(n)) >= 6 for n in names):
@@ -105,6 +119,9 @@ def test_a_shard_owner_cannot_decide_its_shard(swarm, result):
         assert all(math.isfinite(x) and x < 2.0 for x in losses), seen
         assert sorted(losses[-3:])[1] < 0.5, seen  # the median: one batch of the three may be hard
         assert all(r["theta_max"] < 10.0 for r in rounds), seen
-    # It was caught by the audit (in some member's log), and left out after that.
+    # It was caught (in some member's log), and left out after that.
     logs = "".join(swarm.log(n, tail=400000) for n in names)
-    assert "failed this worker's audit" in logs and bad[-8:] in logs
+    caught = ("failed this worker's audit", "left this worker's audit unanswered", "larger than its members",
+              "broke an attempt")
+    assert any(f"{bad[-8:]} {why}" in logs or (why in logs and bad[-8:] in logs) for why in caught), \
+        "\n".join([line[:300] for line in logs.splitlines() if bad[-8:] in line][:12])
