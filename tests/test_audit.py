@@ -89,7 +89,8 @@ class Sets(Aggregation):
 
     def combine(self, parts, weights, norms=None):
         acc, clipped = super().combine(parts, weights, norms)
-        return (torch.full_like(acc, 60000.0) if self.mode == "60000" else acc * -4), clipped
+        return (torch.full_like(acc, 60000.0) if self.mode == "60000" else -acc if self.mode == "-1x" else acc * -4), \
+            clipped
 
 
 @pytest.mark.parametrize("mode", ["60000", "-4x"])
@@ -206,3 +207,101 @@ def test_a_member_silent_before_it_answers_the_audit_fails_the_round_for_everyon
     outcomes = run(honest_round(members, _flats(3), [1.0] * 3, "fp16", audit_chunks=2, timeout=2))
     for o in outcomes[:2]:
         assert isinstance(o, PeerFailure) and "peer-2" in o.peers, o
+
+
+# -- the whole result's size (every value, not only the audited chunks) -------------------------------
+
+def _bounded(method: str, codec: str, result: str, clip: float = 4.0) -> bool:
+    """Whether an owner's result part passes ``result_norm_bound``: ``result`` is "honest" (the round's
+    own rule), "-1x" (minus it: the same size), "60000" (everywhere) or "2x"."""
+    g = torch.Generator().manual_seed(3)
+    parts = [torch.randn(4096, generator=g) * s for s in (1.0, 0.5, 2.0, 40.0)]  # one member far larger
+    c = get_codec(codec)
+    decoded = [c.roundtrip(p) for p in parts]
+    aggregation = Aggregation(method, clip_ratio=clip)
+    declared = [1.0, 2.0, 1.0, 9.0]
+    weights, _ = aggregation.weights(declared)
+    norms = [audit.norm_of(d) for d in decoded]
+    acc, _ = aggregation.combine(decoded, weights, norms)
+    poisoned = {"honest": acc, "-1x": -acc, "60000": torch.full_like(acc, 60000.0), "2x": 2 * acc}[result]
+    sent = c.averages.roundtrip(poisoned)
+    return audit.norm_of(sent) <= audit.result_norm_bound(aggregation, declared, norms, c.averages, sent.numel())
+
+
+@pytest.mark.parametrize("method,codec,result,passes", [
+    ("mean", "fp16", "honest", True),
+    ("mean", "none", "honest", True),
+    ("mean", "e2m1", "honest", True),
+    ("mean", "int4", "honest", True),
+    ("mean", "int8", "honest", True),
+    ("centered-clip", "fp16", "honest", True),
+    ("centered-clip", "e2m1", "honest", True),
+    ("mean", "fp16", "-1x", True),   # the same size: only the audit of its chunks can tell
+    ("mean", "fp16", "60000", False),
+    ("mean", "e2m1", "60000", False),
+    ("centered-clip", "fp16", "60000", False),
+    ("mean", "fp16", "2x", False),  # the members' parts point the same way enough here
+])
+def test_an_owners_whole_result_is_bounded_by_what_its_members_committed_to(method, codec, result, passes):
+    assert _bounded(method, codec, result) is passes
+
+
+def test_the_bound_takes_the_clip_and_the_weight_cap_into_account():
+    """The far larger member is clipped to 4x the median norm and its claim of 9 capped: without the clip
+    its own size would let a poisoned result through."""
+    assert _bounded("mean", "fp16", "honest", clip=4.0)
+    assert _bounded("mean", "fp16", "honest", clip=float("inf"))
+
+
+# -- an owner that keeps its result from the audit ----------------------------------------------------
+
+async def _hangs(*args, **kw):
+    await asyncio.sleep(3600)
+
+
+@pytest.mark.parametrize("mode", ["-1x", "60000"])
+def test_an_owner_that_leaves_its_audit_unanswered_has_its_result_applied_nowhere(monkeypatch, mode):
+    """Before, members whose audit stalled failed "in doubt", heard "done" from the owner when they asked,
+    and applied the average they held (2e13 in the first poisoned round). Now a member applies a round
+    only where its own audit passed, names the silent owner, and does not believe its "done"."""
+    from opendiloco.comm.runner import resolve
+    from opendiloco.errors import InDoubt, Malformed, RoundCounted
+    from opendiloco.testing.memory import MemoryNetwork
+
+    members = [f"peer-{i}" for i in range(4)]
+    liar = members[1]
+
+    def silent(r):
+        r.reducer.aggregation = Sets("mean", mode=mode if mode == "60000" else "-1x")
+        r._answer_audit = _hangs
+
+    runners = dishonest(monkeypatch, liar, silent)
+    flats = _flats(4)
+
+    async def scenario():
+        net = MemoryNetwork()
+        for m in members:
+            net.add(m)
+        outcomes = await honest_round(members, flats, [1.0] * 4, "fp16", net=net, audit_chunks=4,
+                                      confirm_timeout=1.0)
+        settled = {}
+        for m, o in zip(members, outcomes):
+            if m != liar and isinstance(o, InDoubt):
+                assert o.held is None, m  # nothing to apply without its own audit
+                try:
+                    settled[m] = await resolve(o, net.connector(m), RoundKey(3), 5.0, net.rounds[m])
+                except RoundCounted as e:
+                    settled[m] = e
+        return outcomes, settled
+
+    outcomes, settled = run(scenario(), timeout=60)
+    for m, o in zip(members, outcomes):
+        if m == liar:
+            continue
+        assert isinstance(o, (Malformed, InDoubt)), o  # nobody applies the round
+        assert liar in runners[m].malformed, (m, runners[m].malformed)
+        why = runners[m].malformed[liar]
+        assert "left this worker's audit unanswered" in why or "larger than its members" in why, why
+    # Whoever settled an attempt in doubt retries: nobody it believes completed the round.
+    assert all(v is None for v in settled.values()), settled
+

@@ -21,6 +21,7 @@ from opendiloco.comm.base import RoundKey
 from opendiloco.comm.runner import RoundRunner
 from opendiloco.errors import AveragingError, BehindError, Malformed, PeerFailure
 from opendiloco.swarm.exclusion import (
+    EXCLUDE_ROUNDS,
     MAX_AVOID,
     Offenders,
     announced_avoid,
@@ -229,3 +230,48 @@ def test_a_published_group_holding_a_member_and_a_peer_it_avoids_is_not_adopted(
     _form(table, "h1", workers, results=results, key=key)
     assert results["h1"] == ("h1", "h2"), results
 
+
+
+# -- members that break attempts without sending anything malformed -----------------------------------
+
+@pytest.mark.parametrize("sender,receiver,blame,named", [
+    ("x", "a", frozenset(), True),             # gives up naming nobody: the cause, as far as a can tell
+    ("x", "a", frozenset({"x"}), True),        # names itself
+    ("x", "a", frozenset({"a"}), True),        # names the receiver, who knows what it sent
+    ("x", "a", frozenset({"a", "x"}), True),
+    ("h", "a", frozenset({"x"}), False),       # failed because of a third member, and says so
+    ("h", "a", frozenset({"x", "a"}), False),
+    ("x", "a", frozenset({"b"}), False),       # an insider blaming an honest b escapes a; b names it
+    ("x", "b", frozenset({"b"}), True),
+])
+def test_who_breaks_an_attempt(sender, receiver, blame, named):
+    from opendiloco.comm.blame import breaks_attempt
+    assert breaks_attempt(sender, receiver, blame) is named
+
+
+@pytest.mark.parametrize("value,expected", [
+    (None, frozenset()), ("x", frozenset()), (["a", "b"], frozenset({"a", "b"})), ([1, "a", ""], frozenset({"a"})),
+    (["p" * 129], frozenset()), ([f"p{i}" for i in range(40)], frozenset(f"p{i}" for i in range(16))),
+])
+def test_a_blame_field_is_bounded_and_checked(value, expected):
+    from opendiloco.comm.blame import blamed
+    assert blamed(value) == expected
+
+
+@pytest.mark.parametrize("strikes,rounds", [(1, 0), (2, 1), (3, 3), (4, 7), (5, 15), (6, 16), (40, 16)])
+def test_a_breaker_is_left_out_longer_at_each_repeat(strikes, rounds):
+    from opendiloco.swarm.exclusion import exclusion_rounds
+    assert exclusion_rounds(strikes) == rounds
+
+
+def test_breakers_are_out_for_the_round_then_longer_while_they_keep_at_it_and_forgiven_later():
+    from opendiloco.swarm.exclusion import Breakers
+    b = Breakers()
+    b.add("x", 10, "refused")
+    assert b.active(10) == ["x"] and b.active(11) == []  # the rest of that round only
+    b.add("x", 11, "refused")
+    assert b.active(12) == ["x"] and b.active(13) == []   # one more
+    b.add("x", 13, "refused")
+    assert b.active(16) == ["x"] and b.active(17) == []   # three more
+    b.add("x", 13 + EXCLUDE_ROUNDS + 1, "refused")      # a strike long after the last: a first one again
+    assert b.active(13 + EXCLUDE_ROUNDS + 1) == ["x"] and b.active(13 + EXCLUDE_ROUNDS + 2) == []
