@@ -306,9 +306,10 @@ class Matchmaker:
             # Everyone measures from the earliest announcement, so that the leader and the members
             # give up on a straggler at the same moment.
             shared = self._shared_start({p: ready[p] for p in compatible}, began, now)
-            # A ready time is believed in full from a peer whose word counts here, or that has just
-            # downloaded our state to join; from any other peer, for one grace at most (``partners.py``).
-            believable = (self.presence.partners.vouched(set(workers) | {me}) & missing) | joiners
+            # A ready time is believed in full only from a peer whose word counts here; from any other peer,
+            # a joiner that has just downloaded our state included, for one grace at most (``partners.py``):
+            # a fresh identity that asks for a state manifest would otherwise hold every round to max_wait.
+            believable = self.presence.partners.vouched(set(workers) | {me}) & missing
             # A peer with the round in flight gets the grace only: its ready time is for the round after.
             give_up_at = max((self._wait_until(None if p in in_flight else workers.get(p), shared, p in believable)
                               for p in missing), default=shared)
