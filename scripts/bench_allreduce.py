@@ -27,6 +27,8 @@ the same digest (OpenDiLoCo promises bit-identical averages).
     .venv/bin/python scripts/bench_allreduce.py                 # 2 and 4 peers, 1M/10M/50M
     .venv/bin/python scripts/bench_allreduce.py --quick         # 1M and 10M only
     .venv/bin/python scripts/bench_allreduce.py --peers 4 --sizes 5e7 --codecs fp16
+    .venv/bin/python scripts/bench_allreduce.py --peers 4 --sizes 5e7 --codecs fp16 --audit-chunks 0 4
+                                   # the owners' audit off and on, each its own swarm, in one run
 """
 
 from __future__ import annotations
@@ -47,6 +49,12 @@ from opendiloco.testing.proctree import ProcessGroup, descendants, spawn_bootstr
 
 ROOT = Path(__file__).resolve().parents[1]
 CODECS = {"none": ("float32", 4), "fp16": ("float16", 2)}  # codec -> (gloo dtype, wire bytes per element)
+
+
+def split_variant(variant: str) -> tuple[str, int | None]:
+    """A swarm variant's codec and ``audit_chunks`` (None: the library's default): ``fp16``, ``fp16@audit0``."""
+    codec, _, audit = variant.partition("@audit")
+    return codec, int(audit) if audit else None
 
 
 # -- process bookkeeping (by PID only) --------------------------------------------------------------
@@ -147,8 +155,10 @@ def run_peer(args) -> int:
     peers = Path(args.peers_file).read_text().split()
     dht = start_dht(initial_peers=peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
     p2pd_pids = [p for p in descendants(os.getpid()) if "p2pd" in _cmdline(p)]
-    codec = args.codecs[0]  # one communicator per DHT node (see measure_swarm)
-    settings = SwarmSettings(run_id=f"bench-{codec}", compression=codec, min_group_size=args.world,
+    variant = args.codecs[0]  # one communicator per DHT node (see measure_swarm)
+    codec, audit = split_variant(variant)
+    audited = {} if audit is None else {"audit_chunks": audit}
+    settings = SwarmSettings(run_id=f"bench-{codec}-{audit}", compression=codec, min_group_size=args.world, **audited,
                              matchmaking_timeout=300.0, allreduce_timeout=300.0, straggler_wait=60.0,
                              max_attempts=1, heartbeat_interval=2.0, record_ttl=60.0, verify_timeout=60.0)
     comm = None
@@ -185,7 +195,7 @@ def run_peer(args) -> int:
                     ok, err = None, None
                 del got, result
                 out.write(json.dumps({
-                    "rank": args.rank, "size": size, "codec": codec, "round": rnd, "warmup": rnd < args.warmup,
+                    "rank": args.rank, "size": size, "codec": variant, "round": rnd, "warmup": rnd < args.warmup,
                     "enter": enter, "leave": leave, "average_start": t0, "average_end": t1,
                     "py_cpu": py_cpu, "p2pd_cpu": p2pd_cpu, "ok": ok, "max_err": err,
                     "digest": digest, "group": group,
@@ -353,12 +363,17 @@ def main() -> int:
     p.add_argument("--sizes", type=float, nargs="+", default=None,
                    help="vector sizes in fp32 parameters, e.g. 1e6 1e7 5e7 (default: 1M 10M 50M)")
     p.add_argument("--quick", action="store_true", help="only 1M and 10M parameters")
-    p.add_argument("--codecs", nargs="+", default=list(CODECS), choices=list(CODECS))
+    p.add_argument("--codecs", nargs="+", default=list(CODECS), help=f"wire codecs, of {', '.join(CODECS)}")
+    p.add_argument("--audit-chunks", type=int, nargs="+", default=None,
+                   help="the swarm's audit_chunks, one swarm each (default: the library's default)")
     p.add_argument("--warmup", type=int, default=1, help="untimed rounds per configuration")
     p.add_argument("--repeats", type=int, default=3, help="timed rounds per configuration (median reported)")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads per process (2 cores here)")
     p.add_argument("--json", default=None, help="also write all results to this JSON file")
     args = p.parse_args()
+    unknown = [c for c in args.codecs if split_variant(c)[0] not in CODECS]
+    if unknown:
+        p.error(f"unknown codec(s) {unknown}: choose from {', '.join(CODECS)}")
     if args.sizes is None:
         args.sizes = [1_000_000, 10_000_000] if args.quick else [1_000_000, 10_000_000, 50_000_000]
     args.sizes = sorted(int(s) for s in args.sizes)
@@ -376,6 +391,8 @@ def main() -> int:
           f"{mem_available() / 2**30:.1f} GiB available; torch {torch.__version__}, hivemind {hivemind.__version__}; "
           f"127.0.0.1; {args.threads} torch thread(s) per process", flush=True)
     results = []
+    variants = [c if args.audit_chunks is None else f"{c}@audit{a}" for c in args.codecs
+                for a in (args.audit_chunks or [None])]
     with tempfile.TemporaryDirectory(prefix="bench-allreduce-") as tmp_dir:
         tmp = Path(tmp_dir)
         for world in args.peers:
@@ -397,7 +414,7 @@ def main() -> int:
             print(f"# gloo, {world} processes: done in {time.monotonic() - t0:.0f}s; "
                   f"load average {os.getloadavg()[0]:.2f}", flush=True)
             swarm, peaks = [], {}
-            for codec in args.codecs:
+            for codec in variants:
                 t0 = time.monotonic()
                 rows, peaks[codec] = measure_swarm(args, world, sizes, codec, tmp)
                 swarm += rows
@@ -405,9 +422,10 @@ def main() -> int:
                       f"bootstrap + {world} peers (python + DHT + p2pd) {peaks[codec] / 2**30:.2f} GiB; "
                       f"load average {os.getloadavg()[0]:.2f}", flush=True)
             for size in sizes:
-                for codec in args.codecs:
-                    s, g = summarize(swarm, world, size, codec), summarize(gloo, world, size, codec)
-                    wire = 2 * (world - 1) / world * size * CODECS[codec][1]
+                for codec in variants:
+                    base = split_variant(codec)[0]
+                    s, g = summarize(swarm, world, size, codec), summarize(gloo, world, size, base)
+                    wire = 2 * (world - 1) / world * size * CODECS[base][1]
                     g32 = summarize(gloo, world, size, "none")
                     results.append({"peers": world, "params": size, "codec": codec, "opendiloco": s, "gloo": g,
                                     "gloo_fp32": g32, "wire_bytes_per_peer": wire, "peak_rss_group": peaks[codec]})
@@ -432,6 +450,14 @@ def main() -> int:
           "(\"gloo fp32\": in fp32).")
     print("MB/s/peer: 2(N-1)/N x encoded vector bytes sent by each peer / round seconds. py/p2pd CPU: per peer per "
           "data plane. extra memory: peak RSS during a round minus RSS before it, / fp32 vector bytes (worst peer).")
+    off = {(r["peers"], r["params"], split_variant(r["codec"])[0]): r["opendiloco"] for r in results
+           if split_variant(r["codec"])[1] == 0}
+    for r in results:  # each audited swarm against the one without the audit, measured in this run
+        base = off.get((r["peers"], r["params"], split_variant(r["codec"])[0]))
+        if base is not None and split_variant(r["codec"])[1]:
+            mine = r["opendiloco"]
+            print(f"{r['peers']} peers, {human(r['params'])}, {r['codec']}: round {mine['round'] / base['round']:.2f}x "
+                  f"and py CPU {mine['py_cpu'] / base['py_cpu']:.2f}x the swarm without the audit")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     bad = [r for r in results if not (r["opendiloco"]["ok"] and r["gloo"]["ok"])]

@@ -333,6 +333,8 @@ class RoundRunner:
         self._confirms: dict[str, str] = {}
         self._auditing: set[str] = set()  # members whose audit answers are still to come
         self.answer_bound = max(confirm_timeout, MIN_AUDIT_ANSWER_S)
+        self._answer_dtype = audit.value_dtype(codec) if audit_chunks else torch.float32
+        self._answer_itemsize = torch.empty(0, dtype=self._answer_dtype).element_size()
         """Seconds within which every member answers this worker's audit, from the request."""
         self._serving: set[str] = set()
         self._parts_out: set[int] = set()
@@ -698,7 +700,7 @@ class RoundRunner:
         block = audit.rounding(self.codec)[0]  # the codec's blocks are aligned to the part's start
         ea, eb = ca // block * block, min(n, -(-cb // block) * block)
         encoded = self.codec.to_bytes(self.flat[start + ea : start + eb])
-        values = self.codec.view_bytes(encoded, eb - ea)[ca - ea : cb - ea].to(torch.float32, copy=True)
+        values = self.codec.view_bytes(encoded, eb - ea)[ca - ea : cb - ea].clone()
         if audit.leaf_hash(values) != self._trees[(j, i)].leaf(c):
             raise AveragingError(f"encoding part {i} of shard {j} again gave other values: the codec is not "
                                  "deterministic, so owners cannot be audited")
@@ -726,7 +728,7 @@ class RoundRunner:
         for n, (j, i, c) in enumerate(asked):
             owner = self.members[j]
             start, numel, ca, cb = self._chunk_span(j, i, c)
-            chunk = [self._own_chunk(j, i, c) if m == self.my_index else values[m][n]
+            chunk = [self._own_chunk(j, i, c).to(torch.float32) if m == self.my_index else values[m][n]
                      for m in range(len(self.members))]
             part_result = self.out[start : start + numel]
             result = part_result[ca:cb]
@@ -758,19 +760,20 @@ class RoundRunner:
             out = []
             for j, i, c in asked:
                 _, numel, ca, cb = self._chunk_span(j, i, c)
-                frame = await asyncio.wait_for(stream.recv(max_payload=4 * (cb - ca), expect=Code.AUDIT_ANSWER),
+                size = self._answer_itemsize * (cb - ca)
+                frame = await asyncio.wait_for(stream.recv(max_payload=size, expect=Code.AUDIT_ANSWER),
                                                max(0.0, deadline - loop.time()))
                 self._heard(peer)
                 self.bytes_received += payload_size(frame.payload)
-                if payload_size(frame.payload) != 4 * (cb - ca):
+                if payload_size(frame.payload) != size:
                     raise ProtocolError(f"an audit answer of {payload_size(frame.payload)} bytes")
-                values = torch.frombuffer(bytearray(frame.payload), dtype=torch.float32)
+                values = torch.frombuffer(bytearray(frame.payload), dtype=self._answer_dtype)
                 if not all_finite(values) or not audit.path_ok(values, c, frame.meta.get("path"),
                                                                   self._manifests[j]["roots"][i][m], numel):
                     # Its values, or the owner's commitment to them: the member itself checks the latter.
                     raise PeerFailure(f"{peer[-8:]}'s values of part {i} of {self.members[j][-8:]}'s shard do not "
                                       "match what the owner committed to", {peer, self.members[j]})
-                out.append(values)
+                out.append(values.to(torch.float32))
             return out
         except asyncio.TimeoutError:
             failure = Malformed(f"{peer[-8:]} left this worker's audit unanswered for {self.answer_bound:.0f}s",
