@@ -114,6 +114,7 @@ class Presence:
         self.partners = Partners(peer_id)
         """Every peer that completed a round with this worker: once there is one, only their
         records vote here (``partners.py``)."""
+        run_records.trusted = self.partners.__contains__  # their round records keep their places (``RecordView``)
         self._progress = Progress()
         self._lock = threading.Lock()
         self._publishing: set = set()

@@ -1,0 +1,98 @@
+"""An insider of a closed run (it holds the secret) that floods the announcements of the run's next rounds.
+
+Every junk announcement is a valid one: signed by a fresh identity of its own and sealed with the run's
+secret, so that it passes every check a record read from the DHT or pushed passes. The script stores
+``--count`` of them under each of the run's next ``--rounds`` round keys in the DHT (``--mode dht``)
+or pushes them to ``--target`` (``--mode push``), again and again for ``--duration`` seconds, and
+writes what it did to ``--out`` (JSON).
+
+``junk`` is also what the tests use to make such records without a process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from opendiloco.swarm.pushed_records import PushedRecord
+from opendiloco.swarm.records import RunRecords
+from opendiloco.swarm.signing import Identity
+
+
+def junk(book: RunRecords, key: str, count: int, expiration: float, identities: list[Identity] | None = None,
+         ) -> list[PushedRecord]:
+    """``count`` valid announcements under ``key``, each from a fresh identity (or from ``identities``)."""
+    identities = identities or [Identity.fresh() for _ in range(count)]
+    value = {"attempt": 0, "numel": 10, "codec": "fp16", "part": 1 << 18, "config": "", "since": expiration - 60}
+    out = []
+    for identity in identities[:count]:
+        writer = RunRecords(book.dht, book.membership, identity)
+        out.append(PushedRecord(key, identity.peer_id, expiration, writer._envelope(key, value, expiration)))
+    return out
+
+
+async def main_async(args) -> dict:
+    import attacker  # tests/swarm/attacker.py: this script's own folder is on the path
+    from hivemind.utils.timed_storage import get_dht_time
+
+    from opendiloco.comm.base import RoundKey
+    from opendiloco.comm.wire import Code
+    from opendiloco.swarm.membership import Membership, RunSecret
+    from opendiloco.swarm.pushed_records import MAX_PUSH_RECORDS, encode_push
+    from opendiloco.swarm.streams import P2PStreams
+
+    dht, p2p = await attacker.join(args.peers_file)
+    membership = Membership(args.run_id, RunSecret.from_environment())
+    book = RunRecords(dht, membership, dht.identity)
+    streams = P2PStreams(p2p, f"opendiloco.{args.run_id}.match", membership=membership)
+    identities = [Identity.fresh() for _ in range(args.count)]
+    report = {"stored": 0, "pushed": 0, "errors": 0}
+    deadline = time.monotonic() + args.duration
+    while time.monotonic() < deadline:
+        steps = [r.outer_step for r in book.read_workers().values()]
+        first = max(steps, default=0) + 1
+        exp = get_dht_time() + 60
+        for step in range(first, first + args.rounds):
+            key = book.round_key(RoundKey(step))
+            records = junk(book, key, args.count, exp, identities)
+            if args.mode == "dht":
+                futures = [dht.store(r.key, r.envelope, r.expiration_time, subkey=r.subkey, return_future=True)
+                           for r in records]
+                for f in futures:
+                    try:
+                        await asyncio.wrap_future(f)
+                        report["stored"] += 1
+                    except Exception:
+                        report["errors"] += 1
+            else:
+                try:
+                    stream = await asyncio.wait_for(streams.connect(args.target), 10)
+                    try:
+                        for i in range(0, len(records), MAX_PUSH_RECORDS):
+                            await stream.send(Code.GROUP, {"key": str(RoundKey(step)), "attempt": 0},
+                                              encode_push(records[i:i + MAX_PUSH_RECORDS]))
+                            report["pushed"] += len(records[i:i + MAX_PUSH_RECORDS])
+                    finally:
+                        stream.close()
+                except Exception:
+                    report["errors"] += 1
+        await asyncio.sleep(0.5)
+    await p2p.shutdown()
+    dht.shutdown()
+    return report
+
+
+def main():
+    import attacker
+
+    p = attacker.insider_arguments()
+    p.add_argument("--count", type=int, default=511)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--mode", choices=("dht", "push"), default="dht")
+    p.add_argument("--target", default="")
+    p.add_argument("--duration", type=float, default=30.0)
+    attacker.run(main_async, p)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,89 @@
+"""Floods of valid records from an insider's (or an outsider's) many identities (``docs/trust.md``):
+a worker's view of a round's announcements keeps the honest ones (``pushed_records.py``), and its DHT
+node and its reads bound what a key may hold (``signing.py``).
+
+The records are made by the attacker script ``attack_flood.py`` (``junk``): each signed by a fresh
+identity and sealed with the run's secret, so each passes every check one honest record passes.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from opendiloco.comm.base import RoundKey
+from opendiloco.swarm.membership import Membership, RunSecret
+from opendiloco.swarm.node import start_dht
+from opendiloco.swarm.pushed_records import MAX_PUSH_RECORDS, MAX_SUBKEYS, MAX_UNKNOWN, PushedRecord
+from opendiloco.swarm.records import RunRecords, WorkerRecord, wait_dht
+from opendiloco.swarm.signing import Identity
+
+from .attack_flood import junk
+
+pytestmark = [pytest.mark.swarm, pytest.mark.timeout(120)]
+
+RUN = Membership("flood", RunSecret(b"the secret of the flooded run, long enough", "test"))
+
+
+@pytest.fixture
+def dht():
+    node = start_dht(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    yield node
+    node.shutdown()
+
+
+def _book(dht) -> RunRecords:
+    return RunRecords(dht, RUN, Identity.fresh())
+
+
+def _publish_progress(book: RunRecords, outer_step: int = 4) -> None:
+    now = book.clock.now()
+    book.store(book.workers_key(), WorkerRecord(peer_id=book.identity.peer_id, outer_step=outer_step,
+                                                time=now).to_value(), now + 30)
+
+
+def _announcement(book: RunRecords, key: str, expiration: float) -> PushedRecord:
+    return PushedRecord(key, book.identity.peer_id, expiration,
+                        book._envelope(key, {"attempt": 0, "numel": 10}, expiration))
+
+
+def _push(reader: RunRecords, records: list[PushedRecord]) -> int:
+    return sum(reader.accept_pushed(records[i:i + MAX_PUSH_RECORDS]) for i in range(0, len(records), MAX_PUSH_RECORDS))
+
+
+def test_pushed_junk_announcements_cannot_keep_an_honest_one_out(dht):
+    reader, honest, partner = _book(dht), _book(dht), _book(dht)
+    _publish_progress(honest)
+    reader.read_workers()  # the honest worker is live in the run: its announcements are eligible
+    reader.trusted = {partner.identity.peer_id}.__contains__
+    key = reader.round_key(RoundKey(5))
+    exp = reader.clock.now() + 60
+    flood = junk(reader, key, MAX_SUBKEYS + 100, exp)  # more fresh identities than the view has places
+    kept_junk = _push(reader, flood)
+    assert kept_junk <= MAX_UNKNOWN  # before: 512 (the view full, every honest record after it dropped)
+    assert reader.accept_pushed([_announcement(honest, key, exp)]) == 1
+    assert reader.accept_pushed([_announcement(partner, key, exp)]) == 1
+    seen = reader.subkey_values(key, 3600, fresh=False)
+    assert {honest.identity.peer_id, partner.identity.peer_id} <= set(seen)
+    # A flood of new keys by the same identities evicts no key an honest record is under.
+    _push(reader, [r for i in range(200) for r in junk(reader, reader.round_key(RoundKey(100 + i)), 1, exp,
+                                                         [Identity.fresh()])])
+    assert {honest.identity.peer_id, partner.identity.peer_id} <= set(reader.subkey_values(key, 3600, fresh=False))
+
+
+def test_junk_announcements_in_the_dht_cannot_keep_an_honest_one_out(dht):
+    reader, honest, flooder = _book(dht), _book(dht), _book(dht)
+    _publish_progress(honest)
+    reader.read_workers()
+    key = reader.round_key(RoundKey(5))
+    exp = reader.clock.now() + 60
+    flood = junk(flooder, key, MAX_SUBKEYS + 100, exp)
+    for f in [dht.store(r.key, r.envelope, r.expiration_time, subkey=r.subkey, return_future=True) for r in flood]:
+        wait_dht(f, "store")
+    honest.store(key, {"attempt": 0, "numel": 10}, exp)
+    began = time.process_time()
+    seen = reader.subkey_values(key, 3600, fresh=True)
+    assert honest.identity.peer_id in seen  # before: not (512 junk records held, the honest one dropped)
+    assert len(seen) <= MAX_UNKNOWN + 1
+    print(f"read of {len(flood)} junk records: {time.process_time() - began:.3f}s CPU, {len(seen)} kept")
