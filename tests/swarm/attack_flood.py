@@ -44,7 +44,7 @@ async def main_async(args) -> dict:
     dht, p2p = await attacker.join(args.peers_file)
     membership = Membership(args.run_id, RunSecret.from_environment())
     book = RunRecords(dht, membership, dht.identity)
-    streams = P2PStreams(p2p, f"opendiloco.{args.run_id}.match", membership=membership)
+    streams = P2PStreams(p2p, f"opendiloco.{membership.namespace}.match", membership=membership)
     identities = [Identity.fresh() for _ in range(args.count)]
     report = {"stored": 0, "pushed": 0, "errors": 0}
     deadline = time.monotonic() + args.duration
