@@ -143,6 +143,8 @@ DHT_CALL_TIMEOUT = 30.0
 DEPARTED_KEPT = 4096
 """Peers remembered as having left the run cleanly, at most (the oldest forgotten first)."""
 
+MAX_READ_UNKNOWN = 1024
+"""Records of writers this worker does not know (``rank``) whose signatures one read checks, at most."""
 MAX_PUSHED_TTL = 24 * 3600.0
 """A pushed record set to live longer than this is dropped unread (readers apply their kind's own bound)."""
 
@@ -342,20 +344,40 @@ class RunRecords:
         with ``raw``, each with its envelope as a fourth item."""
         if found is None or not isinstance(found.value, dict):
             return []
-        out = []
-        for subkey, item in found.value.items():
+        out, verified = [], 0
+        # Writers this worker knows first; of the others, at most ``MAX_READ_UNKNOWN`` signatures a read.
+        ranked = sorted(found.value.items(), key=lambda kv: -self.rank(kv[0]) if isinstance(kv[0], str) else 0)
+        for subkey, item in ranked:
             if live is not None and not live[0] < item.expiration_time <= live[1]:
                 continue
+            if self.rank(subkey) == UNKNOWN if isinstance(subkey, str) else True:
+                if verified >= MAX_READ_UNKNOWN:
+                    continue
+                verified += self._passes_seal(key, subkey, item.value, sealed)
             value = self._open(key, subkey, item.expiration_time, item.value, sealed)
             if value is not _INVALID:
                 out.append((subkey, item.expiration_time, value) + ((item.value,) if raw else ()))
         return out
 
+    def _passes_seal(self, key: str, subkey, envelope, sealed: bool) -> bool:
+        """Whether a record's signature would be checked (its seal is right, or there is none to check)."""
+        if not (sealed and self.membership.closed):
+            return True
+        body = signing.peek_body(envelope)
+        return body is not None and isinstance(subkey, str) and \
+            self.membership.unseal(body, signing.key_id(key) + subkey.encode()) is not None
+
     def _open(self, key: str, subkey, expiration_time: float, envelope, sealed: bool):
         """The value of one signed (and, if ``sealed`` in a closed run, sealed) record, or ``_INVALID``."""
         kid = signing.key_id(key)
-        body = signing.open_envelope(kid, subkey, expiration_time, envelope)
-        plain = body if body is None or not sealed else self.membership.unseal(body, kid + subkey.encode())
+        if not isinstance(subkey, str):
+            return _INVALID
+        context = kid + subkey.encode()
+        sealed = sealed and self.membership.closed
+        # In a closed run the seal is checked first: an outsider's record costs an AES-GCM try, not a signature check.
+        check = (lambda body: self.membership.unseal(body, context) is not None) if sealed else None
+        body = signing.open_envelope(kid, subkey, expiration_time, envelope, check)
+        plain = body if body is None or not sealed else self.membership.unseal(body, context)
         if plain is None:
             return _INVALID
         try:

@@ -1,4 +1,4 @@
-"""Floods of valid records from an insider's (or an outsider's) many identities (``docs/trust.md``):
+"""Floods of signed records from an insider's (or an outsider's) many identities (``docs/trust.md``):
 a worker's view of a round's announcements keeps the honest ones (``pushed_records.py``), and its DHT
 node and its reads bound what a key may hold (``signing.py``).
 
@@ -10,15 +10,20 @@ from __future__ import annotations
 
 import time
 
+import msgpack
 import pytest
+from hivemind.dht.validation import DHTRecord
 
 from opendiloco.comm.base import RoundKey
+from opendiloco.swarm import signing
 from opendiloco.swarm.membership import Membership, RunSecret
 from opendiloco.swarm.node import start_dht
+from opendiloco.swarm.presence import NAMED_AT_MOST, named
 from opendiloco.swarm.pushed_records import MAX_PUSH_RECORDS, MAX_SUBKEYS, MAX_UNKNOWN, PushedRecord
 from opendiloco.swarm.records import RunRecords, WorkerRecord, wait_dht
 from opendiloco.swarm.signing import Identity
 
+from . import attack_keys
 from .attack_flood import junk
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(120)]
@@ -87,3 +92,37 @@ def test_junk_announcements_in_the_dht_cannot_keep_an_honest_one_out(dht):
     assert honest.identity.peer_id in seen  # before: not (512 junk records held, the honest one dropped)
     assert len(seen) <= MAX_UNKNOWN + 1
     print(f"read of {len(flood)} junk records: {time.process_time() - began:.3f}s CPU, {len(seen)} kept")
+
+
+def test_an_outsiders_records_are_bounded_on_store_and_cost_a_reader_no_signature_check(dht):
+    """``attack_keys.py``: an outsider (no secret) stores records of fresh identities of its own under a
+    closed run's workers key (a storing node sees its id) and under the unsealed secrets key."""
+    reader, honest = _book(dht), _book(dht)
+    _publish_progress(honest)
+    key, now = reader.workers_key(), reader.clock.now()
+
+    def stored(records) -> int:
+        return sum(bool(wait_dht(dht.store(r.key, r.envelope, r.expiration_time, subkey=r.subkey,
+                                           return_future=True), "store")) for r in records)
+
+    # Stored by our DHT nodes: none set to live ten days, none of 60 KiB (before: all of them).
+    assert stored(attack_keys.junk(key, 5, now + 10 * 24 * 3600)) == 0
+    validator = signing.SignedRecordValidator()  # as our DHT nodes run it (a local store of 60 KiB chokes a pipe)
+    assert not any(validator.validate(DHTRecord(signing.key_id(key), msgpack.packb(r.subkey), msgpack.packb(
+        r.envelope), r.expiration_time)) for r in attack_keys.junk(key, 5, now + 60, size=60 << 10))
+    flood = attack_keys.junk(key, 300, now + 60)
+    assert stored(flood) == len(flood)  # a storing node cannot tell them from a member's
+    cached, began = len(signing._verified), time.process_time()
+    workers = reader.read_workers()
+    spent = time.process_time() - began
+    assert set(workers) == {honest.identity.peer_id}
+    added = len(signing._verified) - cached
+    print(f"a read of {len(flood)} outsider records: {spent:.3f}s CPU, {added} verified envelopes cached")
+    assert added <= 1  # before: 301 (every junk signature checked and cached: 4,096 evict the honest ones)
+
+
+def test_a_warning_names_a_bounded_number_of_peers():
+    peers = [f"12D3KooW{i:044d}" for i in range(1000)]
+    line = named(peers)
+    assert line.endswith(f"and {1000 - NAMED_AT_MOST} more") and len(line) < 200
+    assert named(peers[:2]) == f"{peers[0][-8:]}, {peers[1][-8:]}"
