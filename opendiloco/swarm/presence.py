@@ -24,6 +24,8 @@ from .relays import MAX_RELAY_CHARS, MAX_RELAYS, checked_relays
 log = logging.getLogger(__name__)
 
 SECRET_CHECK_EVERY = 5
+PARTNERS_GRACE_TTLS = 20
+"""Record lifetimes a worker whose partners are all away counts its own word alone (``partners.py``)."""
 MAX_OTHER_SECRETS = 64
 """Workers with another secret remembered (not to be told of twice), at most: anyone may write that key."""
 NAMED_AT_MOST = 8
@@ -123,7 +125,7 @@ class Presence:
         fresh identities can make new claims every second)."""
         self.last_group: set[str] = set()
         """The members of this worker's last completed round (set by the communicator)."""
-        self.partners = Partners(peer_id)
+        self.partners = Partners(peer_id, absent_grace=PARTNERS_GRACE_TTLS * record_ttl)
         """Every peer that completed a round with this worker: once there is one, only their
         records vote here (``partners.py``)."""
         run_records.trusted = self.partners.__contains__  # their round records keep their places (``RecordView``)
