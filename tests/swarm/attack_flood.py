@@ -2,9 +2,9 @@
 
 Every junk announcement is a valid one: signed by a fresh identity of its own and sealed with the run's
 secret, so that it passes every check a record read from the DHT or pushed passes. The script stores
-``--count`` of them under each of the run's next ``--rounds`` round keys in the DHT (``--mode dht``)
-or pushes them to ``--target`` (``--mode push``), again and again for ``--duration`` seconds, and
-writes what it did to ``--out`` (JSON).
+``--count`` of them under each of the run's next ``--rounds`` round keys in the DHT and pushes them to
+each of ``--targets`` (``--mode both``; or only one of the two), for every round the run reaches, for ``--duration``
+seconds, and writes what it did to ``--out`` (JSON; as it goes, and at the end).
 
 ``junk`` is also what the tests use to make such records without a process.
 """
@@ -12,6 +12,10 @@ writes what it did to ``--out`` (JSON).
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import signal
+import sys
 import time
 
 from opendiloco.swarm.pushed_records import PushedRecord
@@ -46,37 +50,44 @@ async def main_async(args) -> dict:
     book = RunRecords(dht, membership, dht.identity)
     streams = P2PStreams(p2p, f"opendiloco.{membership.namespace}.match", membership=membership)
     identities = [Identity.fresh() for _ in range(args.count)]
-    report = {"stored": 0, "pushed": 0, "errors": 0}
-    deadline = time.monotonic() + args.duration
-    while time.monotonic() < deadline:
+    report = {"stored": 0, "pushed": 0, "errors": 0, "keys": []}
+    deadline, flooded, stopping = time.monotonic() + args.duration, {}, asyncio.Event()
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stopping.set)  # a test stops it so
+    while time.monotonic() < deadline and not stopping.is_set():
         steps = [r.outer_step for r in book.read_workers().values()]
+        print(f"the run's outer steps: {sorted(steps)}", file=sys.stderr, flush=True)
         first = max(steps, default=0) + 1
-        exp = get_dht_time() + 60
         for step in range(first, first + args.rounds):
             key = book.round_key(RoundKey(step))
+            if key in flooded and flooded[key] > get_dht_time() + 10:
+                continue  # flooded already, and its junk lives on
+            exp = get_dht_time() + 60
+            flooded[key] = exp
             records = junk(book, key, args.count, exp, identities)
-            if args.mode == "dht":
-                futures = [dht.store(r.key, r.envelope, r.expiration_time, subkey=r.subkey, return_future=True)
-                           for r in records]
-                for f in futures:
+            for target in args.targets if args.mode in ("push", "both") else ():  # pushes first: they are quick
+                for i in range(0, len(records), MAX_PUSH_RECORDS):  # a stream carries one push
                     try:
-                        await asyncio.wrap_future(f)
-                        report["stored"] += 1
+                        stream = await asyncio.wait_for(streams.connect(target), 10)
+                        try:
+                            await asyncio.wait_for(stream.send(Code.GROUP, {"key": str(RoundKey(step)), "attempt": 0},
+                                                               encode_push(records[i:i + MAX_PUSH_RECORDS])), 10)
+                            report["pushed"] += len(records[i:i + MAX_PUSH_RECORDS])
+                        finally:
+                            stream.close()
                     except Exception:
                         report["errors"] += 1
-            else:
-                try:
-                    stream = await asyncio.wait_for(streams.connect(args.target), 10)
-                    try:
-                        for i in range(0, len(records), MAX_PUSH_RECORDS):
-                            await stream.send(Code.GROUP, {"key": str(RoundKey(step)), "attempt": 0},
-                                              encode_push(records[i:i + MAX_PUSH_RECORDS]))
-                            report["pushed"] += len(records[i:i + MAX_PUSH_RECORDS])
-                    finally:
-                        stream.close()
-                except Exception:
-                    report["errors"] += 1
-        await asyncio.sleep(0.5)
+            if args.mode in ("dht", "both"):
+                answers = await asyncio.gather(*(asyncio.wrap_future(dht.store(
+                    r.key, r.envelope, r.expiration_time, subkey=r.subkey, return_future=True)) for r in records),
+                    return_exceptions=True)
+                report["stored"] += sum(a is True for a in answers)
+                report["errors"] += sum(isinstance(a, BaseException) for a in answers)
+            report["keys"].append(step)
+            print(f"flooded round {step}: {report}", file=sys.stderr, flush=True)
+            with open(args.out + ".tmp", "w") as f:  # progress, for a test to wait on
+                json.dump(report, f)
+            os.replace(args.out + ".tmp", args.out)
+        await asyncio.sleep(0.2)
     await p2p.shutdown()
     dht.shutdown()
     return report
@@ -88,8 +99,8 @@ def main():
     p = attacker.insider_arguments()
     p.add_argument("--count", type=int, default=511)
     p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--mode", choices=("dht", "push"), default="dht")
-    p.add_argument("--target", default="")
+    p.add_argument("--mode", choices=("dht", "push", "both"), default="both")
+    p.add_argument("--targets", nargs="*", default=[])
     p.add_argument("--duration", type=float, default=30.0)
     attacker.run(main_async, p)
 

@@ -8,7 +8,10 @@ identity and sealed with the run's secret, so each passes every check one honest
 
 from __future__ import annotations
 
+import json
+import sys
 import time
+from pathlib import Path
 
 import msgpack
 import pytest
@@ -25,10 +28,13 @@ from opendiloco.swarm.signing import Identity
 
 from . import attack_keys
 from .attack_flood import junk
+from .test_trust import HONEST, HONEST_NAMES, SECRET, start_honest, steps_together, stop
 
-pytestmark = [pytest.mark.swarm, pytest.mark.timeout(120)]
+pytestmark = [pytest.mark.swarm, pytest.mark.timeout(300)]
 
 RUN = Membership("flood", RunSecret(b"the secret of the flooded run, long enough", "test"))
+HERE = Path(__file__).parent
+FLOODED = dict(HONEST, run_id="flooded")
 
 
 @pytest.fixture
@@ -126,3 +132,34 @@ def test_a_warning_names_a_bounded_number_of_peers():
     line = named(peers)
     assert line.endswith(f"and {1000 - NAMED_AT_MOST} more") and len(line) < 200
     assert named(peers[:2]) == f"{peers[0][-8:]}, {peers[1][-8:]}"
+
+
+def test_a_flood_of_junk_announcements_for_the_next_rounds_does_not_stop_a_closed_run(swarm):
+    """Two honest workers of a closed run, then an insider (``attack_flood.py``) storing in the DHT and
+    pushing to both 511 valid junk announcements, each from its own identity, under each of the run's
+    next two round keys as the run reaches them: what filled a worker's view (512 writers a key) and
+    stopped the run. Its rounds go on at a pace within 3x of theirs before the flood (timed by the run)."""
+    swarm.bootstrap()
+    honest = start_honest(swarm, 2, FLOODED)
+
+    def together() -> int:
+        return len(steps_together(swarm))
+
+    swarm.wait_for(lambda: together() >= 2, 150, "no common outer step", alive=honest, show=HONEST_NAMES)
+    began, start = time.monotonic(), together()
+    swarm.wait_for(lambda: together() >= start + 3, 120, "no 3 rounds together", alive=honest, show=HONEST_NAMES)
+    calm = (time.monotonic() - began) / 3
+    ids = [swarm.records(name, "start")[0]["peer_id"] for name in HONEST_NAMES]
+    out = swarm.tmp / "flood.json"
+    flooder = swarm.spawn([sys.executable, str(HERE / "attack_flood.py"), "--peers-file", str(swarm.peers_file),
+                           "--out", str(out), "--run-id", FLOODED["run_id"], "--count", "511", "--rounds", "4",
+                           "--duration", "600", "--targets", *ids], "flooder", env={"OPENDILOCO_RUN_SECRET": SECRET})
+    swarm.wait_for(lambda: out.exists() and len(json.loads(out.read_text())["keys"]) >= 2, 120,
+                   "the flooder stored no junk", alive=[flooder], show=["flooder"])
+    began, start = time.monotonic(), together()
+    swarm.wait_for(lambda: together() >= start + 3, max(60.0, 30 * calm), "the run stopped under the flood",
+                   alive=honest, show=HONEST_NAMES)
+    flooded = (time.monotonic() - began) / 3
+    print(f"seconds per joint round: {calm:.2f} before the flood, {flooded:.2f} under it")
+    stop(swarm, [flooder, *honest])
+    assert flooded <= 3 * calm  # before: no 3 rounds in 60 s (22 s per ok round in the issue's run)
