@@ -1,5 +1,10 @@
 """The run secret, signed records and the quorum rules, without a network."""
 
+import hashlib
+import hmac
+import os
+import time
+
 import msgpack
 import pytest
 from hivemind.dht.validation import DHTRecord
@@ -11,6 +16,7 @@ from opendiloco.swarm.membership import Membership, RunSecret, new_secret_file
 from opendiloco.swarm.quorum import Claim, confirmed, confirmed_ahead, drifted
 from opendiloco.swarm.records import WorkerRecord
 from opendiloco.swarm.signing import Identity, SignedRecordValidator, key_id, open_envelope
+from tests.swarm.attack_secret import guess
 
 SECRET = b"0123456789abcdef0123456789abcdef"
 
@@ -40,6 +46,36 @@ def test_secret_sources_and_errors(tmp_path):
     for bad, message in ((tmp_path / "missing", "does not exist"), (short, "at least 16"), (tmp_path, "not a regular")):
         with pytest.raises(SwarmError, match=message):
             RunSecret.from_file(str(bad))
+
+
+def test_a_guessable_secret_is_refused_or_warned_of_in_one_line(caplog):
+    for weak in (b"x" * 32, b"abababababababababab", b"password12345678"):
+        with pytest.raises(SwarmError, match=r"can be guessed .*`opendiloco secret PATH`") as e:
+            RunSecret(weak, "test")
+        assert "\n" not in str(e.value) and weak.decode() not in str(e.value)
+    with caplog.at_level("WARNING"):
+        RunSecret(b"the secret of run 000123", "test")
+    assert [r.message.count("\n") for r in caplog.records] == [0] and "may be guessable" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        RunSecret(os.urandom(32).hex().encode(), "test")  # what `opendiloco secret` makes
+    assert not caplog.records
+
+
+def test_a_guess_at_the_secret_from_its_published_tag_costs_a_key_derivation():
+    """``attack_secret.py``: the tag each member publishes in plain is checked offline against guesses of
+    a human pattern. Each guess costs at least a thousand HMACs (measured here, on this machine): an
+    scrypt (``KDF``) where it cost one HMAC before."""
+    run_id = "guessed"
+    tag = Membership(run_id, RunSecret(b"the secret of run 000500", "test")).tag
+    report = guess(run_id, {tag}, (f"the secret of run {i:06d}".encode() for i in range(10**6)), budget_s=1.0)
+    rounds, began = 20000, time.perf_counter()
+    for _ in range(rounds):
+        hmac.new(b"a secret of 32 bytes, as a key..", f"opendiloco/tag/{run_id}".encode(), hashlib.sha256).digest()
+    hmac_s = (time.perf_counter() - began) / rounds
+    print(f"guesses per second: {report['per_s']:.1f}; HMACs per second: {1 / hmac_s:.0f}")
+    assert 1 / report["per_s"] >= 1000 * hmac_s  # before: about 3x (one HMAC a key, and the setup)
+    assert report["found"] is None  # before: found in a second (500 guesses of the pattern)
 
 
 def test_namespaces_differ_by_secret_and_run():

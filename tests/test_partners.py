@@ -31,7 +31,14 @@ def test_everyone_counts_until_the_first_partner_then_only_partners_and_me():
     assert partners.vouched({"me", "a", "f"}) == {"me", "a"}
     workers = {p: WorkerRecord(p, outer_step=3) for p in ("me", "a", "f")}
     assert set(partners.voters(workers)) == {"me", "a"}
-    # Its partners all gone: a newcomer again (else it could never follow a run that went on without it).
+    # Its partners all gone: itself alone for a grace (one may be restarting), then a newcomer again (else it
+    # could never follow a run that went on without it).
+    now = [0.0]
+    partners = Partners("me", absent_grace=10.0, clock=lambda: now[0])
+    partners.add(["a"])
+    now[0] = 9.0
+    assert partners.vouched({"me", "f", "g"}) == {"me"}
+    now[0] = 10.0
     assert partners.vouched({"me", "f", "g"}) == {"me", "f", "g"}
 
 

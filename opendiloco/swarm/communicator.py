@@ -60,6 +60,7 @@ from .matchmaking import Doorbell, Matchmaker, MatchmakingSettings
 from .membership import SECRET_FILE_ENV, Membership, RunSecret
 from .multi_donor import MAX_DONORS, DonorsAhead, Download, fetch_from_donors, tell_done
 from .node import start_dht, visible_maddrs, worker_identity
+from .partners import PARTNERS_FILE
 from .presence import OtherSettings, Presence
 from .pushed_records import MAX_PUSH_BYTES, PushedRecord, decode_push, encode_push
 from .quorum import confirmed
@@ -324,6 +325,7 @@ class SwarmCommunicator(Communicator):
                      secret.source)
         if run_dir:
             os.makedirs(run_dir, exist_ok=True)
+            comm.presence.partners.keep_in(os.path.join(run_dir, PARTNERS_FILE))  # known again after a restart
             with open(os.path.join(run_dir, "peer_addrs.txt"), "w") as f:
                 f.write("\n".join(addrs) + "\n")
         threading.Thread(target=_warn_if_unreachable, args=(dht, list(cfg.initial_peers), cfg.client_mode),

@@ -2,7 +2,9 @@
 
 A closed run's workers are all started with the same secret (a file, or an environment
 variable; never a command-line argument, never logged). From it and the run id each worker
-derives, with HMAC-SHA256:
+first derives a master key with scrypt (``KDF``: some 0.1 s and 32 MiB per try, so that a guess at
+a human-chosen secret checked against what the run publishes costs as much), then from that, with
+HMAC-SHA256:
 
 - a **namespace** for the run's DHT keys: without the secret a peer cannot name them;
 - a **record key** (AES-256-GCM) that seals every record's value: a DHT node that stores a
@@ -18,9 +20,11 @@ can read its records, download its state and join.
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import hmac
 import logging
+import math
 import os
 import stat
 
@@ -38,6 +42,34 @@ SECRET_FILE_ENV = "OPENDILOCO_RUN_SECRET_FILE"
 MIN_SECRET_BYTES = 16
 MAX_SECRET_BYTES = 4096
 NONCE_BYTES = 12
+MIN_SECRET_BITS = 64
+"""A secret whose characters carry fewer bits than this (``estimated_bits``) is refused."""
+WEAK_SECRET_BITS = 128
+"""One whose characters carry fewer than this is used, with a warning (``opendiloco secret`` makes 256)."""
+KDF = dict(n=1 << 15, r=8, p=1)
+"""scrypt's cost: 32 MiB of memory and about 0.1 s of a core per derivation (``docs/trust.md``)."""
+_masters: dict[tuple[bytes, str], bytes] = {}
+"""Master keys derived in this process, by (a digest of the secret, run id): one derivation per run."""
+
+
+def estimated_bits(value: bytes) -> float:
+    """An upper estimate of the bits a secret carries: its length times the entropy of its characters'
+    frequencies. A random secret scores near its true figure; a phrase or a pattern scores more than it
+    carries (so a low score is damning, a high one proves nothing: hence the key derivation)."""
+    if not value:
+        return 0.0
+    counts = collections.Counter(value)
+    return -sum(n * math.log2(n / len(value)) for n in counts.values())
+
+
+def master_key(value: bytes, run_id: str) -> bytes:
+    """The key everything of a closed run derives from: scrypt of the secret, salted with the run id."""
+    token = (hashlib.sha256(value).digest(), run_id)
+    key = _masters.get(token)
+    if key is None:
+        key = hashlib.scrypt(value, salt=f"opendiloco/run/{run_id}".encode(), dklen=32, maxmem=64 << 20, **KDF)
+        _masters[token] = key
+    return key
 
 
 class RunSecret:
@@ -52,13 +84,21 @@ class RunSecret:
                              "are needed (make one with `opendiloco secret PATH`)")
         if len(value) > MAX_SECRET_BYTES:
             raise SwarmError(f"the run secret from {source} has {len(value)} bytes; at most {MAX_SECRET_BYTES}")
+        bits = estimated_bits(value)
+        if bits < MIN_SECRET_BITS:
+            raise SwarmError(f"the run secret from {source} can be guessed (its characters carry about {bits:.0f} "
+                             f"bits; at least {MIN_SECRET_BITS} are needed): make one with `opendiloco secret PATH`")
+        if bits < WEAK_SECRET_BITS:
+            log.warning("the run secret from %s may be guessable (its characters carry at most about %.0f bits): "
+                        "make one with `opendiloco secret PATH`", source, bits)
         self._value, self.source = value, source
 
     def __repr__(self) -> str:
         return f"RunSecret(from {self.source})"
 
     def derive(self, label: str, run_id: str) -> bytes:
-        return hmac.new(self._value, f"opendiloco/{label}/{run_id}".encode(), hashlib.sha256).digest()
+        return hmac.new(master_key(self._value, run_id), f"opendiloco/{label}/{run_id}".encode(),
+                        hashlib.sha256).digest()
 
     @classmethod
     def from_file(cls, path: str) -> RunSecret:

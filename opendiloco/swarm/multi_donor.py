@@ -24,23 +24,21 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..comm.wire import Code
 from ..errors import ProtocolError
-from .state_layout import MAX_PART_BYTES, Manifest, assemble, part_digest, read_manifest
+from . import state_layout
+from .state_layout import Manifest, assemble, part_digest, read_manifest
 from .state_transfer import CHUNK_BYTES, STALL_TIMEOUT, checked_state, connect_to, within
 from .streams import P2PStreams
 
 log = logging.getLogger(__name__)
 
-PART_BYTES = 2 << 20
 MAX_DONORS = 4
 """Donors one download asks at once: enough to fill a joiner's link from peers of like links."""
-MAX_PARTS_WANTED = 1024
 PARTS_IN_FLIGHT_PER_DONOR = 2
 DONOR_FAILURES = 2
 MANIFEST_TIMEOUT = 30.0
@@ -71,10 +69,9 @@ class DonorsAhead(ProtocolError):
 
 
 def part_bytes_for(max_bytes: int) -> int:
-    """Parts of ``PART_BYTES``, larger for a model whose bound would need more than ``MAX_PARTS_WANTED``
-    (whole MiB, so that joiners of one model cut alike and a donor keeps one cut for all of them)."""
-    wanted = math.ceil(max_bytes / MAX_PARTS_WANTED / (1 << 20)) << 20
-    return min(MAX_PART_BYTES, max(PART_BYTES, wanted))
+    """What a joiner still asks for (a donor of an older version cuts so): ``state_layout.part_bytes_for``
+    of its bound. A donor of this version chooses its own and says so in its manifest."""
+    return state_layout.part_bytes_for(max_bytes)
 
 
 async def fetch_manifest(streams: P2PStreams, donor: str, outer_step: int, part_bytes: int,
@@ -298,8 +295,8 @@ async def fetch_from_donors(streams: P2PStreams, donors: list[str], outer_step: 
         t1 = time.monotonic()
 
         def add(donor: str, other: Manifest) -> None:
-            parts.sources[donor] = {i for i, digest in enumerate(manifest.digests)
-                                    if i < len(other.digests) and other.digests[i] == digest}
+            parts.sources[donor] = {i for i, digest in enumerate(manifest.digests) if i < len(other.digests)
+                                    and other.digests[i] == digest and other.part_bytes == manifest.part_bytes}
             workers.update(asyncio.ensure_future(_serve_donor(streams, donor, parts))
                            for _ in range(PARTS_IN_FLIGHT_PER_DONOR))
 

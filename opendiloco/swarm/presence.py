@@ -24,6 +24,20 @@ from .relays import MAX_RELAY_CHARS, MAX_RELAYS, checked_relays
 log = logging.getLogger(__name__)
 
 SECRET_CHECK_EVERY = 5
+PARTNERS_GRACE_TTLS = 20
+"""Record lifetimes a worker whose partners are all away counts its own word alone (``partners.py``)."""
+MAX_OTHER_SECRETS = 64
+"""Workers with another secret remembered (not to be told of twice), at most: anyone may write that key."""
+NAMED_AT_MOST = 8
+"""Peers a warning names, at most (then how many more)."""
+
+
+def named(peers) -> str:
+    """The ends of some of ``peers``' ids for a log line: ``NAMED_AT_MOST`` of them, and how many more."""
+    peers = sorted(peers)
+    shown = ", ".join(p[-8:] for p in peers[:NAMED_AT_MOST])
+    return shown + (f" and {len(peers) - NAMED_AT_MOST} more" if len(peers) > NAMED_AT_MOST else "")
+
 """Heartbeats between two looks at which secrets the run id's workers hold (``RunRecords.secret_key``)."""
 
 ADDRS_TIMEOUT = 5.0
@@ -111,9 +125,10 @@ class Presence:
         fresh identities can make new claims every second)."""
         self.last_group: set[str] = set()
         """The members of this worker's last completed round (set by the communicator)."""
-        self.partners = Partners(peer_id)
+        self.partners = Partners(peer_id, absent_grace=PARTNERS_GRACE_TTLS * record_ttl)
         """Every peer that completed a round with this worker: once there is one, only their
         records vote here (``partners.py``)."""
+        run_records.trusted = self.partners.__contains__  # their round records keep their places (``RecordView``)
         self._progress = Progress()
         self._lock = threading.Lock()
         self._publishing: set = set()
@@ -297,12 +312,13 @@ class Presence:
         others = {p for p, v in self.records.live_subkeys(key, found, ttl + CLOCK_SLACK, sealed=False).items()
                   if p != self.peer_id and isinstance(v, dict) and v.get("tag") != tag}
         new = others - self._other_secrets
-        if new:
-            self._other_secrets |= new
+        kept = self._other_secrets & others
+        self._other_secrets = kept | set(sorted(new)[:max(0, MAX_OTHER_SECRETS - len(kept))])
+        if new:  # those told of before and still there are not told of again; those gone are forgotten
             mine = "this run secret" if self.records.membership.closed else "no run secret (an open run)"
             log.warning("%d worker(s) of run %r hold another run secret or none (%s); this one holds %s, so they "
                         "never average together: give every worker of the run the same secret",
-                        len(others), self.run_id, ", ".join(sorted(p[-8:] for p in others)), mine)
+                        len(others), self.run_id, named(others), mine)
 
     def live_workers(self) -> dict[str, records.WorkerRecord]:
         """The run's live workers with this worker's settings (others are left out, with a warning)."""

@@ -35,7 +35,7 @@ from . import signing
 from .addresses import AddressBook, checked_addrs
 from .clock import RunClock
 from .membership import Membership
-from .pushed_records import PushedRecord, RecordView
+from .pushed_records import ELIGIBLE, TRUSTED, UNKNOWN, PushedRecord, RecordView
 from .relays import RelayBook, checked_relays
 from .signing import Identity
 
@@ -143,6 +143,8 @@ DHT_CALL_TIMEOUT = 30.0
 DEPARTED_KEPT = 4096
 """Peers remembered as having left the run cleanly, at most (the oldest forgotten first)."""
 
+MAX_READ_UNKNOWN = 1024
+"""Records of writers this worker does not know (``rank``) whose signatures one read checks, at most."""
 MAX_PUSHED_TTL = 24 * 3600.0
 """A pushed record set to live longer than this is dropped unread (readers apply their kind's own bound)."""
 
@@ -204,6 +206,10 @@ class RunRecords:
         """Called (from the reading thread) with the workers whose records say their address changed."""
         self.view = RecordView()
         """The round and group records seen so far: read from the DHT, pushed by peers, or this worker's own."""
+        self.trusted: Callable[[str], bool] = lambda peer: False
+        """Whether a peer's records rank ``TRUSTED`` in ``view`` (its partners: set by ``Presence``)."""
+        self._eligible: frozenset[str] = frozenset()
+        """The workers with a live, valid progress record in the last read of the run's workers."""
         self._departed: collections.OrderedDict[str, None] = collections.OrderedDict()
         """Peers whose latest record read says they left the run cleanly (``DEPARTED_KEPT`` at most)."""
         self._departed_lock = threading.Lock()
@@ -239,7 +245,8 @@ class RunRecords:
         goes on in the background (for the peers that read the DHT rather than receive the push)."""
         envelope = self._envelope(key, value, expiration_time)
         record = PushedRecord(key, self.identity.peer_id, float(expiration_time), envelope)
-        self.view.put(record, msgpack.unpackb(msgpack.packb(value, use_bin_type=True), raw=False))  # as read back
+        self.view.put(record, msgpack.unpackb(msgpack.packb(value, use_bin_type=True), raw=False),  # as read back
+                      TRUSTED)
         future = self.dht.store(key, envelope, expiration_time, subkey=self.identity.peer_id, return_future=True)
         if wait:
             wait_dht(future, "store", interrupted=self.interrupted)
@@ -278,9 +285,28 @@ class RunRecords:
         return future
 
     def _keep(self, key: str, found) -> None:
-        """Puts the valid records of a ``dht.get`` answer for ``key`` in ``view``."""
-        for subkey, expiration, value, envelope in self._opened(key, found, raw=True):
-            self.view.put(PushedRecord(key, subkey, expiration, envelope), value)
+        """Puts the valid records of a ``dht.get`` answer for ``key`` in ``view``: those of the writers that
+        rank highest first, and only those ``view`` could keep are opened (a signature check costs more
+        than the look: junk from many identities is dropped unread)."""
+        if found is None or not isinstance(found.value, dict):
+            return
+        ranked = sorted(((self.rank(s) if isinstance(s, str) else UNKNOWN, s, item)
+                         for s, item in found.value.items()), key=lambda t: -t[0])
+        for rank, subkey, item in ranked:
+            if not isinstance(subkey, str) or not isinstance(item.value, bytes):
+                continue
+            record = PushedRecord(key, subkey, item.expiration_time, item.value)
+            if not self.view.admits(record, rank):
+                continue
+            value = self._open(key, subkey, item.expiration_time, item.value, sealed=True)
+            if value is not _INVALID:
+                self.view.put(record, value, rank)
+
+    def rank(self, peer: str) -> int:
+        """What ``peer`` is to this worker when its round or group records compete for ``view``'s places."""
+        if self.identity is not None and peer == self.identity.peer_id or self.trusted(peer):
+            return TRUSTED
+        return ELIGIBLE if peer in self._eligible else UNKNOWN
 
     def records_of(self, key: str, subkeys) -> list[PushedRecord]:
         """The signed records of these writers under ``key`` seen so far (to pass them along)."""
@@ -296,9 +322,12 @@ class RunRecords:
             if not record.key.startswith((f"{ns}.round.", f"{ns}.group.")) or not (
                     now < record.expiration_time <= now + MAX_PUSHED_TTL):
                 continue
+            rank = self.rank(record.subkey)
+            if not self.view.admits(record, rank):
+                continue
             value = self._open(record.key, record.subkey, record.expiration_time, record.envelope, sealed=True)
             if value is not _INVALID:
-                kept += self.view.put(record, value)
+                kept += self.view.put(record, value, rank)
         return kept
 
     def live_subkeys(self, key: str, found, max_ttl: float, sealed: bool = True) -> dict[str, object]:
@@ -315,20 +344,40 @@ class RunRecords:
         with ``raw``, each with its envelope as a fourth item."""
         if found is None or not isinstance(found.value, dict):
             return []
-        out = []
-        for subkey, item in found.value.items():
+        out, verified = [], 0
+        # Writers this worker knows first; of the others, at most ``MAX_READ_UNKNOWN`` signatures a read.
+        ranked = sorted(found.value.items(), key=lambda kv: -self.rank(kv[0]) if isinstance(kv[0], str) else 0)
+        for subkey, item in ranked:
             if live is not None and not live[0] < item.expiration_time <= live[1]:
                 continue
+            if self.rank(subkey) == UNKNOWN if isinstance(subkey, str) else True:
+                if verified >= MAX_READ_UNKNOWN:
+                    continue
+                verified += self._passes_seal(key, subkey, item.value, sealed)
             value = self._open(key, subkey, item.expiration_time, item.value, sealed)
             if value is not _INVALID:
                 out.append((subkey, item.expiration_time, value) + ((item.value,) if raw else ()))
         return out
 
+    def _passes_seal(self, key: str, subkey, envelope, sealed: bool) -> bool:
+        """Whether a record's signature would be checked (its seal is right, or there is none to check)."""
+        if not (sealed and self.membership.closed):
+            return True
+        body = signing.peek_body(envelope)
+        return body is not None and isinstance(subkey, str) and \
+            self.membership.unseal(body, signing.key_id(key) + subkey.encode()) is not None
+
     def _open(self, key: str, subkey, expiration_time: float, envelope, sealed: bool):
         """The value of one signed (and, if ``sealed`` in a closed run, sealed) record, or ``_INVALID``."""
         kid = signing.key_id(key)
-        body = signing.open_envelope(kid, subkey, expiration_time, envelope)
-        plain = body if body is None or not sealed else self.membership.unseal(body, kid + subkey.encode())
+        if not isinstance(subkey, str):
+            return _INVALID
+        context = kid + subkey.encode()
+        sealed = sealed and self.membership.closed
+        # In a closed run the seal is checked first: an outsider's record costs an AES-GCM try, not a signature check.
+        check = (lambda body: self.membership.unseal(body, context) is not None) if sealed else None
+        body = signing.open_envelope(kid, subkey, expiration_time, envelope, check)
+        plain = body if body is None or not sealed else self.membership.unseal(body, context)
         if plain is None:
             return _INVALID
         try:
@@ -347,6 +396,7 @@ class RunRecords:
         now = self.clock.now()
         workers = parse_workers({subkey: value for subkey, expiration, value in opened
                                  if now < expiration <= now + max_ttl})
+        self._eligible = frozenset(workers)
         self._note_departures({subkey for subkey, expiration, value in opened if now < expiration
                                and isinstance(value, dict) and value.get("left") is True}, workers)
         for peer, rec in workers.items():

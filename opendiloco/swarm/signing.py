@@ -24,6 +24,7 @@ import hashlib
 import os
 import tempfile
 import threading
+from collections.abc import Callable
 
 import msgpack
 from cryptography.exceptions import InvalidSignature
@@ -34,10 +35,14 @@ from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.p2p import PeerID
 from hivemind.proto import crypto_pb2
+from hivemind.utils.timed_storage import get_dht_time
 
 MAGIC = b"odl1"
-MAX_ENVELOPE_BYTES = 64 << 10
-"""Records are small (a progress record is under 1 KiB); anything larger is refused unread."""
+MAX_ENVELOPE_BYTES = 16 << 10
+"""Records are small (a progress record is under 1 KiB, a group of 200 members some 11 KiB); anything
+larger is refused unread, by our DHT nodes on store and by every reader."""
+MAX_STORE_TTL = 24 * 3600.0
+"""Our DHT nodes refuse a record set to live longer than this from now (readers bound each kind closer)."""
 _PSS = padding.PSS(mgf=padding.MGF1(hashes.SHA256()), salt_length=32)
 
 
@@ -154,6 +159,10 @@ class _VerifiedCache:
         self._seen: collections.OrderedDict = collections.OrderedDict()
         self._size, self._lock = size, threading.Lock()
 
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._seen)
+
     def get(self, token):
         with self._lock:
             if token in self._seen:
@@ -171,19 +180,36 @@ class _VerifiedCache:
 _verified = _VerifiedCache()
 
 
-def open_envelope(key_id_bytes: bytes, subkey, expiration_time: float, raw) -> bytes | None:
+def peek_body(raw) -> bytes | None:
+    """The body of an envelope, unverified (to check a seal before a signature), or None."""
+    if not isinstance(raw, bytes) or len(raw) > MAX_ENVELOPE_BYTES or not raw.startswith(MAGIC):
+        return None
+    try:
+        parts = msgpack.unpackb(raw[len(MAGIC):], raw=False)
+    except (ValueError, TypeError, msgpack.UnpackException, UnicodeDecodeError):
+        return None
+    return parts[1] if isinstance(parts, list) and len(parts) == 3 and isinstance(parts[1], bytes) else None
+
+
+def open_envelope(key_id_bytes: bytes, subkey, expiration_time: float, raw,
+                  check_body: Callable[[bytes], bool] | None = None) -> bytes | None:
     """The body of a valid envelope stored under ``subkey``, or None (unsigned, signed by
-    someone else than ``subkey``, edited, moved or re-dated)."""
+    someone else than ``subkey``, edited, moved or re-dated). ``check_body``: a cheap check of the body
+    made before the signature's (a closed run's seal): a body that fails it is neither verified nor
+    kept in the cache of verified envelopes, so junk from outsiders costs a reader little and evicts
+    nothing from that cache."""
     if not isinstance(raw, bytes) or not isinstance(subkey, str) or len(raw) > MAX_ENVELOPE_BYTES \
             or not raw.startswith(MAGIC):
         return None
-    token = (key_id_bytes, subkey, float(expiration_time), raw)
+    token = (key_id_bytes, subkey, float(expiration_time), hashlib.sha256(raw).digest())
     cached = _verified.get(token)
     if cached is not None:
         return cached
     try:
         public_key, body, signature = msgpack.unpackb(raw[len(MAGIC):], raw=False)
         if not all(isinstance(x, bytes) for x in (public_key, body, signature)) or len(public_key) > 1100:
+            return None
+        if check_body is not None and not check_body(body):
             return None
         if peer_id_of(public_key) != subkey:
             return None
@@ -205,6 +231,8 @@ class SignedRecordValidator(RecordValidatorBase):
             subkey = msgpack.unpackb(record.subkey, raw=False) if record.subkey else None
             raw = msgpack.unpackb(record.value, raw=False)
         except (ValueError, TypeError, msgpack.UnpackException, UnicodeDecodeError):
+            return False
+        if not record.expiration_time <= get_dht_time() + MAX_STORE_TTL:
             return False
         return open_envelope(record.key, subkey, record.expiration_time, raw) is not None
 

@@ -25,6 +25,8 @@ from ..fingerprint import new_hasher
 MIN_PART_BYTES = 1 << 20
 MAX_PART_BYTES = 64 << 20
 MAX_PARTS = 4096
+PART_BYTES = 2 << 20
+MAX_PARTS_WANTED = 1024
 MAX_SKELETON_BYTES = 8 << 20
 """A skeleton holds structure, counters and one value per tensor: megabytes would be an attack."""
 
@@ -96,8 +98,17 @@ def part_count(size: int, part_bytes: int) -> int:
     return max(1, math.ceil(size / part_bytes))
 
 
-def snapshot(state: dict, part_bytes: int) -> Snapshot:
-    """Cuts ``state`` (CPU tensors) into a skeleton and parts of ``part_bytes``."""
+def part_bytes_for(size: int) -> int:
+    """The donor's part size for a state of ``size`` bytes: ``PART_BYTES``, larger for a state that would
+    need more than ``MAX_PARTS_WANTED`` parts (whole MiB). The donor chooses it, never the requester (who
+    could make it cut its state anew with each request), and every donor of one state chooses alike."""
+    wanted = math.ceil(size / MAX_PARTS_WANTED / (1 << 20)) << 20
+    return min(MAX_PART_BYTES, max(PART_BYTES, wanted))
+
+
+def snapshot(state: dict, part_bytes: int | None = None) -> Snapshot:
+    """Cuts ``state`` (CPU tensors) into a skeleton and parts of ``part_bytes`` (``part_bytes_for`` its size
+    if None)."""
     found: list[torch.Tensor] = []
     _tensors(state, found)
     pieces = [t.detach().contiguous().reshape(-1).view(torch.uint8) for t in found if t.numel()]
@@ -105,6 +116,7 @@ def snapshot(state: dict, part_bytes: int) -> Snapshot:
     buf = io.BytesIO()
     torch.save(_replace(state, _placeholder), buf)
     view = memoryview(flat.numpy()).cast("B")
+    part_bytes = part_bytes_for(len(view)) if part_bytes is None else part_bytes
     digests = tuple(part_digest(view[i * part_bytes : (i + 1) * part_bytes])
                     for i in range(part_count(len(view), part_bytes)))
     return Snapshot(state["outer_step"], buf.getvalue(), view, part_bytes, digests)
@@ -165,7 +177,8 @@ class Manifest:
 
 
 def read_manifest(meta: dict, payload: bytes, *, part_bytes: int, max_bytes: int) -> Manifest:
-    """The manifest a donor sent (meta ``outer_step``, ``size``; payload: digests then skeleton), or
+    """The manifest a donor sent (meta ``outer_step``, ``size``, ``part_bytes``: the donor's choice, else
+    the ``part_bytes`` asked for; payload: digests then skeleton), or
     ``ProtocolError`` for one that does not fit what was asked or what this worker accepts: checked
     whole (the skeleton a plain tree whose tensors take exactly ``size`` bytes, at the announced
     outer step) before a byte of the state is asked for or allocated."""
@@ -174,6 +187,9 @@ def read_manifest(meta: dict, payload: bytes, *, part_bytes: int, max_bytes: int
         raise ProtocolError("manifest without an integer outer_step and size")
     if not 0 <= size <= max_bytes:
         raise ProtocolError(f"state of {size} bytes announced; at most {max_bytes} accepted")
+    part_bytes = meta.get("part_bytes", part_bytes)
+    if type(part_bytes) is not int or not MIN_PART_BYTES <= part_bytes <= MAX_PART_BYTES:
+        raise ProtocolError(f"parts of {part_bytes!r} bytes; {MIN_PART_BYTES}-{MAX_PART_BYTES} only")
     parts = part_count(size, part_bytes)
     if parts > MAX_PARTS:
         raise ProtocolError(f"state of {parts} parts; at most {MAX_PARTS}")

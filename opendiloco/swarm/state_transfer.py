@@ -36,7 +36,7 @@ from ..comm.wire import ByteStream, Code
 from ..comm.wire import field as meta_field
 from ..errors import ProtocolError
 from ..fingerprint import new_hasher
-from .state_layout import MAX_PART_BYTES, MIN_PART_BYTES, Snapshot, snapshot
+from .state_layout import Snapshot, snapshot
 from .streams import P2PStreams
 
 log = logging.getLogger(__name__)
@@ -66,6 +66,11 @@ SNAPSHOT_KEEP_S = 120.0
 SNAPSHOT_FRESH_S = 2.0
 KEPT_CUTS = 2
 """A new cut does not end downloads of the one before it: their parts are still served."""
+MAX_CUTS_HELD = KEPT_CUTS
+"""Cuts of its state a donor holds at most, kept or still being sent (a slow reader holds the cut its part
+comes from until its send ends or times out), so at most this many times the state's size in bytes: a
+manifest request that would need one more is answered from the newest cut of that step if there is one,
+else refused (busy), whoever asks and however slowly they read."""
 
 
 def _digest(payload) -> str:
@@ -84,6 +89,9 @@ class StateServer:
         """Recent serve times by peer (monotonic), for the per-peer rate limit."""
         self._cuts: list[Snapshot] = []
         """The newest cuts of this worker's state (at most ``KEPT_CUTS``), oldest first."""
+        self._pinned: dict[int, tuple[Snapshot, int]] = {}
+        """Cuts that part sends (under way or waiting for a slot) hold, by id: (the cut, how many sends)."""
+        self.cuts_made = 0
         self._snapshot_used = 0.0
         self._snapshot_lock: asyncio.Lock | None = None
         self._part_slots: asyncio.Semaphore | None = None
@@ -181,10 +189,7 @@ class StateServer:
         at this step and fresh, else of a new cut (``SNAPSHOT_FRESH_S``: a later joiner gets this
         worker's position in the round as it is now, not as it was when an earlier joiner asked)."""
         try:
-            outer_step = meta_field(meta, "outer_step", int)
-            part_bytes = meta_field(meta, "part_bytes", int)
-            if not MIN_PART_BYTES <= part_bytes <= MAX_PART_BYTES:
-                raise ProtocolError(f"parts of {MIN_PART_BYTES}-{MAX_PART_BYTES} bytes only")
+            outer_step = meta_field(meta, "outer_step", int)  # its "part_bytes" is not heeded: the donor cuts
             if self.provider is None:
                 raise ProtocolError("this worker has no state to share yet")
             self._take_turn(stream.remote)
@@ -193,12 +198,14 @@ class StateServer:
                 if snap is not None and snap.outer_step > outer_step:
                     await stream.send(Code.STATE_MANIFEST, {"outer_step": snap.outer_step, "size": 0})  # moved on
                     return
-                if (snap is None or (snap.outer_step, snap.part_bytes) != (outer_step, part_bytes)
-                        or time.monotonic() - snap.made > SNAPSHOT_FRESH_S):
-                    provider = self.provider
-                    snap = await asyncio.get_running_loop().run_in_executor(
-                        None, lambda: snapshot(provider(), part_bytes))
-                    self._cuts = [*self._cuts[-(KEPT_CUTS - 1):], snap]
+                if snap is None or snap.outer_step != outer_step or time.monotonic() - snap.made > SNAPSHOT_FRESH_S:
+                    if self._make_room():
+                        provider = self.provider
+                        snap = await asyncio.get_running_loop().run_in_executor(None, lambda: snapshot(provider()))
+                        self._cuts = [*self._cuts[-(KEPT_CUTS - 1):], snap]
+                        self.cuts_made += 1
+                    elif snap is None or snap.outer_step != outer_step:
+                        raise ProtocolError(f"busy: {MAX_CUTS_HELD} cuts of this state are being served")
                 self._keep_snapshot()
             if snap.outer_step < outer_step:
                 raise ProtocolError(f"at outer step {snap.outer_step}, not yet {outer_step}")
@@ -208,12 +215,35 @@ class StateServer:
             self._note_asked(stream.remote, outer_step)
             self.joiners[stream.remote] = (outer_step, time.monotonic())  # on its way: a round meanwhile waits
             payload = snap.manifest_payload()
-            await asyncio.wait_for(stream.send(Code.STATE_MANIFEST, {"outer_step": outer_step, "size": snap.size},
-                                               payload), SEND_TIMEOUT_BASE + len(payload) / MIN_RATE_BYTES_PER_S)
+            meta = {"outer_step": outer_step, "size": snap.size, "part_bytes": snap.part_bytes}
+            await asyncio.wait_for(stream.send(Code.STATE_MANIFEST, meta, payload),
+                                   SEND_TIMEOUT_BASE + len(payload) / MIN_RATE_BYTES_PER_S)
         except Exception as e:
             await stream.refuse(str(e) if isinstance(e, ProtocolError) else type(e).__name__)
         finally:
             stream.close()
+
+    def held_cuts(self) -> list[Snapshot]:
+        """The cuts this donor holds: kept, or held by part sends."""
+        held = {id(s): s for s in self._cuts}
+        held.update({key: snap for key, (snap, _) in self._pinned.items()})
+        return list(held.values())
+
+    def _make_room(self) -> bool:
+        """Drops kept cuts that no send holds, oldest first, until one more cut fits ``MAX_CUTS_HELD``."""
+        while len(self.held_cuts()) >= MAX_CUTS_HELD:
+            idle = [s for s in self._cuts if id(s) not in self._pinned]
+            if not idle:
+                return False
+            self._cuts.remove(idle[0])
+        return True
+
+    def _pin(self, snap: Snapshot, by: int) -> None:
+        held, count = self._pinned.get(id(snap), (snap, 0))
+        if count + by > 0:
+            self._pinned[id(snap)] = (held, count + by)
+        else:
+            self._pinned.pop(id(snap), None)
 
     def _note_asked(self, peer: str, outer_step: int) -> None:
         now = time.monotonic()
@@ -241,7 +271,7 @@ class StateServer:
 
     async def _serve_part(self, stream: ByteStream, meta: dict) -> None:
         """Sends one part of a kept cut (never a new cut); waits for one of ``MAX_CONCURRENT_PART_SERVES``."""
-        peer, counted = stream.remote, False
+        peer, counted, snap = stream.remote, False, None
         try:
             snap = self._cut_holding(meta_field(meta, "outer_step", int), meta_field(meta, "part_bytes", int),
                                      index := meta_field(meta, "index", int), meta_field(meta, "digest", str))
@@ -250,6 +280,7 @@ class StateServer:
             data = snap.part(index)
             self._take_bytes(peer, data.nbytes, snap.size)
             self._part_streams[peer] += 1
+            self._pin(snap, +1)
             counted = True
             self._keep_snapshot()
 
@@ -266,6 +297,7 @@ class StateServer:
                 self._part_streams[peer] -= 1
                 if not self._part_streams[peer]:
                     del self._part_streams[peer]
+                self._pin(snap, -1)
             stream.close()
 
     def _take_bytes(self, peer: str, nbytes: int, state_size: int) -> None:

@@ -4,6 +4,7 @@ every part checked, a donor that dies or lies mid-part leaves its parts to the o
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import os
 import signal
@@ -16,9 +17,12 @@ from opendiloco.comm.wire import Code
 from opendiloco.errors import ProtocolError
 from opendiloco.swarm import multi_donor
 from opendiloco.swarm.multi_donor import fetch_from_donors, fetch_manifest, part_bytes_for
+from opendiloco.swarm.state_layout import Snapshot
 from opendiloco.swarm.state_transfer import CHUNK_BYTES, StateServer, fetch_state
 from opendiloco.swarm.streams import P2PStreams
 from tests.nested import same
+
+from .attack_cuts import hold_cuts
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(120)]
 
@@ -374,3 +378,48 @@ def test_telling_a_dead_donor_is_quiet(caplog):
     with caplog.at_level(logging.ERROR, logger="asyncio"):
         with_donors(1, scenario)
     assert "never retrieved" not in caplog.text
+
+
+def _alive_cuts() -> int:
+    """Cuts of a state alive in this process (kept by a donor, or held by what it is sending)."""
+    gc.collect()
+    return sum(isinstance(o, Snapshot) for o in gc.get_objects())
+
+
+@pytest.mark.parametrize("fresh_s", [60.0, 0.0])
+def test_identities_that_ask_manifests_and_read_slowly_make_a_donor_hold_at_most_two_cuts(monkeypatch, fresh_s):
+    """``attack_cuts.py`` from 3 identities, each asking its own part size and never reading its parts:
+    the donor cuts its state once per fresh manifest whatever part size is asked, and holds at most
+    ``MAX_CUTS_HELD`` cuts however many slow readers hold parts (with ``fresh_s`` 0 each manifest
+    would be a fresh cut)."""
+    from opendiloco.swarm import state_transfer
+
+    monkeypatch.setattr(state_transfer, "SNAPSHOT_FRESH_S", fresh_s)
+    state = make_state()
+    state["outer"]["global_params"][0] = torch.randn(6 * PARTS)  # a part the streams cannot buffer whole
+
+    async def main():
+        nodes, held = [], []
+        try:
+            nodes.append(await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"]))
+            server = await serve(nodes[0], state)
+            maddrs = [str(m) for m in await nodes[0].get_visible_maddrs()]
+            reports, peak = [], 0
+            for i in range(3):
+                nodes.append(await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=maddrs))
+                reports.append(await hold_cuts(P2PStreams(nodes[-1], "test.state"), ids(nodes)[0], 4,
+                                               [(16 + 8 * i) << 20], held))
+                await asyncio.sleep(0.2)  # the donor starts its sends
+                peak = max(peak, _alive_cuts())
+            return server.cuts_made, peak, reports
+        finally:
+            for stream in held:
+                stream.close()
+            for node in reversed(nodes):
+                await node.shutdown()
+
+    made, peak, reports = asyncio.run(asyncio.wait_for(main(), 90))
+    print(f"fresh_s {fresh_s}: cuts made {made}, peak alive {peak}, {reports}")
+    assert peak <= state_transfer.MAX_CUTS_HELD  # before: 3 either way (one cut per identity, all held)
+    if fresh_s:
+        assert made == 1  # before: 3 (each part size asked a cut of its own)
