@@ -51,8 +51,7 @@ COPY pyproject.toml README.md* ./
 COPY opendiloco ./opendiloco
 RUN --mount=type=secret,id=pip_conf --mount=type=secret,id=ca_bundle \
     PIP_CONFIG_FILE=/run/secrets/pip_conf pip install --constraint /opt/torch-constraint.txt . \
-    && python -c "import torch, hivemind, opendiloco; print('torch', torch.__version__, 'hivemind', hivemind.__version__)" \
-    && python -m opendiloco.swarm.p2pd_binary
+    && python -c "import torch, hivemind, opendiloco; print('torch', torch.__version__, 'hivemind', hivemind.__version__)"
 COPY configs ./configs
 COPY scripts/join_swarm.sh /usr/local/bin/join_swarm.sh
 

@@ -90,11 +90,12 @@ def _add_plot(sub) -> None:
 
 
 def cmd_plot(args) -> int:
+    from .extras import MissingExtra
     from .train.plot import plot_runs
 
     try:
         out = plot_runs(args.run_dirs, args.out, title=args.title)
-    except FileNotFoundError as e:
+    except (FileNotFoundError, MissingExtra) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     print(out)
