@@ -14,7 +14,7 @@
 #
 # The container runs `opendiloco ...` (see docs/deployment.md):
 #   docker run -p 31337:31337 -v dht-id:/data/identity opendiloco dht \
-#     --host-maddrs /ip4/0.0.0.0/tcp/31337 --identity-path /data/identity/bootstrap.key
+#     --swarm.host-maddrs /ip4/0.0.0.0/tcp/31337 --swarm.identity-path /data/identity/bootstrap.key
 ARG BASE=python:3.11-slim
 FROM ${BASE}
 
@@ -68,7 +68,7 @@ ENV OPENDILOCO_P2P_PORT=31337 \
     HF_HOME=/data/cache/huggingface
 VOLUME ["/data/runs", "/data/identity"]
 
-# The p2p port: listen with --host-maddrs /ip4/0.0.0.0/tcp/31337 (TCP; add /udp/31337/quic-v1 to use QUIC).
+# The p2p port: listen with --swarm.host-maddrs /ip4/0.0.0.0/tcp/31337 (TCP; add /udp/31337/quic-v1 to use QUIC).
 EXPOSE 31337/tcp 31337/udp
 
 # Healthy while the node's p2p port listens (python -m opendiloco.swarm.health --help).
