@@ -50,7 +50,7 @@ WORKDIR /app
 COPY pyproject.toml README.md* ./
 COPY opendiloco ./opendiloco
 RUN --mount=type=secret,id=pip_conf --mount=type=secret,id=ca_bundle \
-    PIP_CONFIG_FILE=/run/secrets/pip_conf pip install --constraint /opt/torch-constraint.txt . \
+    PIP_CONFIG_FILE=/run/secrets/pip_conf pip install --constraint /opt/torch-constraint.txt '.[hf]' \
     && python -c "import torch, hivemind, opendiloco; print('torch', torch.__version__, 'hivemind', hivemind.__version__)"
 COPY configs ./configs
 COPY scripts/join_swarm.sh /usr/local/bin/join_swarm.sh
