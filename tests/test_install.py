@@ -106,3 +106,41 @@ def test_a_hugging_face_tokenizer_without_transformers_names_the_extra(monkeypat
         make_tokenizer("gpt2")
     assert "\n" not in str(e.value)
     assert make_tokenizer("bytes").vocab_size == 259  # the default needs no extra
+
+
+def _extra_installed(extra: str) -> bool:
+    from packaging.requirements import Requirement
+
+    for req in PROJECT["optional-dependencies"][extra]:
+        name = Requirement(req).name
+        if _norm(name) == DISTRIBUTION:
+            continue  # dev names the other extras through this project
+        try:
+            metadata.distribution(name)
+        except metadata.PackageNotFoundError:
+            return False
+    return True
+
+
+@pytest.mark.slow
+def test_every_pip_install_line_of_the_docs_resolves_as_written():
+    """Each install line of this project, as written, resolved by pip against this environment with
+    nothing downloaded (--dry-run --no-index): the name and extras exist and nothing conflicts. Lines
+    whose extras are not installed here are checked by name above, not resolved."""
+    import subprocess
+
+    ran = 0
+    for where, args in _pip_install_commands():
+        targets = [a for a in args if not a.startswith("-")]
+        if not targets or any(_norm(re.split(r"[\[<>=!~]", t)[0]) in THIRD_PARTY_TOOLS for t in targets):
+            continue
+        extras = {e for t in targets for e in re.findall(r"\[([\w,-]+)\]", t) for e in e.split(",")}
+        if not all(_extra_installed(e) for e in extras):
+            continue
+        proc = subprocess.run([sys.executable, "-m", "pip", "install", "--dry-run", "--no-index",
+                               "--no-build-isolation", "--disable-pip-version-check", *args],
+                              cwd=ROOT, capture_output=True, text=True, timeout=120)
+        said = proc.stdout[-2000:] + proc.stderr[-2000:]
+        assert proc.returncode == 0, f"{where}: pip install {' '.join(args)}\n{said}"
+        ran += 1
+    assert ran >= 2, "the README's install lines were resolved"
