@@ -8,7 +8,7 @@
 #   TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu bash scripts/setup.sh
 # or a CUDA 12.8 build:
 #   TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 bash scripts/setup.sh
-# Supported: Linux (x86-64; hivemind's p2p daemon ships for it), Python 3.10-3.12, torch 2.6 or later.
+# Supported: Linux on x86-64 (hivemind's p2p daemon ships for it), Python 3.10 or later, torch 2.6 or later.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
