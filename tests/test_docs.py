@@ -35,3 +35,10 @@ def test_every_result_file_the_docs_name_is_there():
         names |= set(re.findall(r"docs/(bench_[\w]+\.json)", doc.read_text()))
     missing = sorted(n for n in names if not (ROOT / "docs" / n).is_file())
     assert not missing, missing
+
+
+def test_no_guide_page_names_an_issue_or_a_date_of_development():
+    dated = re.compile(r"\bissue\b|\b20\d\d-\d\d-\d\d\b", re.I)
+    found = [f"{page.name}:{n}" for page in sorted((ROOT / "docs").glob("*.md"))
+             for n, line in enumerate(page.read_text().splitlines(), 1) if dated.search(line)]
+    assert not found, f"the history belongs in docs/log/: {found}"
