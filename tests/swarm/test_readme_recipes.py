@@ -149,7 +149,7 @@ def test_two_machines_over_the_internet_recipe(swarm, tmp_path):
     for proc, name in zip(procs, ("eu", "us")):
         log = swarm.log(name, tail=10**6)
         assert proc.returncode == 0, log
-        assert "ok   reachable" in log and "fail " not in log, log  # doctor's findings
+        assert "ok   reachable" in log and not re.search(r"^fail ", log, re.M), log  # doctor's findings
         assert "is closed" in log  # a closed run: the secret was read from the copied file
         assert re.search(r"no live workers|global_hash", log), log  # status read the run
     rounds = {}
