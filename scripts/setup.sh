@@ -20,8 +20,9 @@ if [ -n "${TORCH_INDEX_URL:-}" ]; then
 else
     .venv/bin/python -m pip install -q "$TORCH_SPEC"
 fi
-# This project was once installed under the distribution name "opendiloco" (the package index's
-# project of that name is another one): an earlier checkout's install is removed first.
+# A distribution named "opendiloco" is either this project under its earlier name or the package
+# index's project of that name, whose module is also called opendiloco and would shadow this one's:
+# removed first.
 if .venv/bin/python -m pip show -q opendiloco >/dev/null 2>&1; then
     .venv/bin/python -m pip uninstall -q -y opendiloco
 fi
