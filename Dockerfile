@@ -14,7 +14,7 @@
 #
 # The container runs `opendiloco ...` (see docs/deployment.md):
 #   docker run -p 31337:31337 -v dht-id:/data/identity opendiloco dht \
-#     --host-maddrs /ip4/0.0.0.0/tcp/31337 --identity-path /data/identity/bootstrap.key
+#     --swarm.host-maddrs /ip4/0.0.0.0/tcp/31337 --swarm.identity-path /data/identity/bootstrap.key
 ARG BASE=python:3.11-slim
 FROM ${BASE}
 
@@ -50,9 +50,8 @@ WORKDIR /app
 COPY pyproject.toml README.md* ./
 COPY opendiloco ./opendiloco
 RUN --mount=type=secret,id=pip_conf --mount=type=secret,id=ca_bundle \
-    PIP_CONFIG_FILE=/run/secrets/pip_conf pip install --constraint /opt/torch-constraint.txt . \
-    && python -c "import torch, hivemind, opendiloco; print('torch', torch.__version__, 'hivemind', hivemind.__version__)" \
-    && python -m opendiloco.swarm.p2pd_binary
+    PIP_CONFIG_FILE=/run/secrets/pip_conf pip install --constraint /opt/torch-constraint.txt '.[hf]' \
+    && python -c "import torch, hivemind, opendiloco; print('torch', torch.__version__, 'hivemind', hivemind.__version__)"
 COPY configs ./configs
 COPY scripts/join_swarm.sh /usr/local/bin/join_swarm.sh
 
@@ -69,7 +68,7 @@ ENV OPENDILOCO_P2P_PORT=31337 \
     HF_HOME=/data/cache/huggingface
 VOLUME ["/data/runs", "/data/identity"]
 
-# The p2p port: listen with --host-maddrs /ip4/0.0.0.0/tcp/31337 (TCP; add /udp/31337/quic-v1 to use QUIC).
+# The p2p port: listen with --swarm.host-maddrs /ip4/0.0.0.0/tcp/31337 (TCP; add /udp/31337/quic-v1 to use QUIC).
 EXPOSE 31337/tcp 31337/udp
 
 # Healthy while the node's p2p port listens (python -m opendiloco.swarm.health --help).

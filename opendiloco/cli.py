@@ -90,11 +90,12 @@ def _add_plot(sub) -> None:
 
 
 def cmd_plot(args) -> int:
+    from .extras import MissingExtra
     from .train.plot import plot_runs
 
     try:
         out = plot_runs(args.run_dirs, args.out, title=args.title)
-    except FileNotFoundError as e:
+    except (FileNotFoundError, MissingExtra) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     print(out)
@@ -102,17 +103,22 @@ def cmd_plot(args) -> int:
 
 
 def _add_dht(sub) -> None:
+    # The options have the names of the config keys they match in train, status and doctor; the short
+    # spellings of earlier versions are kept as aliases.
     p = sub.add_parser("dht", help="run a bootstrap DHT node and print the addresses others join through")
-    p.add_argument("--initial-peers", nargs="*", default=[], help="join an existing swarm (redundant bootstraps)")
-    p.add_argument("--host-maddrs", nargs="+", default=["/ip4/0.0.0.0/tcp/31337"],
-                   help="listen addresses (default: all interfaces, port 31337)")
-    p.add_argument("--announce-maddrs", nargs="*", default=[],
+    p.add_argument("--swarm.initial-peers", "--initial-peers", dest="initial_peers", nargs="*", default=[],
+                   help="join an existing swarm (redundant bootstraps)")
+    p.add_argument("--swarm.host-maddrs", "--host-maddrs", dest="host_maddrs", nargs="+",
+                   default=["/ip4/0.0.0.0/tcp/31337"], help="listen addresses (default: all interfaces, port 31337)")
+    p.add_argument("--swarm.announce-maddrs", "--announce-maddrs", dest="announce_maddrs", nargs="*", default=[],
                    help="public addresses to advertise (behind NAT or a port mapping)")
-    p.add_argument("--identity-path", default=None, help="private key file: a stable peer id across restarts")
+    p.add_argument("--swarm.identity-path", "--identity-path", dest="identity_path", default=None,
+                   help="private key file: a stable peer id across restarts")
     p.add_argument("--addrs-file", default=None, help="also write the addresses to this file")
-    p.add_argument("--metrics-port", default=None, metavar="PORT",
+    p.add_argument("--run.metrics-port", "--metrics-port", dest="metrics_port", default=None, metavar="PORT",
                    help="serve the node's figures for Prometheus on this port (0: any free port; default off)")
-    p.add_argument("--metrics-host", default="127.0.0.1", help="where --metrics-port listens (default 127.0.0.1)")
+    p.add_argument("--run.metrics-host", "--metrics-host", dest="metrics_host", default="127.0.0.1",
+                   help="where --run.metrics-port listens (default 127.0.0.1)")
     p.set_defaults(func=cmd_dht)
 
 
@@ -132,10 +138,13 @@ def cmd_dht(args) -> int:
 
 
 def _add_status(sub) -> None:
-    p = sub.add_parser("status", help="print a table of the live workers of a run")
-    p.add_argument("--swarm.initial-peers", dest="initial_peers", nargs="+", required=True)
-    p.add_argument("--run-id", "--swarm.run-id", dest="run_id", default="opendiloco")
-    p.add_argument("--secret-file", default=None,
+    p = sub.add_parser("status", help="print a table of the live workers of a run",
+                       description="Reads the run's records from the DHT. The peers, run id and secret come from "
+                                   "the options, else from the [swarm] section of --config (the workers' config).")
+    p.add_argument("--config", "-c", type=Path, help="TOML config (the workers'): initial_peers, run_id, secret_file")
+    p.add_argument("--swarm.initial-peers", "--initial-peers", dest="initial_peers", nargs="+", default=None)
+    p.add_argument("--swarm.run-id", "--run-id", dest="run_id", default=None, help="default: opendiloco")
+    p.add_argument("--swarm.secret-file", "--secret-file", dest="secret_file", default=None,
                    help="the secret of a closed run (default: $OPENDILOCO_RUN_SECRET, $OPENDILOCO_RUN_SECRET_FILE)")
     p.add_argument("--serve", metavar="PORT", default=None,
                    help="serve a live page of the run on this port (0: any free port) instead of printing a table")
@@ -157,6 +166,18 @@ def _port(value: str, option: str = "--serve") -> int:
 
 
 def cmd_status(args) -> int:
+    if args.config is not None:  # what the options leave unset comes from the workers' config
+        cfg = _config(args, [])
+        if cfg is None:
+            return EXIT_CONFIG
+        args.initial_peers = args.initial_peers or cfg.swarm.initial_peers
+        args.run_id = args.run_id or cfg.swarm.run_id
+        args.secret_file = args.secret_file or cfg.swarm.secret_file
+    if not args.initial_peers:
+        print("opendiloco status: no peer to ask: give --swarm.initial-peers ADDR, or --config with "
+              "[swarm] initial_peers", file=sys.stderr)
+        return EXIT_CONFIG
+    args.run_id = args.run_id or "opendiloco"
     from .swarm.membership import RunSecret
     from .swarm.node import SwarmError
     from .swarm.status import fetch_workers, format_table, serve_status

@@ -6,15 +6,14 @@ Starts the daemon with the flags hivemind gives a DHT node, packed and unpacked 
 it has used 1 s after its start (by then it listens and has set itself up; an idle daemon uses
 next to nothing more), the time until its control socket appears, and its private memory (what
 no other daemon shares), each as the median over ``--starts`` starts and as a ratio of the packed
-daemon's in the same run. The packed daemon is the installed one or the ``p2pd.upx`` that
-``opendiloco.swarm.p2pd_binary`` kept beside it; the unpacked one is made in a temporary directory.
+daemon's in the same run. The packed daemon is hivemind's installed one; the unpacked one is made
+in a temporary directory.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import statistics
 import subprocess
 import sys
@@ -22,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from opendiloco.swarm.p2pd_binary import PACKED_SUFFIX, daemon_path, is_packed, unpack
+from opendiloco.swarm.p2pd_binary import daemon_path, is_packed, unpack
 
 HZ = os.sysconf("SC_CLK_TCK")
 FLAGS = ["-autoRelay=0", "-autonat=1", "-b=0", "-connManager=1", "-idleTimeout=30s", "-natPortMap=1", "-relay=1",
@@ -57,16 +56,14 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--starts", type=int, default=10)
     args = parser.parse_args()
-    installed = daemon_path()
-    packed = installed if is_packed(installed) else installed.with_name(installed.name + PACKED_SUFFIX)
-    if not packed.exists() or not is_packed(packed):
+    packed = daemon_path()
+    if not is_packed(packed):
         print("no UPX-packed p2pd here to compare with", file=sys.stderr)
         return 1
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         unpacked = work / "p2pd"
-        shutil.copy2(packed, unpacked)
-        print(unpack(unpacked))
+        print(unpack(packed, unpacked))
         runs: dict[str, list[tuple[float, float, float]]] = {"packed": [], "unpacked": []}
         for _ in range(args.starts):
             runs["packed"].append(one_start(packed, work))

@@ -172,8 +172,8 @@ for ((i = 0; i < workers; i++)); do
 done
 echo "watch:  tail -f $run_dir/logs/worker-*.log"
 status_secret=""
-[ -z "$secret_file" ] || status_secret=" --secret-file $secret_file"
-echo "status: ${opendiloco[*]} status$status_secret --swarm.initial-peers ${peers[0]} --run-id $run_id"
+[ -z "$secret_file" ] || status_secret=" --swarm.secret-file $secret_file"
+echo "status: ${opendiloco[*]} status$status_secret --swarm.initial-peers ${peers[0]} --swarm.run-id $run_id"
 echo "live page: the same with --serve 8080, then open http://127.0.0.1:8080/"
 
 status=0

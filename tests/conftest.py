@@ -29,8 +29,11 @@ import torch  # noqa: E402
 def _prefork(tmp_path_factory):
     """Worker processes of the swarm tests are forked from one interpreter that has imported torch
     and hivemind already (``opendiloco/testing/prefork.py``): each saves some 2.4 s of CPU."""
+    from opendiloco.swarm.p2pd_binary import use_unpacked
     from opendiloco.testing.prefork import PreforkServer
     from opendiloco.testing.proctree import ProcessGroup
+
+    use_unpacked()  # the tests' own P2P daemons too start from the copy setup unpacked into the cache
 
     if os.environ.get("OPENDILOCO_TEST_PREFORK", "1") == "0":
         yield

@@ -60,7 +60,7 @@ def test_the_library_never_imports_its_test_tools():
 
 
 # Every layer of docs/architecture.md and the layers it may import: arrows point one way.
-CORE_MODULES = {"outer", "inner", "pacing", "streaming", "staging", "state_check", "fingerprint", "errors"}
+CORE_MODULES = {"outer", "inner", "pacing", "streaming", "staging", "state_check", "fingerprint", "errors", "extras"}
 OPTIMIZER_MODULES = {"optimizer", "fragment", "optimizer_state"}
 MAY_IMPORT = {
     "core": {"core"},
@@ -70,7 +70,7 @@ MAY_IMPORT = {
     "train": {"core", "comm", "optimizer", "swarm", "train", "package"},
     "package": {"core", "comm", "optimizer", "package"},
 }
-STANDARD_LIBRARY_ONLY = ["pacing.py", "errors.py", "swarm/partners.py", "swarm/quorum.py"]
+STANDARD_LIBRARY_ONLY = ["pacing.py", "errors.py", "extras.py", "swarm/partners.py", "swarm/quorum.py"]
 
 
 def layer(module: str) -> str | None:

@@ -172,12 +172,12 @@ def test_compose_workers_join_the_bootstrap_by_service_name():
     boot_cmd = boot["command"]
     assert boot_cmd[0] == "dht"
     port = health.DEFAULT_PORT
-    assert option(boot_cmd, "--host-maddrs") == [f"/ip4/0.0.0.0/tcp/{port}"]
-    announced = option(boot_cmd, "--announce-maddrs")
+    assert option(boot_cmd, "--swarm.host-maddrs") == [f"/ip4/0.0.0.0/tcp/{port}"]
+    announced = option(boot_cmd, "--swarm.announce-maddrs")
     assert f"/dns4/bootstrap/tcp/{port}" in announced
 
     # The identity is on a volume of its own, so the peer id (and the address) survive restarts.
-    identity = option(boot_cmd, "--identity-path")[0]
+    identity = option(boot_cmd, "--swarm.identity-path")[0]
     mounts = {v.split(":")[1]: v.split(":")[0] for v in boot["volumes"]}
     assert os.path.dirname(identity) in mounts and mounts[os.path.dirname(identity)] in spec["volumes"]
 
@@ -209,7 +209,7 @@ def test_compose_runs_are_closed_by_a_secret_every_worker_and_status_read():
     mounted = f"/run/secrets/{name}"  # where compose mounts a secret given by its name
     worker, status = services["worker"], services["status"]
     assert worker["secrets"] == [name] and option(worker["command"], "--secret-file") == [mounted]
-    assert status["secrets"] == [name] and f"status --secret-file {mounted} " in status["command"][0]
+    assert status["secrets"] == [name] and f"status --swarm.secret-file {mounted} " in status["command"][0]
     assert "secrets" not in services["bootstrap"]
     assert "--open-run" not in worker["command"]
     assert "*.secret" in (ROOT / ".gitignore").read_text().split()

@@ -92,5 +92,5 @@ def test_a_missing_extra_is_one_line_before_any_work(tmp_path, capsys, monkeypat
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
     code = main(["train", *SMALL, "--run.dir", str(tmp_path / "r"), "--run.log-to", "wandb"])
     err = capsys.readouterr().err
-    assert code != 0 and "pip install 'opendiloco[wandb]'" in err and len(err.strip().splitlines()) == 1
+    assert code != 0 and "pip install 'opendiloco-swarm[wandb]'" in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "r" / "metrics.jsonl").exists()

@@ -25,6 +25,7 @@ from opendiloco.errors import SwarmError
 from . import reachability, relays
 from .dht_calls import DhtCalls
 from .dialing import dial_from_ephemeral_ports
+from .p2pd_binary import use_unpacked
 from .signing import Identity, SignedRecordValidator
 
 log = logging.getLogger(__name__)
@@ -196,6 +197,7 @@ class WorkerBoundDHT(hivemind.DHT):
     def run(self) -> None:
         self._calls.serve_answers()
         _keep_tasks_referenced()
+        use_unpacked()  # the daemon unpacked into this project's cache by setup, where it is there
         parent = self._parent_pid
 
         def watchdog():

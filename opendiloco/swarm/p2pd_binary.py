@@ -1,30 +1,40 @@
-"""The p2p daemon that hivemind's wheel ships, unpacked once at install.
+"""The p2p daemon that hivemind's wheel ships, unpacked once into this project's cache.
 
 hivemind 1.1.12 ships ``p2pd`` packed with UPX. Every daemon start (one per DHT node: each worker,
 each bootstrap, every ``opendiloco status`` and ``doctor``) first decompresses 28 MB of program
 into private memory: 0.25-0.3 s of CPU of the 0.9 s a start costs, and 28 MB no two daemons share.
-Unpacked, a start costs about 0.6 CPU-s and the program's pages are shared (``docs/benchmarks.md``).
+Unpacked, a start costs about 0.6 CPU-s and the program's pages are shared. One worker's one start
+hardly notices; a test suite that starts hundreds of daemons does.
+
+hivemind's installed files are never changed: ``python -m opendiloco.swarm.p2pd_binary`` (run by
+``scripts/setup.sh``) writes the unpacked program into this project's cache directory
+(``$OPENDILOCO_CACHE_DIR``, else ``$XDG_CACHE_HOME/opendiloco``, else ``~/.cache/opendiloco``), under
+a name taken from the hash that pip recorded for hivemind's daemon, so a copy made from another
+hivemind release is never used. :func:`use_unpacked` makes this process's daemon starts use that
+copy where it exists (``OPENDILOCO_UNPACKED_P2PD=0`` turns that off); anywhere else hivemind starts
+its own daemon as shipped.
 
 Debian 13 has no ``upx`` to unpack it with, so this does it from the running program: the packed
 daemon is started under ``ptrace`` and stopped at the first system call of Go's runtime
 (``arch_prctl``, setting up thread-local storage). By then UPX's stub has decompressed every
 segment and gone, and no Go code has written to them (what the runtime writes first lies in
 .bss, past the file's bytes). The original ELF header and program headers sit at the start of
-the first segment; each loadable segment is read from ``/proc/PID/mem`` and written back at its
-file offset. The result must answer ``-h`` exactly as the packed daemon does before it replaces
-it (atomically); the packed one is kept beside it as ``p2pd.upx`` (``--restore`` puts it back).
+the first segment; each loadable segment is read from ``/proc/PID/mem`` and written to its file
+offset. The result must answer ``-h`` exactly as the packed daemon does before it is kept.
 
 An optimisation, never a requirement: anywhere it cannot be done (another architecture, ptrace
-not allowed, a daemon packed some other way) the daemon is left as shipped, with a line saying why.
+not allowed, a daemon packed some other way) nothing is written, with a line saying why.
 """
 
 from __future__ import annotations
 
 import argparse
+import base64
+import contextlib
 import ctypes
+import hashlib
 import os
 import platform
-import shutil
 import signal
 import struct
 import subprocess
@@ -51,10 +61,73 @@ class UnpackError(Exception):
 
 
 def daemon_path() -> Path:
-    """Where hivemind starts its daemon from."""
+    """Where hivemind's wheel installed its daemon."""
     from importlib.resources import files
 
     return Path(str(files("hivemind.hivemind_cli").joinpath("p2pd")))
+
+
+def cache_dir() -> Path:
+    """This project's cache directory."""
+    if os.environ.get("OPENDILOCO_CACHE_DIR"):
+        return Path(os.environ["OPENDILOCO_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "opendiloco"
+
+
+def recorded_hash() -> str | None:
+    """The sha256 that pip recorded for hivemind's daemon (hex), or None where there is no record."""
+    from importlib import metadata
+
+    try:
+        files = metadata.distribution("hivemind").files or []
+    except metadata.PackageNotFoundError:
+        return None
+    for entry in files:
+        if entry.as_posix().endswith("hivemind_cli/p2pd") and entry.hash is not None and entry.hash.mode == "sha256":
+            return base64.urlsafe_b64decode(entry.hash.value + "=" * (-len(entry.hash.value) % 4)).hex()
+    return None
+
+
+def file_hash(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def cached_path() -> Path | None:
+    """Where the unpacked copy of hivemind's installed daemon is kept (whether or not it is there)."""
+    recorded = recorded_hash()
+    return None if recorded is None else cache_dir() / f"p2pd-{recorded[:16]}"
+
+
+_ORIGINAL_PATH = None
+
+
+def use_unpacked() -> Path | None:
+    """Makes the daemons this process (and its children) start run the cached unpacked copy, where
+    there is one; returns it, or None where hivemind's own daemon is started as shipped."""
+    global _ORIGINAL_PATH
+    if os.environ.get("OPENDILOCO_UNPACKED_P2PD", "1") == "0":
+        return None
+    copy = cached_path()
+    if copy is None or not os.access(copy, os.X_OK):
+        return None
+    import hivemind.hivemind_cli as cli
+    from hivemind.p2p import p2p_daemon
+
+    if _ORIGINAL_PATH is None:
+        _ORIGINAL_PATH = p2p_daemon.path
+
+    def resource_path(package, resource):  # hivemind asks for its daemon by package and name
+        if package is cli and resource == p2p_daemon.P2PD_FILENAME:
+            return contextlib.nullcontext(copy)
+        return _ORIGINAL_PATH(package, resource)
+
+    p2p_daemon.path = resource_path
+    return copy
 
 
 def is_packed(path: Path) -> bool:
@@ -157,14 +230,15 @@ def _usage(path: Path) -> tuple[int, str]:
     return proc.returncode, (proc.stdout + proc.stderr).replace(str(path), "p2pd")
 
 
-def unpack(path: Path) -> str:
-    """Replaces the packed daemon at ``path`` with its unpacked program; one line saying what it did.
-    Raises :class:`UnpackError` (``path`` unchanged) where that cannot be done."""
-    path = Path(path)
+def unpack(path: Path, dest: Path) -> str:
+    """Writes the unpacked program of the packed daemon at ``path`` to ``dest`` (``path`` is only read);
+    one line saying what it did. Raises :class:`UnpackError` (nothing written) where that cannot be done."""
+    path, dest = Path(path), Path(dest)
     if not is_packed(path):
-        return f"{path}: not packed, left as it is"
+        return f"{path}: not packed, nothing to unpack"
     image = unpacked_image(path)
-    fd, tmp = tempfile.mkstemp(prefix=".p2pd-", dir=path.parent)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".p2pd-", dir=dest.parent)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(image)
@@ -172,41 +246,59 @@ def unpack(path: Path) -> str:
         expected, got = _usage(path), _usage(Path(tmp))
         if got != expected or "Usage" not in expected[1]:
             raise UnpackError("the unpacked daemon does not answer -h as the packed one does")
-        backup = path.with_name(path.name + PACKED_SUFFIX)
-        backup.unlink(missing_ok=True)  # one kept from an earlier install of hivemind is not this one
-        try:
-            os.link(path, backup)
-        except OSError:
-            shutil.copy2(path, backup)
-        os.replace(tmp, path)
+        os.replace(tmp, dest)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
-    return f"{path}: unpacked ({os.path.getsize(backup) >> 20} MB packed -> {len(image) >> 20} MB); " \
-           f"the packed daemon is kept as {backup.name}"
+    return f"{path}: unpacked into {dest} ({os.path.getsize(path) >> 20} MB packed -> {len(image) >> 20} MB)"
 
 
-def restore(path: Path) -> str:
-    path = Path(path)
+def restore_installed(path: Path, recorded: str | None) -> str | None:
+    """Earlier versions of this project unpacked hivemind's daemon in place and kept the shipped one
+    beside it as ``p2pd.upx``: put it back where it is the file pip recorded."""
     backup = path.with_name(path.name + PACKED_SUFFIX)
-    if not backup.exists():
-        return f"{path}: no packed daemon kept beside it, left as it is"
+    if not backup.exists() or recorded is None or file_hash(backup) != recorded:
+        return None
     os.replace(backup, path)
-    return f"{path}: the packed daemon is back"
+    return f"{path}: hivemind's daemon is back as pip installed it"
+
+
+def install(dest: Path | None = None) -> list[str]:
+    """What setup runs: hivemind's daemon as pip installed it, and its unpacked copy in the cache."""
+    path, recorded = daemon_path(), recorded_hash()
+    lines = [line for line in [restore_installed(path, recorded)] if line]
+    dest = dest or cached_path()
+    if dest is None:
+        return lines + [f"{path}: pip has no record of it, left as it is"]
+    if recorded is not None and file_hash(path) != recorded:
+        return lines + [f"{path}: not the file pip recorded, so not unpacked"]
+    if dest.exists():
+        return lines + [f"{dest}: unpacked already"]
+    try:
+        return lines + [unpack(path, dest)]
+    except Exception as e:  # noqa: BLE001 - an optimisation: whatever stops it, the install goes on
+        return lines + [f"{path}: not unpacked ({e}); hivemind's daemon is used as shipped"]
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m opendiloco.swarm.p2pd_binary",
-                                     description="Unpack hivemind's UPX-packed p2p daemon once, so that each "
-                                                 "start costs less CPU and memory.")
-    parser.add_argument("--path", type=Path, default=None, help="the daemon (default: hivemind's)")
-    parser.add_argument("--restore", action="store_true", help="put the packed daemon back")
+                                     description="Unpack hivemind's UPX-packed p2p daemon once into this project's "
+                                                 "cache, so that each start costs less CPU and memory. hivemind's "
+                                                 "own files are left as pip installed them.")
+    parser.add_argument("--path", type=Path, default=None, help="unpack this packed daemon instead (needs --out)")
+    parser.add_argument("--out", type=Path, default=None, help="where the unpacked program goes "
+                                                               "(default: the cache, named for hivemind's daemon)")
     args = parser.parse_args(argv)
-    path = args.path or daemon_path()
-    try:
-        print(restore(path) if args.restore else unpack(path))
-    except Exception as e:  # noqa: BLE001 - an optimisation: whatever stops it, the install goes on
-        print(f"{path}: left packed ({e})")
+    if args.path is not None:
+        if args.out is None:
+            parser.error("--path needs --out")
+        try:
+            print(unpack(args.path, args.out))
+        except Exception as e:  # noqa: BLE001 - one line, never a traceback
+            print(f"{args.path}: not unpacked ({e})")
+        return 0
+    for line in install(args.out):
+        print(line)
     return 0
 
 

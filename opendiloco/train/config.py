@@ -88,7 +88,7 @@ class RunConfig(Section):
     log_every: int = Field(10, ge=1)
     """Inner steps between ``train`` records in metrics.jsonl."""
     log_to: list[Literal["wandb", "tensorboard"]] = []
-    """Also log the metrics to Weights & Biases and/or TensorBoard (extras: opendiloco[wandb], [tensorboard])."""
+    """Also log the metrics to Weights & Biases and/or TensorBoard (extras: opendiloco-swarm[wandb], [tensorboard])."""
     wandb_project: str = "opendiloco"
     wandb_mode: Literal["online", "offline"] = "offline"
     """offline writes the run under the run dir (``wandb sync`` uploads it later); online needs a login."""
@@ -133,7 +133,7 @@ class DataConfig(Section):
     paths: list[str] = []
     """For source=files: .txt files (documents split at blank lines) or .jsonl files (a ``text`` field)."""
     dataset: str | None = None
-    """For source=hf: the dataset name, streamed (needs ``pip install opendiloco[data]``)."""
+    """For source=hf: the dataset name, streamed (needs ``pip install 'opendiloco-swarm[data]'``)."""
     dataset_config: str | None = None
     split: str = "train"
     eval_split: str | None = None

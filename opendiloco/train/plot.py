@@ -22,8 +22,9 @@ def load_curves(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
 
 
 def plot_runs(run_dirs: list[Path], out: Path, title: str | None = None) -> Path:
-    import matplotlib
+    from ..extras import require
 
+    matplotlib = require("matplotlib", "plot", "opendiloco plot")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

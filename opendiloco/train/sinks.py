@@ -13,6 +13,8 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+from ..extras import install_hint
+
 log = logging.getLogger(__name__)
 
 SINKS = ("wandb", "tensorboard")
@@ -107,7 +109,7 @@ def missing_package(names) -> str | None:
     for name in names:
         if importlib.util.find_spec(packages[name]) is None:
             return f"run.log_to includes {name!r}, but {packages[name]} is not installed: " \
-                   f"pip install 'opendiloco[{name}]'"
+                   f"install the extra {name!r} ({install_hint(name)})"
     return None
 
 

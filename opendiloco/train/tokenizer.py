@@ -24,10 +24,11 @@ class HFTokenizer:
     """A ``transformers.AutoTokenizer`` (from the local cache or the Hub) behind the same interface."""
 
     def __init__(self, name: str):
-        from transformers import AutoTokenizer
+        from ..extras import require
 
+        transformers = require("transformers", "hf", f"data.tokenizer = {name!r}")
         try:
-            self.tok = AutoTokenizer.from_pretrained(name)
+            self.tok = transformers.AutoTokenizer.from_pretrained(name)
         except OSError as e:
             raise RuntimeError(f"could not load tokenizer {name!r} (data.tokenizer): {e}") from None
         if self.tok.eos_token_id is None:

@@ -105,7 +105,7 @@ def test_local_swarm_sh_makes_a_run_secret_and_starts_a_closed_run(swarm, tmp_pa
     assert stat.S_IMODE(secret.stat().st_mode) == 0o600
     assert re.fullmatch(r"[0-9a-f]{64}\n", secret.read_text())
     said = swarm.log("local_swarm", tail=10**6)
-    assert f"run secret: {secret} (a closed run" in said and f"status --secret-file {secret} " in said, said
+    assert f"run secret: {secret} (a closed run" in said and f"status --swarm.secret-file {secret} " in said, said
     worker = (run_dir / "logs" / "worker-0.log").read_text()
     assert "is closed" in worker and "is open" not in worker.lower(), worker
     end = json.loads((run_dir / "worker-0" / "metrics.jsonl").read_text().splitlines()[-1])
