@@ -23,6 +23,7 @@ from opendiloco import Communicator, DiLoCoOptimizer
 from opendiloco.comm import LocalRanks, SingleWorker
 from opendiloco.errors import Interrupted, LocalRankFailure, SwarmError
 from opendiloco.inner import inner_optimizer
+from opendiloco.streaming import block_fragments
 
 from .allocator import release_freed_tensors
 from .checkpoint import CheckpointError, CheckpointManager, atomic_write
@@ -30,6 +31,7 @@ from .checkpoint_format import CheckpointMismatch, check_model_fits, load_checkp
 from .config import Config, config_fingerprint, to_toml
 from .data import PackedStream, eval_batches, make_corpus
 from .device import place
+from .hf_model import ModelError
 from .metrics import MetricsWriter
 from .model import PersistentBuffers, build_model, count_parameters
 from .prometheus import PrometheusSink, start_exporter
@@ -249,7 +251,11 @@ class Trainer:
         self.stream = PackedStream(corpus, self.tokenizer, cfg.data.seq_len, lanes=cfg.train.batch_size)
         self.eval_set = eval_batches(corpus, self.tokenizer, cfg.data.seq_len, cfg.train.batch_size,
                                      cfg.train.eval_batches)
-        self.model = build_model(cfg.model, self.tokenizer.vocab_size, cfg.data.seq_len).to(self.device)
+        try:
+            self.model = build_model(cfg.model, self.tokenizer.vocab_size, cfg.data.seq_len,
+                                     self.tokenizer).to(self.device)
+        except ModelError as e:
+            raise TrainError(str(e)) from None
         # DDP (several processes) starts every rank from rank 0's weights; the optimizer is built after.
         self.ddp = self.ranks.wrap(self.model, self.device)
         self.forward = torch.compile(self.ddp) if cfg.train.compile else self.ddp
@@ -274,7 +280,7 @@ class Trainer:
             module=PersistentBuffers(self.model),
             weight_by_samples=cfg.swarm.weight_by_samples,
             pace=o.pace,
-            fragments=o.fragments,
+            fragments=block_fragments(self.model, o.fragments),
             overlap=o.overlap,
             mix=o.mix,
             error_feedback=cfg.swarm.uses_error_feedback,

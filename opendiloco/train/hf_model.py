@@ -1,0 +1,141 @@
+"""A ``transformers`` causal LM as the trained model (``[model] arch = "hf"``), and the Hugging Face
+config of the built-in Llama (for ``opendiloco export``).
+
+Three ways to name one, all offline (nothing is downloaded):
+
+- ``pretrained``: a local directory of a pretrained model; its weights are loaded;
+- ``config_path``: a local ``config.json`` (or its directory): that architecture, new weights;
+- ``model_type``: a ``transformers`` model type with its default config: new weights.
+
+``options`` replace settings of the config (a setting the config does not have is refused: a typo
+would otherwise be kept as a new attribute and ignored). New weights are drawn from
+``[model] init_seed``, so every worker of a swarm starts from the same ones.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from .config import ModelConfig
+
+log = logging.getLogger(__name__)
+
+
+class ModelError(ValueError):
+    """A model that cannot be built from the config; ``str()`` is one line naming the key."""
+
+
+def _transformers():
+    try:
+        import transformers
+    except ImportError:  # pragma: no cover - a dependency; the message is for a broken install
+        raise ModelError("[model] arch = \"hf\" needs transformers: pip install 'opendiloco[hf]'") from None
+    transformers.logging.set_verbosity_error()  # its config warnings would repeat ours, less clearly
+    return transformers
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return (text[0][:300] if text else "") or type(e).__name__
+
+
+def _local_dir(path: str, key: str, *, file_ok: bool = False) -> Path:
+    p = Path(path).expanduser()
+    if file_ok and p.is_file():
+        return p
+    if not p.is_dir():
+        raise ModelError(f"model.{key}: {path} is not a directory{' or a file' if file_ok else ''}")
+    if not (p / "config.json").is_file():
+        raise ModelError(f"model.{key}: {path} holds no config.json (a Hugging Face model directory has one)")
+    return p
+
+
+def hf_config(cfg: ModelConfig, *, vocab_size: int | None = None, seq_len: int | None = None,
+              special_ids: dict[str, int | None] | None = None):
+    """The ``transformers`` config ``cfg`` names, with its ``options`` applied; raises ``ModelError``.
+
+    ``vocab_size``, ``special_ids`` (the tokenizer's): a config by ``model_type`` takes them unless
+    ``options`` sets them; every config is checked to hold the tokenizer's ids and ``seq_len`` positions.
+    """
+    transformers = _transformers()
+    try:
+        if cfg.pretrained is not None:
+            config = transformers.AutoConfig.from_pretrained(_local_dir(cfg.pretrained, "pretrained"),
+                                                             local_files_only=True)
+        elif cfg.config_path is not None:
+            path = _local_dir(cfg.config_path, "config_path", file_ok=True)
+            config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
+        else:
+            config = transformers.AutoConfig.for_model(cfg.model_type)
+            if vocab_size is not None and "vocab_size" not in cfg.options:
+                from .model import padded_vocab
+
+                config.vocab_size = padded_vocab(vocab_size)
+            for name, value in (special_ids or {}).items():
+                if name not in cfg.options:
+                    setattr(config, name, value)
+    except ModelError:
+        raise
+    except (OSError, ValueError, KeyError) as e:
+        key = "pretrained" if cfg.pretrained else "config_path" if cfg.config_path else "model_type"
+        value = getattr(cfg, key)
+        if key == "model_type" and isinstance(e, (ValueError, KeyError)):
+            raise ModelError(f"model.model_type: {value!r} is not a model type transformers "
+                             f"{transformers.__version__} knows (e.g. llama, gpt2, qwen3, mixtral)") from None
+        raise ModelError(f"model.{key}: cannot read a config from {value}: {_first_line(e)}") from None
+    known = config.to_dict()
+    for name, value in cfg.options.items():
+        if name not in known and not hasattr(config, name):
+            near = [k for k in known if k.split("_")[0] == name.split("_")[0]][:4]
+            hint = f" (it has {', '.join(near)})" if near else ""
+            raise ModelError(f"model.options.{name}: {config.model_type}'s config has no such setting{hint}")
+        setattr(config, name, value)
+    config.use_cache = False  # training: no key-value cache (export turns it back on)
+    _check_fits(config, vocab_size, seq_len)
+    return config
+
+
+def _check_fits(config, vocab_size: int | None, seq_len: int | None) -> None:
+    have = getattr(config, "vocab_size", None)
+    if vocab_size is not None and isinstance(have, int) and have < vocab_size:
+        raise ModelError(f"model: the model's vocab_size {have} is smaller than the tokenizer's {vocab_size} "
+                         "(data.tokenizer; or set model.options.vocab_size)")
+    positions = getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None)
+    if seq_len is not None and isinstance(positions, int) and positions < seq_len:
+        raise ModelError(f"model: the model takes at most {positions} positions, data.seq_len is {seq_len}")
+
+
+def build_hf_model(cfg: ModelConfig, *, vocab_size: int, seq_len: int,
+                   special_ids: dict[str, int | None] | None = None) -> torch.nn.Module:
+    """The model in fp32 and training mode: the pretrained weights, or new ones drawn from ``cfg.init_seed``."""
+    transformers = _transformers()
+    config = hf_config(cfg, vocab_size=vocab_size, seq_len=seq_len, special_ids=special_ids)
+    try:
+        if cfg.pretrained is not None:
+            model = transformers.AutoModelForCausalLM.from_pretrained(
+                cfg.pretrained, config=config, local_files_only=True, dtype=torch.float32)
+        else:
+            rng_state = torch.random.get_rng_state()
+            torch.manual_seed(cfg.init_seed)
+            try:
+                model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+            finally:
+                torch.random.set_rng_state(rng_state)
+    except (OSError, ValueError, KeyError, ImportError) as e:
+        raise ModelError(f"model: cannot build a causal LM of type {config.model_type!r}: {_first_line(e)}") from None
+    return model.float().train()
+
+
+def llama_hf_config(cfg: ModelConfig, *, vocab_size: int, seq_len: int, special_ids: dict[str, int | None]):
+    """The ``transformers.LlamaConfig`` of the built-in Llama of ``cfg`` (its parameter names are
+    ``LlamaForCausalLM``'s: a state dict moves between the two as it is)."""
+    transformers = _transformers()
+    return transformers.LlamaConfig(
+        vocab_size=vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads or cfg.num_heads, max_position_embeddings=seq_len,
+        rms_norm_eps=cfg.rms_norm_eps, rope_theta=cfg.rope_theta, initializer_range=cfg.init_std,
+        tie_word_embeddings=cfg.tie_embeddings, **special_ids)
