@@ -14,6 +14,7 @@ would otherwise be kept as a new attribute and ignored). New weights are drawn f
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 
@@ -53,6 +54,17 @@ def _local_dir(path: str, key: str, *, file_ok: bool = False) -> Path:
     return p
 
 
+def _read_json(path: Path, key: str) -> dict:
+    file = path if path.is_file() else path / "config.json"
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ModelError(f"model.{key}: cannot read {file}: {_first_line(e)}") from None
+    if not isinstance(data, dict) or not isinstance(data.get("model_type"), str):
+        raise ModelError(f"model.{key}: {file} names no model_type (not a transformers config)")
+    return data
+
+
 def hf_config(cfg: ModelConfig, *, vocab_size: int | None = None, seq_len: int | None = None,
               special_ids: dict[str, int | None] | None = None):
     """The ``transformers`` config ``cfg`` names, with its ``options`` applied; raises ``ModelError``.
@@ -61,39 +73,36 @@ def hf_config(cfg: ModelConfig, *, vocab_size: int | None = None, seq_len: int |
     ``options`` sets them; every config is checked to hold the tokenizer's ids and ``seq_len`` positions.
     """
     transformers = _transformers()
+    if cfg.pretrained is not None:
+        key, base = "pretrained", _read_json(_local_dir(cfg.pretrained, "pretrained"), "pretrained")
+    elif cfg.config_path is not None:
+        key, base = "config_path", _read_json(_local_dir(cfg.config_path, "config_path", file_ok=True), "config_path")
+    else:
+        key, base = "model_type", {"model_type": cfg.model_type}
+    model_type = base["model_type"]
     try:
-        if cfg.pretrained is not None:
-            config = transformers.AutoConfig.from_pretrained(_local_dir(cfg.pretrained, "pretrained"),
-                                                             local_files_only=True)
-        elif cfg.config_path is not None:
-            path = _local_dir(cfg.config_path, "config_path", file_ok=True)
-            config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
-        else:
-            config = transformers.AutoConfig.for_model(cfg.model_type)
-            if vocab_size is not None and "vocab_size" not in cfg.options:
-                from .model import padded_vocab
-
-                config.vocab_size = padded_vocab(vocab_size)
-            for name, value in (special_ids or {}).items():
-                if name not in cfg.options:
-                    setattr(config, name, value)
-    except ModelError:
-        raise
-    except (OSError, ValueError, KeyError) as e:
-        key = "pretrained" if cfg.pretrained else "config_path" if cfg.config_path else "model_type"
-        value = getattr(cfg, key)
-        if key == "model_type" and isinstance(e, (ValueError, KeyError)):
-            raise ModelError(f"model.model_type: {value!r} is not a model type transformers "
-                             f"{transformers.__version__} knows (e.g. llama, gpt2, qwen3, mixtral)") from None
-        raise ModelError(f"model.{key}: cannot read a config from {value}: {_first_line(e)}") from None
-    known = config.to_dict()
-    for name, value in cfg.options.items():
-        if name not in known and not hasattr(config, name):
-            near = [k for k in known if k.split("_")[0] == name.split("_")[0]][:4]
+        config_class = transformers.CONFIG_MAPPING[model_type]
+    except KeyError:
+        raise ModelError(f"model.{key}: {model_type!r} is not a model type transformers {transformers.__version__} "
+                         "knows (e.g. llama, gpt2, qwen3, mixtral)") from None
+    known = set(config_class().to_dict()) | set(base)
+    for name in cfg.options:
+        if name not in known:
+            near = sorted(k for k in known if k.split("_")[0] == name.split("_")[0])[:4]
             hint = f" (it has {', '.join(near)})" if near else ""
-            raise ModelError(f"model.options.{name}: {config.model_type}'s config has no such setting{hint}")
-        setattr(config, name, value)
-    config.use_cache = False  # training: no key-value cache (export turns it back on)
+            raise ModelError(f"model.options.{name}: {model_type}'s config has no such setting{hint}")
+    extra: dict = {}
+    if key == "model_type":  # a default config: the tokenizer's vocabulary and special tokens
+        from .model import padded_vocab
+
+        if vocab_size is not None:
+            extra["vocab_size"] = padded_vocab(vocab_size)
+        extra.update(special_ids or {})
+    try:
+        # One construction from all the settings: a config's own checks see them together.
+        config = config_class.from_dict({**base, **extra, **cfg.options, "use_cache": False})
+    except (ValueError, TypeError, KeyError) as e:
+        raise ModelError(f"model.{key}: not a valid {model_type} config: {_first_line(e)}") from None
     _check_fits(config, vocab_size, seq_len)
     return config
 
