@@ -20,7 +20,7 @@ import torch
 from .checkpoint import CheckpointManager
 from .config import Config, ConfigError, validate_config
 from .hf_model import ModelError, hf_config, llama_hf_config
-from .model import special_ids
+from .model import seeded, special_ids
 from .tokenizer import ByteTokenizer
 
 
@@ -105,11 +105,8 @@ def build_for_export(ckpt: dict, path: Path):
                 raise ExportError(f"cannot load the run's tokenizer {cfg.data.tokenizer!r} to rebuild its model")
             config = hf_config(cfg.model, vocab_size=tok.vocab_size, special_ids=ids)
         config.use_cache = True  # trained without the cache; generation wants it
-        torch_rng = torch.random.get_rng_state()
-        try:
+        with seeded(0):  # weights replaced below; the caller's generator left as it was
             model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        finally:
-            torch.random.set_rng_state(torch_rng)
     except (ModelError, ValueError, KeyError) as e:
         raise ExportError(f"checkpoint {path}: cannot build its model: {e}") from None
     names = ckpt.get("global_names") or [n for n, p in model.named_parameters() if p.requires_grad]

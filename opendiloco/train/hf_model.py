@@ -14,6 +14,7 @@ would otherwise be kept as a new attribute and ignored). New weights are drawn f
 
 from __future__ import annotations
 
+import difflib
 import json
 import logging
 from pathlib import Path
@@ -88,8 +89,8 @@ def hf_config(cfg: ModelConfig, *, vocab_size: int | None = None, seq_len: int |
     known = set(config_class().to_dict()) | set(base)
     for name in cfg.options:
         if name not in known:
-            near = sorted(k for k in known if k.split("_")[0] == name.split("_")[0])[:4]
-            hint = f" (it has {', '.join(near)})" if near else ""
+            near = difflib.get_close_matches(name, sorted(known), n=3)
+            hint = f" (did you mean {' or '.join(near)}?)" if near else ""
             raise ModelError(f"model.options.{name}: {model_type}'s config has no such setting{hint}")
     extra: dict = {}
     if key == "model_type":  # a default config: the tokenizer's vocabulary and special tokens
@@ -127,12 +128,10 @@ def build_hf_model(cfg: ModelConfig, *, vocab_size: int, seq_len: int,
             model = transformers.AutoModelForCausalLM.from_pretrained(
                 cfg.pretrained, config=config, local_files_only=True, dtype=torch.float32)
         else:
-            rng_state = torch.random.get_rng_state()
-            torch.manual_seed(cfg.init_seed)
-            try:
+            from .model import seeded
+
+            with seeded(cfg.init_seed):
                 model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-            finally:
-                torch.random.set_rng_state(rng_state)
     except (OSError, ValueError, KeyError, ImportError) as e:
         raise ModelError(f"model: cannot build a causal LM of type {config.model_type!r}: {_first_line(e)}") from None
     return model.float().train()

@@ -4,6 +4,9 @@ downloaded."""
 
 from __future__ import annotations
 
+import contextlib
+import threading
+
 import torch
 
 from .config import ModelConfig
@@ -42,13 +45,25 @@ def build_model(cfg: ModelConfig, vocab_size: int, max_seq_len: int, tokenizer=N
         init_std=cfg.init_std,
         tie_embeddings=cfg.tie_embeddings,
     )
-    rng_state = torch.random.get_rng_state()
-    torch.manual_seed(cfg.init_seed)
-    try:
+    with seeded(cfg.init_seed):
         model = LlamaForCausalLM(spec)
-    finally:
-        torch.random.set_rng_state(rng_state)
     return model.float()
+
+
+_SEEDED = threading.Lock()
+
+
+@contextlib.contextmanager
+def seeded(seed: int):
+    """torch's generator seeded with ``seed`` for the block, then put back as it was. One block at a
+    time in a process: two models drawn at once (workers in threads) would interleave their draws."""
+    with _SEEDED:
+        rng_state = torch.random.get_rng_state()
+        torch.manual_seed(seed)
+        try:
+            yield
+        finally:
+            torch.random.set_rng_state(rng_state)
 
 
 def count_parameters(model: torch.nn.Module) -> int:
