@@ -6,6 +6,7 @@ cut at block boundaries, eval, metrics, a joiner, and a bit-exact resume."""
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -163,6 +164,12 @@ def test_a_config_dir_gives_its_architecture(tmp_path):
     model = build_model(_model_cfg("--model.config-path", str(tmp_path), "--model.options.n_layer", "1"), 259, 32)
     assert type(model).__name__ == "GPT2LMHeadModel" and len(model.transformer.h) == 1
     assert model.get_input_embeddings().weight.shape == (300, 32)  # its own vocabulary
+
+
+def test_the_example_config_builds_its_gpt2():
+    cfg = load_config(Path(__file__).resolve().parents[1] / "configs" / "tiny-hf.toml")
+    model = build_model(cfg.model, 259, cfg.data.seq_len)
+    assert type(model).__name__ == "GPT2LMHeadModel" and len(find_blocks(model)) == 4
 
 
 def test_config_refusals_name_the_key():

@@ -106,7 +106,7 @@ def build_for_export(ckpt: dict, path: Path):
             config = hf_config(cfg.model, vocab_size=tok.vocab_size, special_ids=ids)
         config.use_cache = True  # trained without the cache; generation wants it
         with seeded(0):  # weights replaced below; the caller's generator left as it was
-            model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+            model = transformers.AutoModelForCausalLM.from_config(config)
     except (ModelError, ValueError, KeyError) as e:
         raise ExportError(f"checkpoint {path}: cannot build its model: {e}") from None
     names = ckpt.get("global_names") or [n for n, p in model.named_parameters() if p.requires_grad]
@@ -138,6 +138,9 @@ def export(source: Path, out: Path, *, overwrite: bool = False) -> dict:
     # Written beside the target, then moved into place: a failed export leaves no half directory.
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
     try:
+        import transformers
+
+        transformers.utils.logging.disable_progress_bar()  # one small file: no bar
         model.save_pretrained(tmp)
         tokenizer = None
         if tok is not None and hasattr(tok, "tok"):  # a Hugging Face tokenizer

@@ -126,12 +126,12 @@ def build_hf_model(cfg: ModelConfig, *, vocab_size: int, seq_len: int,
     try:
         if cfg.pretrained is not None:
             model = transformers.AutoModelForCausalLM.from_pretrained(
-                cfg.pretrained, config=config, local_files_only=True, dtype=torch.float32)
+                cfg.pretrained, config=config, local_files_only=True)
         else:
             from .model import seeded
 
             with seeded(cfg.init_seed):
-                model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+                model = transformers.AutoModelForCausalLM.from_config(config)
     except (OSError, ValueError, KeyError, ImportError) as e:
         raise ModelError(f"model: cannot build a causal LM of type {config.model_type!r}: {_first_line(e)}") from None
     return model.float().train()
