@@ -163,10 +163,14 @@ _LLAMA_KEYS = {"hidden_size", "num_layers", "num_heads", "num_kv_heads", "interm
 
 
 class DataConfig(Section):
-    source: Literal["stdlib", "files", "hf"] = "stdlib"
-    """stdlib: Python's own standard library sources (offline); files: local .txt/.jsonl; hf: a HF dataset."""
+    source: Literal["stdlib", "files", "hf", "tokens"] = "stdlib"
+    """stdlib: Python's own standard library sources (offline); files: local .txt/.jsonl; hf: a HF dataset;
+    tokens: pre-tokenised token shards (.bin uint16 as nanoGPT writes them, or .npy)."""
     paths: list[str] = []
-    """For source=files: .txt files (documents split at blank lines) or .jsonl files (a ``text`` field)."""
+    """For source=files: .txt files (documents split at blank lines) or .jsonl files (a ``text`` field).
+    For source=tokens: the token shards, read one after another."""
+    eval_paths: list[str] = []
+    """For source=tokens: shards to evaluate on; when unset, rows are held out by a fixed seed."""
     dataset: str | None = None
     """For source=hf: the dataset name, streamed (needs ``pip install opendiloco[data]``)."""
     dataset_config: str | None = None
@@ -186,22 +190,22 @@ class DataConfig(Section):
     """Explicit disjoint sharding: this worker reads every world_size-th document from rank."""
     seed: int = Field(0, ge=0)
 
-    @field_validator("paths")
-    @classmethod
-    def _paths(cls, v):
-        for p in v:
-            if not p.endswith((".txt", ".jsonl")):
-                raise ValueError(f"{p!r}: expected a .txt or .jsonl file")
-        return v
-
     @model_validator(mode="after")
     def _check(self):
+        kinds = (".bin", ".npy") if self.source == "tokens" else (".txt", ".jsonl")
+        for key in ("paths", "eval_paths"):
+            for p in getattr(self, key):
+                if not p.endswith(kinds):
+                    raise ValueError(f"{key}: {p!r}: expected a {' or '.join(kinds)} file"
+                                     + (" (token shards)" if self.source == "tokens" else ""))
+        if self.eval_paths and self.source != "tokens":
+            raise ValueError("eval_paths: for source 'tokens' (other sources: eval_fraction, eval_split)")
         if (self.rank is None) != (self.world_size is None):
             raise ValueError("rank and world_size must be given together")
         if self.rank is not None and self.rank >= self.world_size:
             raise ValueError(f"rank {self.rank} must be < world_size {self.world_size}")
-        if self.source == "files" and not self.paths:
-            raise ValueError("source 'files' needs data.paths")
+        if self.source in ("files", "tokens") and not self.paths:
+            raise ValueError(f"source '{self.source}' needs data.paths")
         if self.source == "hf" and not self.dataset:
             raise ValueError("source 'hf' needs data.dataset")
         return self

@@ -203,6 +203,23 @@ class HFCorpus(Corpus):
         return (t for t in self._texts(self._stream(self.cfg.split)) if is_held_out(t, self.cfg.eval_fraction))
 
 
+def make_streams(cfg: DataConfig, tokenizer, *, order_key: str, batch_size: int, eval_count: int):
+    """The training stream (``next_batch``, ``skip``, ``state_dict``, ``load_state_dict``) and the fixed
+    held-out batches of ``cfg``'s source."""
+    if cfg.source == "tokens":
+        from .token_shards import TokenShards, TokenStream
+
+        seed = stable_int(f"rank-order:{cfg.seed}:{cfg.rank}") if cfg.rank is not None else stable_int(
+            f"order:{order_key}")
+        shards = TokenShards(cfg.paths, cfg.seq_len, vocab_size=tokenizer.vocab_size, order_seed=seed,
+                             eval_paths=cfg.eval_paths, eval_fraction=cfg.eval_fraction, rank=cfg.rank,
+                             world_size=cfg.world_size)
+        return TokenStream(shards), shards.eval_batches(batch_size, eval_count)
+    corpus = make_corpus(cfg, order_key=order_key)
+    stream = PackedStream(corpus, tokenizer, cfg.seq_len, lanes=batch_size)
+    return stream, eval_batches(corpus, tokenizer, cfg.seq_len, batch_size, eval_count)
+
+
 def make_corpus(cfg: DataConfig, order_key: str) -> Corpus:
     if cfg.source == "hf":
         return HFCorpus(cfg, order_key)

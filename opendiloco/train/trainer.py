@@ -29,7 +29,7 @@ from .allocator import release_freed_tensors
 from .checkpoint import CheckpointError, CheckpointManager, atomic_write
 from .checkpoint_format import CheckpointMismatch, check_model_fits, load_checkpoint, make_checkpoint
 from .config import Config, config_fingerprint, to_toml
-from .data import PackedStream, eval_batches, make_corpus
+from .data import make_streams
 from .device import place
 from .hf_model import ModelError
 from .metrics import MetricsWriter
@@ -245,12 +245,11 @@ class Trainer:
         random.seed(cfg.train.seed)
         try:
             self.tokenizer = make_tokenizer(cfg.data.tokenizer)
-            corpus = make_corpus(cfg.data, order_key=cfg.shard_key)
+            self.stream, self.eval_set = make_streams(cfg.data, self.tokenizer, order_key=cfg.shard_key,
+                                                      batch_size=cfg.train.batch_size,
+                                                      eval_count=cfg.train.eval_batches)
         except (RuntimeError, OSError, ValueError) as e:  # missing files, bad lines, no datasets package...
             raise TrainError(f"data: {e}") from e
-        self.stream = PackedStream(corpus, self.tokenizer, cfg.data.seq_len, lanes=cfg.train.batch_size)
-        self.eval_set = eval_batches(corpus, self.tokenizer, cfg.data.seq_len, cfg.train.batch_size,
-                                     cfg.train.eval_batches)
         try:
             self.model = build_model(cfg.model, self.tokenizer.vocab_size, cfg.data.seq_len,
                                      self.tokenizer).to(self.device)
