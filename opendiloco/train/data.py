@@ -9,7 +9,9 @@ The held-out eval documents are chosen by a hash of each document's identity (a 
 relative path, or the text itself): the same split on every worker, with no list to ship.
 
 The reading position is a few integers (epoch, next document, and for each lane of
-``PackedStream`` its document and token offset), so a checkpoint restores it exactly.
+``PackedStream`` its document and token offset), so a checkpoint restores it exactly. A streamed
+Hugging Face dataset adds a bookmark per document (``HFCorpus``): the dataset's own state, so that
+resuming reads one block of documents again rather than all those before.
 """
 
 from __future__ import annotations
@@ -46,8 +48,13 @@ class Corpus(ABC):
     """Documents to train on, in an order that depends on the worker, and documents to evaluate on."""
 
     @abstractmethod
-    def documents(self, epoch: int, start: int = 0) -> Iterator[str]:
-        """This worker's training documents for ``epoch``, from the ``start``-th on."""
+    def documents(self, epoch: int, start: int = 0, bookmark: str | None = None) -> Iterator[str]:
+        """This worker's training documents for ``epoch``, from the ``start``-th on (found from
+        ``bookmark``, where the source gives them, instead of by reading the ones before)."""
+
+    def fetch_at(self, epoch: int, bookmark: str) -> str:
+        """The training document a bookmark points at (sources with bookmarks only)."""
+        raise NotImplementedError
 
     @abstractmethod
     def eval_documents(self) -> Iterator[str]:
@@ -90,7 +97,7 @@ class ListCorpus(Corpus):
     def order(self, epoch: int) -> np.ndarray:
         return np.random.default_rng([self.order_seed, epoch]).permutation(self.indices)
 
-    def documents(self, epoch, start=0):
+    def documents(self, epoch, start=0, bookmark=None):
         for i in self.order(epoch)[start:]:
             yield self.train[int(i)]()
 
@@ -159,8 +166,19 @@ def _const(text: str) -> Callable[[], str]:
     return lambda: text
 
 
+SHUFFLE_BLOCK = 1000
+"""A streamed dataset is shuffled in blocks of this many documents (and by the order of its files)."""
+
+
 class HFCorpus(Corpus):
-    """A Hugging Face dataset, streamed: nothing is downloaded ahead of time."""
+    """A Hugging Face dataset, streamed: nothing is downloaded ahead of time.
+
+    The training documents of an epoch are the dataset's shards (its files) in an order drawn from
+    the worker's key and the epoch, each read in blocks of ``SHUFFLE_BLOCK`` documents that are
+    shuffled by the same seed. A document's *bookmark* (plain text, saved with a checkpoint) is the
+    dataset's own ``state_dict()`` at the start of its block, with the shard's place in the order and
+    the document's place in the block: a resumed stream reads one block again, not everything before.
+    """
 
     def __init__(self, cfg: DataConfig, order_key: str):
         try:
@@ -172,6 +190,7 @@ class HFCorpus(Corpus):
         self.cfg = cfg
         self.seed = stable_int(f"rank-order:{cfg.seed}") if cfg.rank is not None else stable_int(f"order:{order_key}")
         self.seed %= 2**32
+        self._train = None
 
     def _stream(self, split: str):
         return self.datasets.load_dataset(self.cfg.dataset, self.cfg.dataset_config, split=split, streaming=True)
@@ -183,24 +202,96 @@ class HFCorpus(Corpus):
                 raise KeyError(f"dataset {self.cfg.dataset!r} has no field {field!r} (data.text_field)")
             yield row[field]
 
-    def documents(self, epoch, start=0):
-        ds = self._stream(self.cfg.split)
-        if self.cfg.rank is not None:
-            from datasets.distributed import split_dataset_by_node
-
-            ds = split_dataset_by_node(ds, rank=self.cfg.rank, world_size=self.cfg.world_size)
-        # Shuffles the order of the dataset's files by the seed, then within a buffer.
-        ds = ds.shuffle(seed=self.seed, buffer_size=10_000)
-        ds.set_epoch(epoch)
+    def _train_texts(self, ds) -> Iterator[str]:
         texts = self._texts(ds)
         if self.cfg.eval_split is None:
             texts = (t for t in texts if not is_held_out(t, self.cfg.eval_fraction))
-        return itertools.islice(texts, start, None)
+        return texts
+
+    def shard_order(self, epoch: int) -> list[int]:
+        """The places of this worker's shards, in ``epoch``'s order (one stream with data.rank)."""
+        if self._train is None:
+            ds = self._stream(self.cfg.split)
+            if self.cfg.rank is not None:
+                from datasets.distributed import split_dataset_by_node
+
+                ds = split_dataset_by_node(ds, rank=self.cfg.rank, world_size=self.cfg.world_size)
+            self._train = ds
+        if self.cfg.rank is not None or self._train.num_shards <= 1:
+            return [-1]
+        return [int(i) for i in np.random.default_rng([self.seed, epoch]).permutation(self._train.num_shards)]
+
+    def shard(self, index: int):
+        """A fresh stream of one shard (``-1``: the whole stream)."""
+        return self._train if index < 0 else self._train.shard(num_shards=self._train.num_shards, index=index)
+
+    def documents(self, epoch, start=0, bookmark=None):
+        reader = _HFReader(self, epoch, bookmark)
+        if bookmark is None:
+            for _ in range(start):  # no bookmark (an older checkpoint): read up to the start
+                if next(reader, None) is None:
+                    break
+        return reader
+
+    def fetch_at(self, epoch, bookmark):
+        text = next(_HFReader(self, epoch, bookmark), None)
+        if text is None:
+            raise RuntimeError(f"dataset {self.cfg.dataset!r} has no document at a saved reading position "
+                               "(did the dataset change?)")
+        return text
 
     def eval_documents(self):
         if self.cfg.eval_split is not None:
             return self._texts(self._stream(self.cfg.eval_split))
         return (t for t in self._texts(self._stream(self.cfg.split)) if is_held_out(t, self.cfg.eval_fraction))
+
+
+class _HFReader:
+    """The training documents of one epoch of an ``HFCorpus``, from a bookmark on; ``last_bookmark`` is
+    the bookmark of the document last returned, ``bookmark()`` that of the next one."""
+
+    def __init__(self, corpus: HFCorpus, epoch: int, bookmark: str | None = None):
+        self.corpus, self.epoch = corpus, epoch
+        self.order = corpus.shard_order(epoch)
+        at = json.loads(bookmark) if bookmark else {"shard": 0, "state": None, "block": 0, "at": 0}
+        self.place, self.block_no = int(at["shard"]), int(at["block"])
+        self.last_bookmark: str | None = None
+        self._open(at["state"])
+        self._read_block()
+        self.at = min(int(at["at"]), len(self.block))
+
+    def _open(self, state: dict | None) -> None:
+        self.ds = self.corpus.shard(self.order[self.place]) if self.place < len(self.order) else None
+        if self.ds is not None and state is not None:
+            self.ds.load_state_dict(state)
+        self.texts = self.corpus._train_texts(self.ds) if self.ds is not None else iter(())
+
+    def _read_block(self) -> None:
+        """The current block: the next ``SHUFFLE_BLOCK`` documents of the shard, in a seeded order."""
+        self.state = self.ds.state_dict() if self.ds is not None else None
+        docs = list(itertools.islice(self.texts, SHUFFLE_BLOCK))
+        order = np.random.default_rng([self.corpus.seed, self.epoch, self.place, self.block_no]).permutation(len(docs))
+        self.block, self.at = [docs[i] for i in order], 0
+
+    def bookmark(self) -> str:
+        return json.dumps({"shard": self.place, "state": self.state, "block": self.block_no, "at": self.at})
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> str:
+        while self.at >= len(self.block):
+            if self.block:
+                self.block_no += 1
+            elif self.place < len(self.order):  # the shard is done: the next one
+                self.place, self.block_no = self.place + 1, 0
+                self._open(None)
+            else:
+                raise StopIteration
+            self._read_block()
+        self.last_bookmark = self.bookmark()
+        self.at += 1
+        return self.block[self.at - 1]
 
 
 def make_streams(cfg: DataConfig, tokenizer, *, order_key: str, batch_size: int, eval_count: int):
@@ -251,20 +342,29 @@ class PackedStream:
         self.epoch, self.next_doc, self.turn = 0, 0, 0
         self.lanes = [_Lane() for _ in range(lanes)]
         self._docs: Iterator[str] | None = None
+        self._next_bookmark: str | None = None
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "next_doc": self.next_doc, "turn": self.turn,
-                "lanes": [[lane.epoch, lane.doc, lane.pos] for lane in self.lanes]}
+        state = {"epoch": self.epoch, "next_doc": self.next_doc, "turn": self.turn,
+                 "lanes": [[lane.epoch, lane.doc, lane.pos] + ([lane.bookmark] if lane.bookmark else [])
+                           for lane in self.lanes]}
+        following = self._docs.bookmark() if hasattr(self._docs, "bookmark") else self._next_bookmark
+        if following is not None:  # a streamed source: where the next document starts
+            state["next_bookmark"] = following
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         if len(state["lanes"]) != len(self.lanes):
             raise ValueError(f"data position has {len(state['lanes'])} lanes, this stream {len(self.lanes)} "
                              "(train.batch_size changed?)")
         self.epoch, self.next_doc, self.turn = int(state["epoch"]), int(state["next_doc"]), int(state["turn"])
-        self._docs = None
-        self.lanes = [_Lane(int(e), int(d), int(p)) for e, d, p in state["lanes"]]
-        for epoch in {lane.epoch for lane in self.lanes if lane.doc >= 0}:
-            lanes = [lane for lane in self.lanes if lane.doc >= 0 and lane.epoch == epoch]
+        self._docs, self._next_bookmark = None, state.get("next_bookmark")
+        self.lanes = [_Lane(int(e), int(d), int(p), bookmark=b[0] if b else None) for e, d, p, *b in state["lanes"]]
+        for lane in self.lanes:  # a streamed source's documents, found from their bookmarks
+            if lane.doc >= 0 and lane.bookmark is not None:
+                lane.tokens = self._encode(self.corpus.fetch_at(lane.epoch, lane.bookmark))
+        for epoch in {lane.epoch for lane in self.lanes if lane.doc >= 0 and lane.tokens is None}:
+            lanes = [lane for lane in self.lanes if lane.doc >= 0 and lane.epoch == epoch and lane.tokens is None]
             texts = self.corpus.fetch(epoch, [lane.doc for lane in lanes])
             for lane in lanes:
                 lane.tokens = self._encode(texts[lane.doc])
@@ -276,10 +376,12 @@ class PackedStream:
         """Gives ``lane`` the next document of the order, opening the next epoch when one runs out."""
         for _ in range(2):
             if self._docs is None:
-                self._docs = self.corpus.documents(self.epoch, self.next_doc)
+                self._docs = self.corpus.documents(self.epoch, self.next_doc, bookmark=self._next_bookmark)
+                self._next_bookmark = None
             text = next(self._docs, None)
             if text is not None:
                 lane.epoch, lane.doc, lane.pos, lane.tokens = self.epoch, self.next_doc, 0, self._encode(text)
+                lane.bookmark = getattr(self._docs, "last_bookmark", None)
                 self.next_doc += 1
                 return
             if self.next_doc == 0:
@@ -320,6 +422,8 @@ class _Lane:
     """Index of this lane's document in the epoch's order; -1 before its first."""
     pos: int = 0
     tokens: np.ndarray | None = None
+    bookmark: str | None = None
+    """Where the lane's document starts in a streamed source (``Corpus.fetch_at``), or None."""
 
 
 def eval_batches(corpus: Corpus, tokenizer, seq_len: int, batch_size: int, count: int,
