@@ -97,6 +97,22 @@ def test_training_on_token_shards_resumes_bit_exactly(shards, tmp_path):
     assert second.eval_loss == whole.eval_loss
 
 
+def test_a_token_beyond_the_vocabulary_later_in_a_shard_stops_training_in_one_line(tmp_path, monkeypatch):
+    from opendiloco.train import token_shards
+
+    monkeypatch.setattr(token_shards, "CHECKED_TOKENS", 8)  # opening the shard checks its first 8 tokens only
+    tokens = np.ones(64 * SEQ, np.uint16)
+    tokens[5 * SEQ] = 300
+    tokens.tofile(tmp_path / "late.bin")
+    cfg = load_config(None, ["--data.source", "tokens", "--data.paths", str(tmp_path / "late.bin"), "--data.seq-len",
+                             str(SEQ), "--data.eval-fraction", "0", "--train.batch-size", "64", "--train.eval-batches",
+                             "0", "--run.dir", str(tmp_path / "run"), "--run.progress", "false",
+                             "--model.hidden-size", "32", "--model.num-layers", "1", "--model.num-heads", "4"])
+    with pytest.raises(TrainError, match="data: a token shard: token id 300 is beyond") as e:
+        train(cfg)
+    assert "\n" not in str(e.value)
+
+
 def test_bad_shards_are_one_line(tmp_path):
     (tmp_path / "odd.bin").write_bytes(b"\x01\x00\x02")
     np.save(tmp_path / "flat.npy", np.zeros((4, 4), np.int32))

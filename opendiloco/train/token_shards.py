@@ -132,7 +132,12 @@ class TokenStream:
     def next_batch(self, batch_size: int) -> torch.Tensor:
         rows = [self.shards.row(self._advance()) for _ in range(batch_size)]
         batch = np.stack(rows)
-        self.shards._check(batch, "a token shard")
+        try:
+            self.shards._check(batch, "a token shard")
+        except ValueError as e:  # mid-run: the trainer's error, one line for the user, not a traceback
+            from .trainer import TrainError
+
+            raise TrainError(f"data: {e}") from None
         return torch.from_numpy(batch)
 
     def skip(self, rows: int) -> None:
