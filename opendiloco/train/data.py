@@ -16,6 +16,7 @@ resuming reads one block of documents again rather than all those before.
 
 from __future__ import annotations
 
+import copy
 import functools
 import hashlib
 import itertools
@@ -222,8 +223,10 @@ class HFCorpus(Corpus):
         return [int(i) for i in np.random.default_rng([self.seed, epoch]).permutation(self._train.num_shards)]
 
     def shard(self, index: int):
-        """A fresh stream of one shard (``-1``: the whole stream)."""
-        return self._train if index < 0 else self._train.shard(num_shards=self._train.num_shards, index=index)
+        """A fresh stream of one shard (``-1``: the whole stream), with a reading state of its own."""
+        if index < 0:
+            return copy.deepcopy(self._train)  # several readers at once (the lanes' documents when resuming)
+        return self._train.shard(num_shards=self._train.num_shards, index=index)
 
     def documents(self, epoch, start=0, bookmark=None):
         reader = _HFReader(self, epoch, bookmark)
