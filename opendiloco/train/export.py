@@ -149,8 +149,10 @@ def export(source: Path, out: Path, *, overwrite: bool = False) -> dict:
         info = {"checkpoint": str(path), "inner_step": ckpt["optimizer"].get("inner_steps_total"),
                 "outer_step": ckpt["optimizer"].get("outer_step"), "tokenizer": tokenizer or cfg.data.tokenizer}
         (tmp / "opendiloco.json").write_text(json.dumps(info, indent=2) + "\n")
-        if out.exists():
+        if out.is_dir():
             shutil.rmtree(out)
+        elif out.exists():
+            out.unlink()
         tmp.rename(out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
