@@ -102,6 +102,36 @@ def test_a_checkpoint_exports_with_the_runs_tokenizer(tmp_path, monkeypatch):
     assert json.loads((tmp_path / "hf" / "opendiloco.json").read_text())["checkpoint"] == str(checkpoint)
 
 
+@pytest.mark.slow
+def test_a_model_fine_tuned_from_a_pretrained_directory_exports_with_its_tokenizer(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    pretrained = tmp_path / "pretrained"
+    _local_tokenizer(pretrained)
+    config = transformers.Qwen3Config(num_hidden_layers=2, hidden_size=32, num_attention_heads=2,
+                                      num_key_value_heads=1, intermediate_size=64, head_dim=16, vocab_size=300)
+    torch.manual_seed(1)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(pretrained)
+    trainer = _trained(tmp_path, "--model.pretrained", str(pretrained), "--data.tokenizer", str(pretrained))
+    assert main(["export", str(tmp_path / "run"), str(tmp_path / "hf")]) == 0
+    exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", local_files_only=True).eval()
+    assert type(exported).__name__ == "Qwen3ForCausalLM" and exported.config.num_hidden_layers == 2
+    ids = torch.randint(0, 300, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        theirs = exported(input_ids=ids).logits
+    _, glob = _theta_global_logits(trainer, ids)
+    assert (theirs - glob).abs().max().item() <= 1e-6
+    assert (tmp_path / "hf" / "tokenizer.json").is_file()
+
+
+def test_the_toml_examples_of_docs_models_md_are_valid_configs():
+    from opendiloco.train.config import tomllib, validate_config  # tomli on Python 3.10
+
+    blocks = re.findall(r"```toml\n(.*?)```", (ROOT / "docs" / "models.md").read_text(), re.S)
+    assert len(blocks) >= 3
+    for block in blocks:
+        assert validate_config(tomllib.loads(block)).model.arch == "hf"
+
+
 def _docs_snippet() -> str:
     text = (ROOT / "docs" / "models.md").read_text()
     blocks = re.findall(r"```python\n(.*?)```", text, re.S)
