@@ -192,6 +192,8 @@ class HFCorpus(Corpus):
         self.seed = stable_int(f"rank-order:{cfg.seed}") if cfg.rank is not None else stable_int(f"order:{order_key}")
         self.seed %= 2**32
         self._train = None
+        self.blocks: dict[str, tuple[list[str], dict]] = {}
+        """The last few blocks read (``_HFReader``), by epoch, shard, block and the state they start at."""
 
     def _stream(self, split: str):
         return self.datasets.load_dataset(self.cfg.dataset, self.cfg.dataset_config, split=split, streaming=True)
@@ -264,17 +266,34 @@ class _HFReader:
         self.at = min(int(at["at"]), len(self.block))
 
     def _open(self, state: dict | None) -> None:
-        self.ds = self.corpus.shard(self.order[self.place]) if self.place < len(self.order) else None
-        if self.ds is not None and state is not None:
-            self.ds.load_state_dict(state)
-        self.texts = self.corpus._train_texts(self.ds) if self.ds is not None else iter(())
+        """Reading goes on at ``state`` of the current shard (None: its start); the stream itself is opened
+        when a block is read from it."""
+        self.ds, self.texts, self.next_state = None, None, state
 
     def _read_block(self) -> None:
-        """The current block: the next ``SHUFFLE_BLOCK`` documents of the shard, in a seeded order."""
-        self.state = self.ds.state_dict() if self.ds is not None else None
+        """The current block: the next ``SHUFFLE_BLOCK`` documents of the shard, in a seeded order. Readers
+        resuming in the same block (the lanes' documents) read it once: the corpus keeps the last few."""
+        self.state, self.at = self.next_state, 0
+        if self.place >= len(self.order):
+            self.block = []
+            return
+        key = json.dumps([self.epoch, self.place, self.block_no, self.state])
+        known = self.corpus.blocks.get(key)
+        if known is not None:
+            self.block, self.next_state = known
+            self.ds = self.texts = None  # the stream, if read on, is opened again after the block
+            return
+        if self.texts is None:
+            self.ds = self.corpus.shard(self.order[self.place])
+            if self.state is not None:
+                self.ds.load_state_dict(self.state)
+            self.texts = self.corpus._train_texts(self.ds)
         docs = list(itertools.islice(self.texts, SHUFFLE_BLOCK))
         order = np.random.default_rng([self.corpus.seed, self.epoch, self.place, self.block_no]).permutation(len(docs))
-        self.block, self.at = [docs[i] for i in order], 0
+        self.block, self.next_state = [docs[i] for i in order], self.ds.state_dict()
+        self.corpus.blocks[key] = (self.block, self.next_state)
+        while len(self.corpus.blocks) > 4:
+            self.corpus.blocks.pop(next(iter(self.corpus.blocks)))
 
     def bookmark(self) -> str:
         return json.dumps({"shard": self.place, "state": self.state, "block": self.block_no, "at": self.at})
