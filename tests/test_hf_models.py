@@ -142,6 +142,14 @@ def test_a_pretrained_directory_is_loaded_offline_with_its_weights(tmp_path, mon
     mine, theirs = model.state_dict(), saved.state_dict()
     assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
 
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(tmp_path / "pretrained" / "model.safetensors")
+    del weights["model.layers.1.mlp.up_proj.weight"]
+    save_file(weights, tmp_path / "pretrained" / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ModelError, match=r"lacks 1 of the model's weights \(e.g. model.layers.1.mlp.up_proj.weight\)"):
+        build_model(_model_cfg("--model.pretrained", str(tmp_path / "pretrained")), 259, 32)
+
 
 @pytest.mark.parametrize("args,message", [
     (["--model.model-type", "no-such-model"], r"model.model_type: 'no-such-model' is not a model type"),

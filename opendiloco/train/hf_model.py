@@ -35,7 +35,6 @@ def _transformers():
         import transformers
     except ImportError:  # pragma: no cover - a dependency; the message is for a broken install
         raise ModelError("[model] arch = \"hf\" needs transformers: pip install 'opendiloco[hf]'") from None
-    transformers.logging.set_verbosity_error()  # its config warnings would repeat ours, less clearly
     return transformers
 
 
@@ -125,8 +124,12 @@ def build_hf_model(cfg: ModelConfig, *, vocab_size: int, seq_len: int,
     config = hf_config(cfg, vocab_size=vocab_size, seq_len=seq_len, special_ids=special_ids)
     try:
         if cfg.pretrained is not None:
-            model = transformers.AutoModelForCausalLM.from_pretrained(
-                cfg.pretrained, config=config, local_files_only=True)
+            model, loading = transformers.AutoModelForCausalLM.from_pretrained(
+                cfg.pretrained, config=config, local_files_only=True, output_loading_info=True)
+            missing = sorted(loading.get("missing_keys") or [])
+            if missing:  # transformers would draw them at random and only warn
+                raise ModelError(f"model.pretrained: {cfg.pretrained} lacks {len(missing)} of the model's weights "
+                                 f"(e.g. {missing[0]})")
         else:
             from .model import seeded
 
