@@ -262,6 +262,37 @@ def cmd_doctor(args, overrides: list[str]) -> int:
     return 1 if any(f.level == "fail" for f in findings) else 0
 
 
+def _add_export(sub) -> None:
+    p = sub.add_parser(
+        "export", help="write a run's θ_global as a Hugging Face model directory (config.json + safetensors)",
+        description="Writes θ_global of the newest intact checkpoint of RUN_DIR (or of the checkpoint file given) "
+                    "to OUT_DIR as a Hugging Face model: AutoModelForCausalLM.from_pretrained(OUT_DIR) loads it. "
+                    "The run's tokenizer is written beside it where it is a Hugging Face one (docs/models.md).")
+    p.add_argument("source", type=Path, metavar="RUN_DIR_OR_CHECKPOINT", help="a worker's run dir, or a .pt checkpoint")
+    p.add_argument("out", type=Path, metavar="OUT_DIR", help="directory to create (must not exist, or be empty)")
+    p.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it holds something")
+    p.set_defaults(func=cmd_export)
+
+
+def cmd_export(args) -> int:
+    from .train.export import ExportError, export
+
+    try:
+        done = export(args.source, args.out, overwrite=args.overwrite)
+    except ExportError as e:
+        print(f"opendiloco export: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:
+        where = f" ({e.filename})" if e.filename else ""
+        print(f"opendiloco export: {e.strerror or e}{where}", file=sys.stderr)
+        return 1
+    note = "" if done["tokenizer_written"] else \
+        f" (no Hugging Face tokenizer written: the run used {done['tokenizer']!r})"
+    print(f"wrote θ_global of {done['checkpoint']} (outer step {done['outer_step']}, inner step "
+          f"{done['inner_step']}) to {done['path']}{note}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="opendiloco", description="Decentralized DiLoCo training for PyTorch.")
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
@@ -272,6 +303,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_status(sub)
     _add_secret(sub)
     _add_doctor(sub)
+    _add_export(sub)
     return parser
 
 

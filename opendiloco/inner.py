@@ -2,8 +2,14 @@
 
 Muon (momentum, then a Newton-Schulz orthogonalisation of the update) is meant for the 2-D weights
 inside the network; embeddings, the output head, norms and biases keep AdamW, as torch documents
-for ``torch.optim.Muon``. Its update is scaled to AdamW's RMS (0.2·sqrt(max(rows, cols)), torch's
-``adjust_lr_fn="match_rms_adamw"``), so both halves share one learning rate and one schedule.
+for ``torch.optim.Muon``. Which is which is read from the modules and shapes, not from names, so it
+holds for any architecture: the embeddings are the ``nn.Embedding`` modules and
+``get_input_embeddings()`` (a GPT-2's position table too), the head is ``get_output_embeddings()``
+(with a tied head, the same tensor), every other 2-D weight is a hidden matrix (GPT-2's ``Conv1D``
+weights included), and a 3-D weight is a stack of them (a mixture of experts' fused
+``experts.gate_up_proj``: each expert's matrix is orthogonalised on its own). Its update is scaled
+to AdamW's RMS (0.2·sqrt(max(rows, cols)), torch's ``adjust_lr_fn="match_rms_adamw"``), so both
+halves share one learning rate and one schedule.
 
 ``Muon`` here is torch's algorithm with one change: the orthogonalisation runs in bf16 on CUDA, as
 torch's does, but in fp32 on CPU, where bf16 matrix products are emulated (measured 60x slower on a
@@ -51,8 +57,9 @@ def _evaluate(closure):
 
 
 class Muon(torch.optim.Optimizer):
-    """Muon on 2-D parameters: Nesterov momentum, orthogonalised, RMS-matched to AdamW, decoupled
-    weight decay. State per parameter: ``momentum_buffer``."""
+    """Muon on 2-D parameters (and 3-D ones: a stack of matrices, each orthogonalised on its own):
+    Nesterov momentum, orthogonalised, RMS-matched to AdamW, decoupled weight decay. State per
+    parameter: ``momentum_buffer``."""
 
     def __init__(self, params: Iterable[torch.Tensor], lr: float = 1e-3, weight_decay: float = 0.1,
                  momentum: float = 0.95, nesterov: bool = True, ns_steps: int = 5, eps: float = 1e-7,
@@ -61,8 +68,8 @@ class Muon(torch.optim.Optimizer):
                                       ns_steps=ns_steps, eps=eps))
         self.ortho_dtype = ortho_dtype
         for group in self.param_groups:
-            if any(p.ndim != 2 for p in group["params"]):
-                raise ValueError("Muon trains 2-D parameters only")
+            if any(p.ndim not in (2, 3) for p in group["params"]):
+                raise ValueError("Muon trains matrices (2-D parameters) and stacks of them (3-D) only")
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -78,21 +85,23 @@ class Muon(torch.optim.Optimizer):
                 buf = state["momentum_buffer"]
                 buf.lerp_(p.grad, 1 - mu)
                 update = p.grad.lerp(buf, mu) if group["nesterov"] else buf
-                update = orthogonalize(update, group["ns_steps"], eps=group["eps"], dtype=self.ortho_dtype)
+                ortho = functools.partial(orthogonalize, steps=group["ns_steps"], eps=group["eps"],
+                                          dtype=self.ortho_dtype)
+                update = ortho(update) if p.ndim == 2 else torch.stack([ortho(m) for m in update])
                 p.mul_(1 - lr * group["weight_decay"])
-                p.add_(update.to(p.dtype), alpha=-lr * 0.2 * math.sqrt(max(p.shape)))
+                p.add_(update.to(p.dtype), alpha=-lr * 0.2 * math.sqrt(max(p.shape[-2:])))
         return loss
 
 
 class MuonWithAdamW(torch.optim.Optimizer):
-    """Muon for the parameters ``use_muon`` picks (2-D only), AdamW for every other one."""
+    """Muon for the parameters ``use_muon`` picks (2-D and 3-D only), AdamW for every other one."""
 
     def __init__(self, params: Iterable[torch.Tensor], *, use_muon: Callable[[torch.Tensor], bool],
                  lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8,
                  weight_decay: float = 0.1, momentum: float = 0.95, nesterov: bool = True, ns_steps: int = 5,
                  ortho_dtype: torch.dtype | None = None):
         params = list(params)
-        matrices = [p for p in params if p.ndim == 2 and use_muon(p)]
+        matrices = [p for p in params if p.ndim in (2, 3) and use_muon(p)]
         picked = {id(p) for p in matrices}
         rest = [p for p in params if id(p) not in picked]
         if not matrices:
@@ -137,8 +146,9 @@ def inner_optimizer(kind: str, model: torch.nn.Module, *, lr: float, betas: tupl
     if kind != "muon":
         raise ValueError(f"inner optimizer {kind!r}: expected one of {', '.join(INNER_KINDS)}")
     vocabulary = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
-    head = getattr(model, "get_output_embeddings", lambda: None)()
-    if head is not None:
-        vocabulary.add(id(head.weight))
+    for getter in ("get_input_embeddings", "get_output_embeddings"):
+        table = getattr(model, getter, lambda: None)()
+        if table is not None:
+            vocabulary.add(id(table.weight))
     return functools.partial(MuonWithAdamW, use_muon=lambda p: id(p) not in vocabulary, lr=lr, betas=betas,
                              eps=eps, weight_decay=weight_decay, momentum=muon_momentum, ns_steps=muon_ns_steps)

@@ -68,18 +68,62 @@ def split_evenly(params: Sequence[torch.Tensor], fragments: int) -> list[list[in
     """
     if fragments > len(params):
         raise ValueError(f"cannot cut {len(params)} parameter tensor(s) into {fragments} fragments")
-    total = sum(p.numel() for p in params)
+    return _split_sizes([p.numel() for p in params], fragments)
+
+
+def _split_sizes(sizes: Sequence[int], fragments: int) -> list[list[int]]:
+    """Indices of ``sizes`` in ``fragments`` contiguous runs of about equal total."""
+    total = sum(sizes)
     out: list[list[int]] = [[]]
     done = 0
-    for i, p in enumerate(params):
+    for i, size in enumerate(sizes):
         after = fragments - len(out)  # fragments still to open after the current one
-        left = len(params) - i  # tensors left, this one included
-        crossed = done + p.numel() / 2 > total * len(out) / fragments
+        left = len(sizes) - i  # items left, this one included
+        crossed = done + size / 2 > total * len(out) / fragments
         if out[-1] and after > 0 and (crossed or left == after):
             out.append([])
         out[-1].append(i)
-        done += p.numel()
+        done += size
     return out
+
+
+def find_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's repeated blocks (a transformer's layers), found by shape, not by name: the
+    ``ModuleList`` or ``Sequential`` of two or more children of one type that holds the most
+    parameters (``model.layers`` of a Llama or a Qwen, ``transformer.h`` of a GPT-2). None: ``[]``."""
+    import torch
+
+    best, most = [], 0
+    for module in model.modules():
+        if isinstance(module, (torch.nn.ModuleList, torch.nn.Sequential)):
+            children = list(module.children())
+            if len(children) >= 2 and len({type(c) for c in children}) == 1:
+                n = sum(p.numel() for p in module.parameters())
+                if n > most:
+                    best, most = children, n
+    return best
+
+
+def block_fragments(model: torch.nn.Module, fragments: int) -> int | list[list[torch.Tensor]]:
+    """``fragments`` cuts of ``model``'s trainable parameters that follow its blocks, for
+    ``DiLoCoOptimizer(fragments=...)``: each fragment is a run of whole consecutive blocks, about
+    equal in size; what lies before the first block (embeddings) goes with it, what lies after
+    the last (final norm, head) with the last. ``fragments`` itself (cut by size) where the model
+    has no repeated blocks, or fewer blocks than fragments; 1 stays 1 (no cut)."""
+    if fragments == 1:
+        return 1
+    blocks = find_blocks(model)
+    if len(blocks) < fragments:
+        return fragments
+    params = [p for p in model.parameters() if p.requires_grad and p.is_floating_point()]
+    owner = {id(p): b for b, block in enumerate(blocks) for p in block.parameters()}
+    units: list[list[torch.Tensor]] = [[] for _ in blocks]
+    last = 0
+    for p in params:
+        last = owner.get(id(p), last)
+        units[last].append(p)
+    cuts = _split_sizes([sum(p.numel() for p in unit) for unit in units], fragments)
+    return [[p for u in cut for p in units[u]] for cut in cuts]
 
 
 def fragments_from_groups(params: Sequence[torch.Tensor], groups: Sequence[Sequence[torch.Tensor]]) -> list[list[int]]:

@@ -11,7 +11,10 @@ A checkpoint is a dict of tensors and plain values (``torch.load(weights_only=Tr
   model: 16 bytes per parameter (weights, two AdamW moments, outer momentum), not 20;
 - ``scheduler``, ``data`` (the stream's position), ``scaler`` (fp16 only, else ``None``);
 - ``rng``: this process's random generators (``rng_state``);
-- ``config``: the run's config as a dict (to say which model setting differs when shapes do not match).
+- ``config``: the run's config as a dict (to say which model setting differs when shapes do not match);
+- ``global_names``: the name (in ``model``) of each tensor of θ_global, in its order, and ``hf_config``:
+  a ``transformers`` model's resolved config (JSON), or None. With them θ_global is read without
+  this project (``torch.load`` alone; docs/models.md) and exported (``export.py``).
 """
 
 from __future__ import annotations
@@ -59,7 +62,16 @@ def make_checkpoint(*, model: torch.nn.Module, opt: DiLoCoOptimizer, scheduler, 
         "scaler": scaler.state_dict() if scaler is not None else None,
         "rng": rng_state(),
         "config": cfg.model_dump(),
+        "global_names": global_names(model, opt),
+        "hf_config": model.config.to_json_string() if hasattr(getattr(model, "config", None), "to_json_string")
+        else None,
     }
+
+
+def global_names(model: torch.nn.Module, opt: DiLoCoOptimizer) -> list[str]:
+    """The name in ``model.state_dict()`` of each of θ_global's tensors, in its order."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    return [names[id(p)] for p in opt.outer.params]
 
 
 def load_checkpoint(ckpt: dict, *, model: torch.nn.Module, opt: DiLoCoOptimizer, scheduler,

@@ -61,7 +61,9 @@ class Section(BaseModel):
         """Checked for every field of every section: integers fit in 64 bits, strings are not empty."""
         for name in type(self).model_fields:
             values = getattr(self, name)
-            for v in values if isinstance(values, list) else [values]:
+            listed = values if isinstance(values, list) else list(values.values()) if isinstance(values, dict) \
+                else [values]
+            for v in listed:
                 if isinstance(v, int) and not isinstance(v, bool) and not -INT_MAX <= v <= INT_MAX:
                     raise ValueError(f"{name}: {v} is out of range (at most {INT_MAX})")
                 if isinstance(v, float) and not math.isfinite(v):  # a list item: not covered by allow_inf_nan
@@ -104,8 +106,23 @@ class RunConfig(Section):
         return _check_name(v, f"run.{info.field_name}")
 
 
+HF_MODEL_KEYS = ("pretrained", "config_path", "model_type")
+"""The ``[model]`` keys that each name a ``transformers`` model (one at a time, with ``arch = "hf"``)."""
+
+
 class ModelConfig(Section):
-    arch: Literal["llama"] = "llama"
+    arch: Literal["llama", "hf"] = "llama"
+    """llama: the built-in Llama (the keys below); hf: a ``transformers`` causal LM, named by one of
+    ``pretrained``, ``config_path`` or ``model_type`` (giving one of them implies ``hf``)."""
+    pretrained: str | None = None
+    """hf: a local directory of a pretrained model (``config.json`` and weights), loaded offline."""
+    config_path: str | None = None
+    """hf: a local ``config.json`` (or the directory holding one): its architecture, randomly initialised."""
+    model_type: str | None = None
+    """hf: a ``transformers`` model type (``gpt2``, ``qwen3``, ``mixtral``...), randomly initialised from
+    its default config and ``options``."""
+    options: dict[str, Any] = {}
+    """hf: settings of the model's config that replace the ones it has (``[model.options]``)."""
     hidden_size: int = Field(256, ge=8)
     num_layers: int = Field(4, ge=1)
     num_heads: int = Field(4, ge=1)
@@ -120,6 +137,20 @@ class ModelConfig(Section):
 
     @model_validator(mode="after")
     def _heads(self):
+        named = [k for k in HF_MODEL_KEYS if getattr(self, k) is not None]
+        if named and "arch" not in self.model_fields_set:
+            self.arch = "hf"
+        if self.arch == "hf":
+            if len(named) != 1:
+                raise ValueError("arch \"hf\" needs one of pretrained, config_path or model_type" if not named
+                                 else f"{' and '.join(named)} both name a model; keep one")
+            llama = sorted(k for k in _LLAMA_KEYS if getattr(self, k) != type(self).model_fields[k].default)
+            if llama:
+                raise ValueError(f"{llama[0]}: a setting of the built-in llama; a transformers model takes its "
+                                 f"settings in [model.options]")
+            return self
+        if named or self.options:
+            raise ValueError(f"{(named or ['options'])[0]}: names a transformers model, which needs arch = \"hf\"")
         if self.hidden_size % self.num_heads:
             raise ValueError(f"hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}")
         if self.num_kv_heads is not None and self.num_heads % self.num_kv_heads:
@@ -127,11 +158,19 @@ class ModelConfig(Section):
         return self
 
 
+_LLAMA_KEYS = {"hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size", "tie_embeddings",
+               "rms_norm_eps", "rope_theta", "init_std"}
+
+
 class DataConfig(Section):
-    source: Literal["stdlib", "files", "hf"] = "stdlib"
-    """stdlib: Python's own standard library sources (offline); files: local .txt/.jsonl; hf: a HF dataset."""
+    source: Literal["stdlib", "files", "hf", "tokens"] = "stdlib"
+    """stdlib: Python's own standard library sources (offline); files: local .txt/.jsonl; hf: a HF dataset;
+    tokens: pre-tokenised token shards (.bin uint16 as nanoGPT writes them, or .npy)."""
     paths: list[str] = []
-    """For source=files: .txt files (documents split at blank lines) or .jsonl files (a ``text`` field)."""
+    """For source=files: .txt files (documents split at blank lines) or .jsonl files (a ``text`` field).
+    For source=tokens: the token shards, read one after another."""
+    eval_paths: list[str] = []
+    """For source=tokens: shards to evaluate on; when unset, rows are held out by a fixed seed."""
     dataset: str | None = None
     """For source=hf: the dataset name, streamed (needs ``pip install 'opendiloco-swarm[data]'``)."""
     dataset_config: str | None = None
@@ -151,22 +190,22 @@ class DataConfig(Section):
     """Explicit disjoint sharding: this worker reads every world_size-th document from rank."""
     seed: int = Field(0, ge=0)
 
-    @field_validator("paths")
-    @classmethod
-    def _paths(cls, v):
-        for p in v:
-            if not p.endswith((".txt", ".jsonl")):
-                raise ValueError(f"{p!r}: expected a .txt or .jsonl file")
-        return v
-
     @model_validator(mode="after")
     def _check(self):
+        kinds = (".bin", ".npy") if self.source == "tokens" else (".txt", ".jsonl")
+        for key in ("paths", "eval_paths"):
+            for p in getattr(self, key):
+                if not p.endswith(kinds):
+                    raise ValueError(f"{key}: {p!r}: expected a {' or '.join(kinds)} file"
+                                     + (" (token shards)" if self.source == "tokens" else ""))
+        if self.eval_paths and self.source != "tokens":
+            raise ValueError("eval_paths: for source 'tokens' (other sources: eval_fraction, eval_split)")
         if (self.rank is None) != (self.world_size is None):
             raise ValueError("rank and world_size must be given together")
         if self.rank is not None and self.rank >= self.world_size:
             raise ValueError(f"rank {self.rank} must be < world_size {self.world_size}")
-        if self.source == "files" and not self.paths:
-            raise ValueError("source 'files' needs data.paths")
+        if self.source in ("files", "tokens") and not self.paths:
+            raise ValueError(f"source '{self.source}' needs data.paths")
         if self.source == "hf" and not self.dataset:
             raise ValueError("source 'hf' needs data.dataset")
         return self
@@ -541,6 +580,11 @@ def parse_overrides(args: list[str]) -> dict[str, dict[str, Any]]:
         if section not in Config.model_fields or not name:
             raise ConfigError(f"{key}: unknown key")
         model = Config.model_fields[section].annotation
+        table, _, entry = name.partition(".")
+        if entry and table in model.model_fields and model.model_fields[table].annotation == dict[str, Any]:
+            # --model.options.n-layer 4: one entry of a table, its value read as TOML reads it
+            out.setdefault(section, {}).setdefault(table, {})[entry] = _toml_scalar(values, dotted)
+            continue
         if name not in model.model_fields:
             raise ConfigError(f"{dotted}: unknown key")
         out.setdefault(section, {})[name] = _parse_value(model.model_fields[name].annotation, values, dotted)
@@ -566,6 +610,17 @@ def _parse_value(annotation, values: list[str], dotted: str):
         return adapter.validate_python(raw)
     except ValidationError as e:
         raise ConfigError(f"{dotted}: {_describe(e.errors()[0])}") from None
+
+
+def _toml_scalar(values: list[str], dotted: str):
+    """One value of a table given on the command line: a TOML value (``4``, ``1e-5``, ``true``,
+    ``[1, 2]``), else the text itself."""
+    if len(values) != 1:
+        raise ConfigError(f"{dotted}: expected one value, got {len(values)}")
+    try:
+        return tomllib.loads(f"v = {values[0]}")["v"]
+    except tomllib.TOMLDecodeError:
+        return values[0]
 
 
 def _nullable(annotation) -> bool:
@@ -609,6 +664,8 @@ def to_toml(cfg: Config) -> str:
     for section, values in cfg.model_dump().items():
         lines.append(f"[{section}]")
         for k, v in values.items():
+            if section == "model" and values["arch"] == "hf" and k in _LLAMA_KEYS:
+                continue  # the built-in llama's settings: unused
             if v is not None:
                 lines.append(f"{k} = {_toml_value(v)}")
         lines.append("")
@@ -622,4 +679,6 @@ def _toml_value(v) -> str:
         return "[" + ", ".join(_toml_value(x) for x in v) + "]"
     if isinstance(v, str):
         return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{_toml_value(str(k))} = {_toml_value(x)}" for k, x in v.items()) + "}"
     return repr(v)

@@ -1,7 +1,11 @@
 """The model: a randomly initialised Llama (``llama.py``: ``transformers``' parameter names and
-initial weights, without its import), nothing downloaded."""
+initial weights, without its import), or a ``transformers`` causal LM (``hf_model.py``); nothing
+downloaded."""
 
 from __future__ import annotations
+
+import contextlib
+import threading
 
 import torch
 
@@ -13,8 +17,19 @@ def padded_vocab(vocab_size: int, multiple: int = 64) -> int:
     return -(-vocab_size // multiple) * multiple
 
 
-def build_model(cfg: ModelConfig, vocab_size: int, max_seq_len: int) -> torch.nn.Module:
-    """The same weights on every worker: drawn from ``cfg.init_seed``, not from the trainer's RNG."""
+def special_ids(tokenizer) -> dict[str, int | None]:
+    """A tokenizer's special token ids, as a ``transformers`` config names them."""
+    return {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id, "pad_token_id": tokenizer.pad_id}
+
+
+def build_model(cfg: ModelConfig, vocab_size: int, max_seq_len: int, tokenizer=None) -> torch.nn.Module:
+    """The same weights on every worker: drawn from ``cfg.init_seed``, not from the trainer's RNG (or a
+    pretrained model's). A model the config cannot build: ``hf_model.ModelError``, one line."""
+    if cfg.arch == "hf":
+        from .hf_model import build_hf_model
+
+        return build_hf_model(cfg, vocab_size=vocab_size, seq_len=max_seq_len,
+                              special_ids=special_ids(tokenizer) if tokenizer is not None else None)
     from .llama import LlamaForCausalLM, LlamaSpec
 
     spec = LlamaSpec(
@@ -30,13 +45,25 @@ def build_model(cfg: ModelConfig, vocab_size: int, max_seq_len: int) -> torch.nn
         init_std=cfg.init_std,
         tie_embeddings=cfg.tie_embeddings,
     )
-    rng_state = torch.random.get_rng_state()
-    torch.manual_seed(cfg.init_seed)
-    try:
+    with seeded(cfg.init_seed):
         model = LlamaForCausalLM(spec)
-    finally:
-        torch.random.set_rng_state(rng_state)
     return model.float()
+
+
+_SEEDED = threading.Lock()
+
+
+@contextlib.contextmanager
+def seeded(seed: int):
+    """torch's generator seeded with ``seed`` for the block, then put back as it was. One block at a
+    time in a process: two models drawn at once (workers in threads) would interleave their draws."""
+    with _SEEDED:
+        rng_state = torch.random.get_rng_state()
+        torch.manual_seed(seed)
+        try:
+            yield
+        finally:
+            torch.random.set_rng_state(rng_state)
 
 
 def count_parameters(model: torch.nn.Module) -> int:

@@ -23,13 +23,15 @@ from opendiloco import Communicator, DiLoCoOptimizer
 from opendiloco.comm import LocalRanks, SingleWorker
 from opendiloco.errors import Interrupted, LocalRankFailure, SwarmError
 from opendiloco.inner import inner_optimizer
+from opendiloco.streaming import block_fragments
 
 from .allocator import release_freed_tensors
 from .checkpoint import CheckpointError, CheckpointManager, atomic_write
 from .checkpoint_format import CheckpointMismatch, check_model_fits, load_checkpoint, make_checkpoint
 from .config import Config, config_fingerprint, to_toml
-from .data import PackedStream, eval_batches, make_corpus
+from .data import make_streams
 from .device import place
+from .hf_model import ModelError
 from .metrics import MetricsWriter
 from .model import PersistentBuffers, build_model, count_parameters
 from .prometheus import PrometheusSink, start_exporter
@@ -243,13 +245,16 @@ class Trainer:
         random.seed(cfg.train.seed)
         try:
             self.tokenizer = make_tokenizer(cfg.data.tokenizer)
-            corpus = make_corpus(cfg.data, order_key=cfg.shard_key)
+            self.stream, self.eval_set = make_streams(cfg.data, self.tokenizer, order_key=cfg.shard_key,
+                                                      batch_size=cfg.train.batch_size,
+                                                      eval_count=cfg.train.eval_batches)
         except (RuntimeError, OSError, ValueError) as e:  # missing files, bad lines, no datasets package...
             raise TrainError(f"data: {e}") from e
-        self.stream = PackedStream(corpus, self.tokenizer, cfg.data.seq_len, lanes=cfg.train.batch_size)
-        self.eval_set = eval_batches(corpus, self.tokenizer, cfg.data.seq_len, cfg.train.batch_size,
-                                     cfg.train.eval_batches)
-        self.model = build_model(cfg.model, self.tokenizer.vocab_size, cfg.data.seq_len).to(self.device)
+        try:
+            self.model = build_model(cfg.model, self.tokenizer.vocab_size, cfg.data.seq_len,
+                                     self.tokenizer).to(self.device)
+        except ModelError as e:
+            raise TrainError(str(e)) from None
         # DDP (several processes) starts every rank from rank 0's weights; the optimizer is built after.
         self.ddp = self.ranks.wrap(self.model, self.device)
         self.forward = torch.compile(self.ddp) if cfg.train.compile else self.ddp
@@ -274,7 +279,7 @@ class Trainer:
             module=PersistentBuffers(self.model),
             weight_by_samples=cfg.swarm.weight_by_samples,
             pace=o.pace,
-            fragments=o.fragments,
+            fragments=block_fragments(self.model, o.fragments),
             overlap=o.overlap,
             mix=o.mix,
             error_feedback=cfg.swarm.uses_error_feedback,
