@@ -12,7 +12,7 @@ from opendiloco.train.config import ConfigError, parse_overrides
 
 PEER = "/ip4/127.0.0.1/tcp/1/p2p/12D3KooWGgEAuNWLZb7GVo74gmgpNRfhpY9vUm7b21qfyvqF9wGL"
 OWN_OPTIONS = {"--config", "--addrs-file", "--serve", "--host", "--interval", "--timeout", "--startup-timeout",
-               "--resume", "--print-config", "--out", "--title", "--help", "--log-level"}
+               "--resume", "--print-config", "--out", "--title", "--help", "--log-level", "--overwrite"}
 """Options of one subcommand that set no config key."""
 
 

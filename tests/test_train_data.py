@@ -140,5 +140,5 @@ def test_hf_source_without_datasets_says_how_to_install(monkeypatch):
     import sys
 
     monkeypatch.setitem(sys.modules, "datasets", None)  # as if it were not installed
-    with pytest.raises(RuntimeError, match=r"pip install 'opendiloco\[data\]'"):
+    with pytest.raises(RuntimeError, match=r"pip install 'opendiloco-swarm\[data\]'"):
         make_corpus(DataConfig(source="hf", dataset="some/dataset"), "w")
