@@ -27,7 +27,7 @@ def refused(error, **kwargs) -> str:
 
 def test_without_a_secret_connect_refuses_and_says_how_to_close_or_open_the_run(tmp_path):
     said = refused(SwarmError, initial_peers=[PEER], identity_dir=tmp_path)
-    assert "without a run secret" in said and "opendiloco secret FILE" in said and "open" in said
+    assert "without a run secret" in said and "opendiloco secret FILE" in said and "connect(open=True)" in said
     assert not (tmp_path / "peer.key").exists()  # nothing started
 
 

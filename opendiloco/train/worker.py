@@ -63,7 +63,7 @@ def check_membership(swarm: SwarmConfig, *, warn: bool = True) -> bool:
         raise SwarmError(f"this worker would join a swarm without a run secret. Make one with `opendiloco secret "
                          f"FILE` and start every worker of the run with {SECRET_FILE_ENV}=FILE (or [swarm] "
                          f"secret_file = FILE); or choose an open run, in which {OPEN_RUN_ALLOWS}, with "
-                         "--swarm.open ([swarm] open = true; docs/trust.md)")
+                         "--swarm.open ([swarm] open = true, connect(open=True); docs/trust.md)")
     if secret is None and warn:
         log.warning("run %r is OPEN ([swarm] open, no run secret): %s. To close it, start every worker with "
                     "the same secret: `opendiloco secret FILE`, then %s=FILE (docs/trust.md)",

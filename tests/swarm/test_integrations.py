@@ -41,3 +41,19 @@ def run_example(swarm, tmp_path, script: str, *, launcher=(), outer_steps: int) 
 
 def test_hugging_face_trainer(swarm, tmp_path):
     run_example(swarm, tmp_path, "hf_trainer.py", outer_steps=4)
+
+
+def test_the_readmes_own_loop_runs_as_written(swarm, tmp_path):
+    """README.md's "Use it in your own loop", copied as it is: a closed run's worker alone, 4 outer steps."""
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## Use it in your own loop"):]
+    code = section[section.index("```python\n") + len("```python\n"):section.index("```\n", 10)]
+    (tmp_path / "loop.py").write_text(code)
+    secret = tmp_path / "run.secret"
+    new_secret_file(str(secret))
+    swarm.cwd = tmp_path  # where the snippet keeps its identity (runs/me)
+    proc = swarm.spawn([sys.executable, str(tmp_path / "loop.py")], "loop", env={SECRET_FILE_ENV: str(secret)})
+    swarm.wait([proc], timeout=120)
+    said = swarm.log("loop")
+    assert "after 4 outer steps" in said, said
+    assert (tmp_path / "runs" / "me" / "peer.key").is_file()
