@@ -25,7 +25,7 @@ def require(module: str, extra: str, user: str) -> ModuleType:
 class RoundLog:
     """Says each outer step of ``optimizer`` once, after the inner step it landed in, in one log line
     (the same in every integration): its number, θ_global's hash (bit-identical on every worker of
-    the group), the group's size and the seconds the step took; or why it failed."""
+    the group), the group's size and the seconds the step took. A failed one the optimizer has said."""
 
     def __init__(self, optimizer: DiLoCoOptimizer):
         self.optimizer = optimizer
@@ -40,7 +40,4 @@ class RoundLog:
         if report.ok:
             log.info("outer step %d: θ_global %s, group of %d, %.2f s", report.outer_step, report.global_hash,
                      report.group_size, report.seconds)
-        else:
-            log.warning("outer step %d failed (%s); θ_global unchanged, the work goes on to the next round",
-                        report.outer_step, report.reason)
         return report
