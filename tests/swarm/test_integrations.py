@@ -62,6 +62,14 @@ def test_an_accelerate_launch_loop_of_two_processes_per_worker(swarm, tmp_path):
     assert log.count("outer step 4: θ_global") == 2  # said by both processes of the worker, alike
 
 
+def test_a_lightning_trainer_with_the_callback(swarm, tmp_path):
+    run_example(swarm, tmp_path, "lightning_trainer.py", outer_steps=4)
+
+
+def test_a_lightning_fabric_loop(swarm, tmp_path):
+    run_example(swarm, tmp_path, "lightning_fabric.py", outer_steps=4)
+
+
 def test_the_readmes_own_loop_runs_as_written(swarm, tmp_path):
     """README.md's "Use it in your own loop", copied as it is: a closed run's worker alone, 4 outer steps."""
     readme = (ROOT / "README.md").read_text()
