@@ -82,8 +82,7 @@ def join_swarm(swarm: SwarmConfig, *, identity_dir: str | Path | None, fingerpri
     from opendiloco.swarm.presence import OtherSettings
 
     try:  # the swarm's settings: every one named in SwarmSettings.from_config
-        return SwarmCommunicator.from_config(swarm, run_dir=identity_dir,
-                                             config_fingerprint=fingerprint)
+        return SwarmCommunicator.from_config(swarm, run_dir=identity_dir, config_fingerprint=fingerprint)
     except OtherSettings as e:  # the swarm names the fingerprint; what it covers is the caller's to name
         raise e.covering(covers, advice) from None
 
