@@ -124,8 +124,6 @@ def connect(initial_peers: Sequence[str] | str | None = None, *, identity_dir: s
     if elsewhere:
         raise ConfigError(f"connect: {elsewhere[0]} is not a communicator setting: "
                           f"{NOT_COMMUNICATOR_KEYS[elsewhere[0]]}")
-    if "open" in swarm or "initial_peers" in swarm:
-        raise ConfigError("connect: initial_peers and open are connect()'s own arguments")
     peers = [initial_peers] if isinstance(initial_peers, str) else list(initial_peers or [])
     try:
         config = SwarmConfig(**swarm, initial_peers=peers, open=bool(open), enabled=True)

@@ -76,3 +76,13 @@ def test_an_open_run_is_a_choice_that_is_said(tmp_path, no_leftovers, caplog):
             assert not comm.membership.closed
     said = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert any("is OPEN" in line and "anyone who can reach" in line for line in said), said
+
+
+def test_an_unreachable_peer_is_one_line_and_leaves_nothing_running(tmp_path, no_leftovers):
+    secret = tmp_path / "run.secret"
+    new_secret_file(str(secret))
+    gone = "/ip4/127.0.0.1/tcp/1/p2p/12D3KooWGgEAuNWLZb7GVo74gmgpNRfhpY9vUm7b21qfyvqF9wGL"
+    with pytest.raises(SwarmError) as raised:
+        opendiloco.connect([gone], identity_dir=tmp_path, secret_file=str(secret), host_maddrs=LOCAL)
+    said = str(raised.value)
+    assert "\n" not in said and "could be reached" in said and gone in said, said
