@@ -80,13 +80,30 @@ class _Round:
         return self.work.wait()
 
 
+def averaged_buffers(module: torch.nn.Module) -> list[torch.Tensor]:
+    """The buffers ``module=`` averages: the floating, persistent ones (those in ``state_dict``, e.g.
+    BatchNorm's running statistics), each once, in ``module.buffers()`` order. Integer buffers are
+    counters, and non-persistent ones are constants a module computes for itself (a rotary
+    embedding's ``inv_freq``): averaging those through a lossy wire would only round them, and a run
+    restored from a checkpoint would then differ from one that never stopped."""
+    seen, out = set(), []
+    for owner in module.modules():
+        for name, buf in owner._buffers.items():
+            if buf is None or name in owner._non_persistent_buffers_set or not buf.is_floating_point():
+                continue
+            if id(buf) not in seen:
+                seen.add(id(buf))
+                out.append(buf)
+    return out
+
+
 class DiLoCoOptimizer(torch.optim.Optimizer):
     """Inner optimizer every step, outer optimizer every ``local_steps`` inner steps.
 
     Use it where ``torch.optim.AdamW`` was: ``param_groups`` are the inner optimizer's, so lr
     schedulers drive the inner lr, and ``GradScaler`` can skip a step (a skipped step does not
-    count towards ``local_steps``). Pass ``module=`` to also average the module's floating
-    buffers (e.g. BatchNorm running statistics) at each outer step.
+    count towards ``local_steps``). Pass ``module=`` to also average the module's persistent
+    floating buffers (e.g. BatchNorm running statistics) at each outer step (``averaged_buffers``).
 
     ``pace`` decides when a round is due (see ``opendiloco.pacing``): ``"fixed"`` (default,
     reproducible) takes exactly ``local_steps`` inner steps; ``"swarm"`` closes the round when
@@ -159,7 +176,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         given = [p for item in params for p in (item["params"] if isinstance(item, dict) else [item])]
         stepped = {id(p) for g in self.param_groups for p in g["params"]}
         trainable = [p for p in given if id(p) in stepped and p.requires_grad and p.is_floating_point()]
-        buffers = [b for b in module.buffers() if b.is_floating_point()] if module is not None else []
+        buffers = averaged_buffers(module) if module is not None else []
         self.outer = OuterState(trainable, buffers, outer_optimizer)
         if isinstance(fragments, int) and not isinstance(fragments, bool):
             check_schedule(local_steps, fragments, overlap, mix)

@@ -70,6 +70,9 @@ MAY_IMPORT = {
     "train": {"core", "comm", "optimizer", "swarm", "train", "package"},
     "package": {"core", "comm", "optimizer", "package"},
 }
+LOADED_ON_FIRST_USE = {("opendiloco/__init__.py", "opendiloco.train.worker")}
+"""The package's ``connect`` is the trainer's worker setup, imported when it is first used (never by
+``import opendiloco``: ``test_importing_the_package_loads_neither_the_swarm_nor_the_trainer``)."""
 STANDARD_LIBRARY_ONLY = ["pacing.py", "errors.py", "extras.py", "swarm/partners.py", "swarm/quorum.py"]
 
 
@@ -87,7 +90,7 @@ def layer(module: str) -> str | None:
         return "optimizer"
     if head in {"comm", "swarm", "optimizer", "testing"}:
         return head
-    if head in {"train", "cli", "__main__"}:
+    if head in {"train", "cli", "__main__", "integrations"}:
         return "train"
     raise AssertionError(f"opendiloco.{head} is in no layer of docs/architecture.md: add it to the table")
 
@@ -97,9 +100,22 @@ def test_every_module_is_in_a_layer_and_imports_only_the_layers_below_it():
         parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
         own = layer(".".join(p for p in parts if p != "__init__"))
         for module in imports(path):
+            if (str(path.relative_to(PACKAGE.parent)), module) in LOADED_ON_FIRST_USE:
+                continue
             target = layer(module)
             assert target is None or target in MAY_IMPORT[own], \
                 f"{path.relative_to(PACKAGE)} ({own}) imports {module} ({target})"
+
+
+def test_importing_the_package_loads_neither_the_swarm_nor_the_trainer():
+    import subprocess
+    import sys
+
+    code = ("import sys, opendiloco; loaded = [m for m in ('hivemind', 'opendiloco.train', 'opendiloco.swarm') "
+            "if m in sys.modules]; assert not loaded, loaded; assert callable(opendiloco.connect); "
+            "assert 'opendiloco.train.worker' in sys.modules")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
 
 
 @pytest.mark.parametrize("name", STANDARD_LIBRARY_ONLY)

@@ -321,6 +321,51 @@ def test_only_trainable_floating_params_and_float_buffers_are_synced(run_replica
                            m1.get_parameter(name) if "running" not in name else m1.get_buffer(name)), name
 
 
+class RotaryNet(BNNet):
+    """BNNet with a non-persistent floating buffer, as a rotary embedding keeps its ``inv_freq``."""
+
+    def __init__(self, inv_freq: torch.Tensor):
+        super().__init__()
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+
+def test_module_averages_persistent_buffers_only_so_constants_are_never_rounded(run_replicas):
+    """``module=`` averages BatchNorm's statistics (persistent), not a constant the module derived
+    itself (non-persistent: not in its state_dict), which an fp16 wire would round."""
+    group = InProcessGroup(2, compression="fp16")
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, 8, 2, dtype=torch.float32) / 8))  # values fp16 rounds
+    assert not torch.equal(inv_freq.half().float(), inv_freq)
+    results = {}
+
+    def worker(rank):
+        with _INIT_LOCK:
+            torch.manual_seed(0)
+            model = RotaryNet(inv_freq.clone() + rank)  # unlike every other buffer, each replica's own
+        opt = DiLoCoOptimizer(model.parameters(), local_steps=2, inner_optimizer=ADAMW, outer_optimizer=SGD1,
+                              communicator=group.members[rank], module=model)
+        for step in range(2):
+            train_step(model, opt, *batch(rank, step))
+        results[rank] = (model, opt)
+
+    run_replicas(worker, 2)
+    for rank, (model, opt) in results.items():
+        assert opt.outer_step == 1
+        assert [b.data_ptr() for b in opt.outer.buffers] == [model.bn.running_mean.data_ptr(),
+                                                             model.bn.running_var.data_ptr()]
+        assert torch.equal(model.inv_freq, inv_freq + rank)  # bit for bit what this replica computed
+    assert torch.equal(results[0][0].bn.running_mean, results[1][0].bn.running_mean)  # averaged alike
+
+
+def test_a_hugging_face_models_rotary_frequencies_are_not_averaged():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                   num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32)
+    model = transformers.LlamaForCausalLM(cfg)
+    assert any(name.endswith("inv_freq") for name, _ in model.named_buffers())
+    opt = DiLoCoOptimizer(model.parameters(), local_steps=1, module=model)
+    assert opt.outer.buffers == []
+
+
 # -- invariant 4: inner state is local -----------------------------------------------------------
 
 

@@ -21,23 +21,25 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 
 from opendiloco import Communicator, DiLoCoOptimizer
 from opendiloco.comm import LocalRanks, SingleWorker
-from opendiloco.errors import Interrupted, LocalRankFailure, SwarmError
+from opendiloco.errors import Interrupted, LocalRankFailure
 from opendiloco.inner import inner_optimizer
 from opendiloco.streaming import block_fragments
 
 from .allocator import release_freed_tensors
 from .checkpoint import CheckpointError, CheckpointManager, atomic_write
 from .checkpoint_format import CheckpointMismatch, check_model_fits, load_checkpoint, make_checkpoint
-from .config import Config, config_fingerprint, to_toml
+from .config import Config, config_fingerprint, fingerprint_covers, to_toml
 from .data import make_streams
 from .device import place
 from .hf_model import ModelError
 from .metrics import MetricsWriter
-from .model import PersistentBuffers, build_model, count_parameters
+from .model import build_model, count_parameters
 from .prometheus import PrometheusSink, start_exporter
 from .ranks import RanksError, WorkerRanks
 from .sinks import make_sinks, missing_package
 from .tokenizer import make_tokenizer
+from .worker import check_membership as check_swarm_membership
+from .worker import join_swarm
 
 log = logging.getLogger(__name__)
 
@@ -46,34 +48,10 @@ class TrainError(RuntimeError):
     """A problem the user can fix (printed as one line by the CLI)."""
 
 
-OPEN_RUN_ALLOWS = ("anyone who can reach one of its workers can join it, vote on the run's state, serve state "
-                   "to workers that join or catch up, download the model, read the run's records and stall its "
-                   "rounds")
-"""What an open run allows, said when a worker refuses to start without a secret and when one starts open."""
-
-
 def check_membership(cfg: Config, *, warn: bool = True) -> bool:
-    """A swarm worker's run is closed (a run secret) or open by explicit choice (``[swarm] open``):
-    returns whether it is closed, or raises ``SwarmError`` (one line) when neither or both are given.
-    A worker that trains alone needs neither."""
-    if not cfg.swarm.enabled:
-        return False
-    from opendiloco.swarm.membership import SECRET_FILE_ENV, RunSecret
-
-    secret = RunSecret.from_environment(cfg.swarm.secret_file)  # a missing or short secret: SwarmError now
-    if secret is not None and cfg.swarm.open:
-        raise SwarmError(f"[swarm] open (--swarm.open) asks for an open run, but a run secret is given "
-                         f"({secret.source}): a run is either closed by its secret or open; drop one of the two")
-    if secret is None and not cfg.swarm.open:
-        raise SwarmError(f"this worker would join a swarm without a run secret. Make one with `opendiloco secret "
-                         f"FILE` and start every worker of the run with {SECRET_FILE_ENV}=FILE (or [swarm] "
-                         f"secret_file = FILE); or choose an open run, in which {OPEN_RUN_ALLOWS}, with "
-                         "--swarm.open ([swarm] open = true; docs/trust.md)")
-    if secret is None and warn:
-        log.warning("run %r is OPEN ([swarm] open, no run secret): %s. To close it, start every worker with "
-                    "the same secret: `opendiloco secret FILE`, then %s=FILE (docs/trust.md)",
-                    cfg.swarm.run_id, OPEN_RUN_ALLOWS, SECRET_FILE_ENV)
-    return secret is not None
+    """Whether this worker's run is closed; ``SwarmError`` if it is neither closed nor open by choice
+    (``opendiloco.train.worker.check_membership``, the rule ``connect`` follows too)."""
+    return check_swarm_membership(cfg.swarm, warn=warn)
 
 
 def trains_alone(cfg: Config, comm: Communicator) -> bool:
@@ -87,15 +65,9 @@ def make_communicator(cfg: Config, run_dir: Path) -> Communicator:
     """The one place that decides how this worker averages with others."""
     if not cfg.swarm.enabled:
         return SingleWorker(compression=cfg.swarm.compression)  # a lone worker's average is its own
-    from opendiloco.swarm.communicator import SwarmCommunicator
-    from opendiloco.swarm.presence import OtherSettings
-
-    from .config import fingerprint_covers
-
-    try:  # the swarm's settings: every one named in SwarmSettings.from_config
-        return SwarmCommunicator.from_config(cfg.swarm, run_dir=run_dir, config_fingerprint=config_fingerprint(cfg))
-    except OtherSettings as e:  # the swarm names the fingerprint; its keys are the trainer's to name
-        raise e.covering(fingerprint_covers(), " (compare their --print-config)") from None
+    # Its peer identity in its run dir; the swarm names the fingerprint, its keys are the trainer's to name.
+    return join_swarm(cfg.swarm, identity_dir=run_dir, fingerprint=config_fingerprint(cfg),
+                      covers=fingerprint_covers(), advice=" (compare their --print-config)")
 
 
 def lr_lambda(step: int, *, warmup: int, total: int, min_ratio: float) -> float:
@@ -276,7 +248,7 @@ class Trainer:
             outer_optimizer=functools.partial(torch.optim.SGD, lr=outer_lr, momentum=outer_momentum,
                                               nesterov=o.outer_nesterov and outer_momentum > 0),
             communicator=self.comm,
-            module=PersistentBuffers(self.model),
+            module=self.model,  # its persistent floating buffers (none in a Llama: rotary frequencies are not)
             weight_by_samples=cfg.swarm.weight_by_samples,
             pace=o.pace,
             fragments=block_fragments(self.model, o.fragments),
