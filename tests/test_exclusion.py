@@ -243,10 +243,12 @@ def test_a_published_group_holding_a_member_and_a_peer_it_avoids_is_not_adopted(
     ("h", "a", frozenset({"x", "a"}), False),
     ("x", "a", frozenset({"b"}), False),       # an insider blaming an honest b escapes a; b names it
     ("x", "b", frozenset({"b"}), True),
+    ("x", "a", frozenset({"nobody"}), True),   # a name that is no member of the round counts for nothing
+    ("x", "a", frozenset({"nobody", "a"}), True),
 ])
 def test_who_breaks_an_attempt(sender, receiver, blame, named):
     from opendiloco.comm.blame import breaks_attempt
-    assert breaks_attempt(sender, receiver, blame) is named
+    assert breaks_attempt(sender, receiver, blame, ("a", "b", "h", "x")) is named
 
 
 @pytest.mark.parametrize("value,expected", [

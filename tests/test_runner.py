@@ -1302,3 +1302,32 @@ def test_a_member_that_left_the_run_while_its_dial_hangs_is_not_waited_for():
         return await resolve(_doubt(("b", "d")), connect, group.key, timeout=20, gone=lambda peer: peer == "d")
 
     assert run(scenario()) is None
+
+
+def test_a_late_stream_of_a_failed_round_is_refused_naming_its_culprits_and_one_elsewhere_as_stale():
+    """A member whose attempt failed because of x refuses the late streams of that round saying so, so that
+    their senders do not take it for the attempt's breaker (``blame.py``); a stream for a group this worker
+    never knew is refused as stale, which names nobody (an honest member in a matchmaking race)."""
+
+    async def scenario():
+        net = MemoryNetwork(wait_for_group=0.3)
+        for m in ("a", "b"):
+            net.add(m)
+        group = Group("g", ("a", "b", "x"), RoundKey(0))
+        runner = RoundRunner(group, "a", torch.randn(N), 1.0, get_codec("fp16"), part_numel=PART, timeout=2)
+        await net.rounds["a"].register(runner)
+        await runner.give_up_on("x", blame=frozenset())
+        net.rounds["a"].finish("g")
+        late = await net.connector("b")("a")
+        await late.send(Code.CONTRIBUTE, {**OPENING, "group_id": "g", "sender": "b"})
+        finished = await read_refusal(late)
+        elsewhere = await net.connector("b")("a")
+        await elsewhere.send(Code.CONTRIBUTE, {**OPENING, "group_id": "other", "sender": "b"})
+        stale = await read_refusal(elsewhere)
+        await net.drain()
+        return runner, finished, stale
+
+    runner, finished, stale = run(scenario())
+    assert runner.breakers == {"x"}  # it asked (gave up) blaming nobody
+    assert finished is not None and finished.blame == {"x"} and not finished.stale, finished
+    assert stale is not None and stale.stale and not stale.blame, stale

@@ -6,11 +6,16 @@ names. A peer that receives either while it still needs the sender's bytes fails
 it also names the sender as the attempt's breaker (left out of the rest of the round's attempts:
 ``swarm/exclusion.py``) is one rule, ``breaks_attempt``:
 
-- the sender blames a third member (neither itself nor the receiver): it failed because of someone else,
-  and says so; not named. An insider that blames an honest member to escape is named by that member,
+- the sender blames a third member of the round (neither itself nor the receiver): it failed because
+  of someone else, and says so; not named. A name that is no member of the round counts for nothing.
+  An insider that blames an honest member to escape is named by that member,
   who knows its own conduct, and the group rule (``exclusion.conflict_free``) weighs who names whom;
 - it blames nobody, itself, or only the receiver: named. The receiver knows what it sent; a member that
   gives up without naming anyone else is the cause as far as the receiver can tell.
+
+A refusal marked ``stale`` says its sender is not in that attempt at all (it is in another group of the
+round, completed it in another one, or never learnt of this group): honest members say that in a
+matchmaking race, so it names nobody (``breaks_attempt`` is not asked).
 
 Pure: no I/O, no clock.
 """
@@ -28,7 +33,7 @@ def blamed(value) -> frozenset[str]:
     return frozenset([p for p in value if isinstance(p, str) and 0 < len(p) <= 128][:MAX_BLAMED])
 
 
-def breaks_attempt(sender: str, receiver: str, blame: frozenset[str]) -> bool:
-    """Whether ``receiver`` names ``sender`` as the breaker of an attempt that ``sender`` gave up on
-    (refused, or asked how it ended) saying ``blame`` caused it."""
-    return not (set(blame) - {sender, receiver})
+def breaks_attempt(sender: str, receiver: str, blame: frozenset[str], members) -> bool:
+    """Whether ``receiver`` names ``sender`` as the breaker of an attempt (of ``members``) that ``sender``
+    gave up on (refused, or asked how it ended) saying ``blame`` caused it."""
+    return not (set(blame) & (set(members) - {sender, receiver}))

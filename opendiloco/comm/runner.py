@@ -491,7 +491,7 @@ class RoundRunner:
     @property
     def _broke(self) -> frozenset[str]:
         """The members that gave up on this attempt blaming no third member (``blame.breaks_attempt``)."""
-        return frozenset(p for p, blame in self._gave_up.items() if breaks_attempt(p, self.me, blame))
+        return frozenset(p for p, blame in self._gave_up.items() if breaks_attempt(p, self.me, blame, self.members))
 
     def blame(self) -> frozenset[str]:
         """Whom this worker's own failure of the round names (what its refusals and questions carry)."""
@@ -936,7 +936,8 @@ class RoundRunner:
         bytes failed a check here; the error itself when the stream only closed or was refused."""
         if isinstance(error, Refused):
             self.refused_by.add(peer)
-            self._gave_up.setdefault(peer, error.blame)
+            if not error.stale:
+                self._gave_up.setdefault(peer, error.blame)
         if isinstance(error, (StreamClosed, Refused)):
             return error
         failure = Malformed(f"{peer[-8:]} sent malformed data: {error}", {peer})
@@ -1002,6 +1003,8 @@ class Ended:
     """The average's digest if the round completed here (or the group completed it: ``Rounds.settle``)."""
     sent_to: frozenset[str]
     """The members this worker began sending the end of its own shard's result to."""
+    blame: frozenset[str] = frozenset()
+    """Whom this worker's failure of the round named (what a refusal of a late stream of it carries)."""
 
 
 class Rounds:
@@ -1061,7 +1064,7 @@ class Rounds:
         if runner is None and group_id in self._finished:
             return
         self._finished[group_id] = Ended((), None, frozenset()) if runner is None else \
-            Ended(runner.members, runner.digest if runner.finished else None, runner.sent_to)
+            Ended(runner.members, runner.digest if runner.finished else None, runner.sent_to, runner.blame())
         while len(self._finished) > self.remember:
             self._finished.popitem(last=False)
 
@@ -1085,6 +1088,7 @@ class Rounds:
 
     async def serve(self, stream: ByteStream) -> None:
         """Entry point for an incoming stream: the opening frame names the round; its runner serves it."""
+        group_id = None
         try:
             opening = await asyncio.wait_for(stream.recv(max_payload=0, expect=(Code.CONTRIBUTE, Code.ASK_OUTCOME)),
                                              self.wait_for_group)
@@ -1107,7 +1111,10 @@ class Rounds:
                 raise ProtocolError(f"{stream.remote[-8:]} is not a member of round {group_id}")
         except Exception as e:
             log.warning("refused a stream from %s: %s", stream.remote[-8:], e)
-            await stream.refuse(str(e) if isinstance(e, AveragingError) else f"{type(e).__name__}")
+            # A round that ended here (failed) names its culprits; otherwise this worker is not in that attempt.
+            ended = self._finished.get(group_id) if group_id is not None else None
+            await stream.refuse(str(e) if isinstance(e, AveragingError) else f"{type(e).__name__}",
+                                blame=ended.blame if ended is not None else (), stale=ended is None)
             stream.close()
             return
         try:  # a handler never outlives its round, whatever the peer does

@@ -86,11 +86,12 @@ class StreamClosed(ProtocolError):
 
 
 class Refused(ProtocolError):
-    """The peer answered with ``REFUSE``; ``blame``: the members it says caused it (``blamed``)."""
+    """The peer answered with ``REFUSE``; ``blame``: the members it says caused it (``blamed``); ``stale``:
+    it says it is not in that attempt at all (``blame.py``)."""
 
-    def __init__(self, message: str, blame: frozenset[str] = frozenset()):
+    def __init__(self, message: str, blame: frozenset[str] = frozenset(), stale: bool = False):
         super().__init__(message)
-        self.blame = blame
+        self.blame, self.stale = blame, stale
 
 
 
@@ -132,12 +133,15 @@ class ByteStream:
         self.bytes_sent += payload_len
         await self.writer.drain()
 
-    async def refuse(self, reason: str, blame=()) -> None:
+    async def refuse(self, reason: str, blame=(), stale: bool = False) -> None:
         """Tells the peer this end will not go on, and why; ``blame``: the members this worker's own failure
-        names, if it failed (so that the peer does not take the refusal for the cause)."""
+        names, if it failed (so that the peer does not take the refusal for the cause); ``stale``: this
+        worker is not in that attempt at all (another group, or none it knows)."""
         meta = {"reason": reason[:MAX_REASON_CHARS]}
         if blame:
             meta["blame"] = sorted(blame)[:MAX_BLAMED]
+        if stale:
+            meta["stale"] = True
         try:
             await self.send(Code.REFUSE, meta)
         except Exception:  # the peer may be gone already: refusing is best effort
@@ -165,7 +169,7 @@ class ByteStream:
         meta = _unpack_meta(raw)
         if code == Code.REFUSE:
             raise Refused(f"{self.remote[-8:]} refused: {str(meta.get('reason', ''))[:MAX_REASON_CHARS]}",
-                          blamed(meta.get("blame")))
+                          blamed(meta.get("blame")), meta.get("stale") is True)
         if expect is not None:
             allowed = expect if isinstance(expect, tuple) else (expect,)
             if code not in allowed:

@@ -71,9 +71,9 @@ def test_a_lightning_fabric_loop(swarm, tmp_path):
 
 
 def test_the_readmes_own_loop_runs_as_written(swarm, tmp_path):
-    """README.md's "Use it in your own loop", copied as it is: a closed run's worker alone, 4 outer steps."""
+    """README.md's own-loop recipe, copied as it is: a closed run's worker alone, 4 outer steps."""
     readme = (ROOT / "README.md").read_text()
-    section = readme[readme.index("## Use it in your own loop"):]
+    section = readme[readme.index("<!-- recipe: own-loop -->"):]
     code = section[section.index("```python\n") + len("```python\n"):section.index("```\n", 10)]
     (tmp_path / "loop.py").write_text(code)
     secret = tmp_path / "run.secret"

@@ -36,11 +36,6 @@ BOUND = ("--train.total-steps 6 --optim.local-steps 3 --optim.warmup-steps 2 --t
          "--train.eval-batches 1 --train.threads 1 --run.progress false")
 """What the test adds to every `opendiloco train` of a recipe: configs/tiny.toml, six steps of it."""
 
-OWN_LOOP_SNIPPET_RUNNABLE = False
-"""The own-loop recipe's snippet names a model and a communicator it does not make; it is run once
-the one-call entry point (``opendiloco.connect``) lands. Its runnable example is run meanwhile."""
-
-
 def recipes() -> dict[str, tuple[str, str]]:
     text = (ROOT / "README.md").read_text()
     return {name: (lang, body) for name, lang, body in RECIPE.findall(text)}
@@ -178,11 +173,8 @@ def test_own_loop_recipe_runnable_example(swarm):
     assert proc.returncode == 0, swarm.log("example")
 
 
-def test_own_loop_recipe_snippet():
-    if not OWN_LOOP_SNIPPET_RUNNABLE:
-        pytest.skip("OWN_LOOP_SNIPPET_RUNNABLE: the own-loop snippet runs once opendiloco.connect lands")
-    lang, body = recipes()["own-loop"]
-    exec(compile(body, "README.md own-loop recipe", "exec"), {})
+# The own-loop recipe runs as written in tests/swarm/test_integrations.py
+# (test_the_readmes_own_loop_runs_as_written), as a closed run's worker with its secret.
 
 
 def test_compose_recipe(tmp_path):
