@@ -68,21 +68,3 @@ def seeded(seed: int):
 
 def count_parameters(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
-
-
-class PersistentBuffers(torch.nn.Module):
-    """A view of ``model``'s persistent buffers (e.g. BatchNorm statistics) that shares their storage.
-
-    Given to ``DiLoCoOptimizer(module=...)`` in place of the model: the optimizer averages every
-    floating buffer of the module it gets, and a Llama's only buffers are its rotary
-    frequencies, constants derived from the config (non-persistent: not in ``state_dict``).
-    Averaging them through a lossy fp16 wire would round them, and a run restored from a
-    checkpoint would then differ from one that never stopped.
-    """
-
-    def __init__(self, model: torch.nn.Module):
-        super().__init__()
-        persistent = model.state_dict(keep_vars=True)
-        for i, (name, buf) in enumerate(model.named_buffers()):
-            if name in persistent:
-                self.register_buffer(f"b{i}", buf)  # the same tensor object: in-place updates reach the model
