@@ -277,3 +277,35 @@ def test_breakers_are_out_for_the_round_then_longer_while_they_keep_at_it_and_fo
     assert b.active(16) == ["x"] and b.active(17) == []   # three more
     b.add("x", 13 + EXCLUDE_ROUNDS + 1, "refused")      # a strike long after the last: a first one again
     assert b.active(13 + EXCLUDE_ROUNDS + 1) == ["x"] and b.active(13 + EXCLUDE_ROUNDS + 2) == []
+
+
+def _names(**named):
+    return {p: frozenset(v) for p, v in named.items()}
+
+
+@pytest.mark.parametrize("case,refusals,unreachables,broken,min_size,left_out", [
+    # One insider x among three honest members that all name it a breaker: the retry runs without it.
+    ("insider", {}, {}, dict(a="x", b="x", c="x"), 2, {"x"}),
+    # A member that lost its own connections (c) names the two that gave up on it: it is the one in the most
+    # conflicts, so it sits the round out, and the other three, a majority, go on.
+    ("confused", {}, {}, dict(c="ab"), 2, {"c"}),
+    # Two such members naming the other two: every part would be half the run or less (each side would hold
+    # as the smaller side of a partition, and the names, lapsing only with the outer step, bind for ever: the
+    # CI scenario, once): ignored.
+    ("split", {}, {}, dict(c="ab", d="ab"), 2, set()),
+    # Two members naming each other in a group of three: the part left holds two of three, a majority.
+    ("pair", {}, {}, dict(a="b", b="a"), 2, {"b"}),
+    # A run that needs all four: no breaker name is followed.
+    ("needs all", {}, {}, dict(a="x", b="x", c="x"), 4, set()),
+    # Malformed data always counts, whatever is left.
+    ("malformed", dict(a="x", b="x"), {}, {}, 4, {"x"}),
+    # Unreachable names count where some part of min_group_size is left...
+    ("unreachable", {}, dict(a="x"), {}, 2, {"x"}),
+    # ...and not where none is.
+    ("unreachable, needs three", {}, dict(a="x"), {}, 4, set()),
+])
+def test_which_announced_names_shape_a_group(case, refusals, unreachables, broken, min_size, left_out):
+    from opendiloco.swarm.matchmaking import guarded_avoids
+    members = {"pair": {"a", "b", "c"}, "split": {"a", "b", "c", "d"}}.get(case, {"a", "b", "c", "x"})
+    avoids = guarded_avoids(members, _names(**refusals), _names(**unreachables), _names(**broken), min_size)
+    assert members - conflict_free(members, avoids) == left_out, case

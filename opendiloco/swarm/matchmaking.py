@@ -134,6 +134,30 @@ class LeaderWentOn(Exception):
         self.leader, self.attempt = leader, attempt
 
 
+def guarded_avoids(candidates: set[str], refusals: dict, unreachables: dict, broken: dict,
+                   min_group_size: int) -> dict[str, frozenset[str]]:
+    """What the candidates' announcements keep apart, the same on every member from the announcements alone.
+
+    ``avoid`` names (malformed data) always count. ``unreachable`` names count only where they leave some
+    part big enough for a group (two or more, and ``min_group_size``): else nobody averages, the outer step,
+    which lapses the names, never moves, and they bind for ever. ``broke`` names (``Breakers``) count only
+    where, on top of those, the largest part still holds more than half of the candidates: a member that
+    lost its own connections takes the others for the breakers (they gave up on it, blaming it), and
+    following its names would split the run into parts that each hold their rounds as the smaller side of a
+    partition would (the CI scenario, once); one insider among honest members is always a minority."""
+    none: frozenset[str] = frozenset()
+    kept = {p: refusals.get(p, none) for p in candidates}
+    big_enough = max(2, min_group_size)
+    with_unreachable = {p: kept[p] | unreachables.get(p, none) for p in candidates}
+    if max(map(len, partition(candidates, with_unreachable)), default=0) >= big_enough:
+        kept = with_unreachable
+    with_broken = {p: kept[p] | broken.get(p, none) for p in candidates}
+    largest = max(map(len, partition(candidates, with_broken)), default=0)
+    if largest >= big_enough and 2 * largest > len(candidates):
+        kept = with_broken
+    return kept
+
+
 class Matchmaker:
     def __init__(self, run_records: records.RunRecords, presence: Presence, settings: MatchmakingSettings,
                  codec_name: str, interrupted: threading.Event, *, doorbell: Doorbell | None = None,
@@ -522,11 +546,8 @@ class Matchmaker:
         nobody averages, the outer step, which lapses the names, never moves, and they bind for ever
         (two workers whose link broke once; three behind one failed dial in a run that needs all
         three). The same on every member, from the announcements alone."""
-        refusals = {p: self.refusals.get(p, frozenset()) for p in candidates}
-        both = {p: refusals[p] | self.unreachables.get(p, frozenset()) | self.broken.get(p, frozenset())
-                for p in candidates}
-        big_enough = max(2, self.settings.min_group_size)
-        self.avoids = both if max(map(len, partition(candidates, both)), default=0) >= big_enough else refusals
+        self.avoids = guarded_avoids(candidates, self.refusals, self.unreachables, self.broken,
+                                     self.settings.min_group_size)
 
     def _apart(self, candidates: set[str]) -> list[str]:
         """The candidates kept apart from this worker because one of the two could not dial the other."""
