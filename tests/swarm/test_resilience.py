@@ -87,8 +87,9 @@ def test_peer_lost_mid_allreduce_survivors_finish_and_it_catches_up(swarm, fault
     survivors = [swarm.worker(f"w{i}", seed=i + 1, **opts) for i in range(2)]
     victim = swarm.worker("victim", seed=9, stall_in_allreduce=(2, 30), **opts)
     marker = swarm.out("victim").with_name("victim.jsonl.inround")
-    swarm.wait_for(marker.exists, 120, "the victim to enter an all-reduce at or after outer step 2",
-                   show=["victim", "w0"])
+    # Written, not only made: the file appears before its line does (an empty read, once, in CI).
+    swarm.wait_for(lambda: marker.exists() and marker.read_text().split(), 120,
+                   "the victim to enter an all-reduce at or after outer step 2", show=["victim", "w0"])
     hit = time.time()
     frozen = [victim.pid] + (descendants(victim.pid) if fault == "freeze" else [])
     for pid in frozen:
