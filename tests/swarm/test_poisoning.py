@@ -74,8 +74,7 @@ OWNERS = {"60000": (OWNER, {"owner_result": "60000"}), "-4x": (OWNER, {"owner_re
           # soon as its results are out. Before, members whose audit stalled failed in doubt, heard "done"
           # from it, and applied the average they held: loss 2e13 in the first poisoned round, nobody named.
           "silent": (SILENT_OWNER, {"owner_result": "-1x"}),
-          "silent-ask": (SILENT_OWNER, {"owner_result": "-1x", "ask": True}),
-          "silent-60000": (SILENT_OWNER, {"owner_result": "60000", "ask": True})}
+          "silent-ask": (SILENT_OWNER, {"owner_result": "-1x", "ask": True})}
 
 
 @pytest.mark.parametrize("result", list(OWNERS))
