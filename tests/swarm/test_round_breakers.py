@@ -49,11 +49,12 @@ def caught_at(log: str, peer: str) -> float | None:
     return None
 
 
-@pytest.mark.parametrize("malformed", ["nan", "short"])
-def test_a_member_that_sends_malformed_parts_costs_a_round_at_most_one_retry(swarm, malformed):
+def play(swarm, script: Path, *extra: str) -> tuple[list[str], str]:
+    """Three honest workers and the insider ``script`` until each honest one went through ``ROUNDS``
+    rounds, then stopped: (the honest workers' names, the insider's peer id)."""
     swarm.bootstrap()
     honest = [spawn(swarm, WORKER, f"honest{i}", seed=i + 1, **OPTS) for i in range(3)]
-    attacker = spawn(swarm, ATTACKER, "attacker", "--malformed", malformed, seed=4, **OPTS)
+    attacker = spawn(swarm, script, "attacker", *extra, seed=4, **OPTS)
     names = [f"honest{i}" for i in range(3)]
     deadline = time.monotonic() + 300
     while not all(len(swarm.records(n)) >= ROUNDS for n in names):
@@ -63,8 +64,12 @@ def test_a_member_that_sends_malformed_parts_costs_a_round_at_most_one_retry(swa
     for proc in honest + [attacker]:
         proc.terminate()
     swarm.wait(honest + [attacker], timeout=60)
+    return names, swarm.records("attacker", "start")[0]["peer_id"]
 
-    bad = swarm.records("attacker", "start")[0]["peer_id"]
+
+@pytest.mark.parametrize("malformed", ["nan", "short"])
+def test_a_member_that_sends_malformed_parts_costs_a_round_at_most_one_retry(swarm, malformed):
+    names, bad = play(swarm, ATTACKER, "--malformed", malformed)
     logs = {n: swarm.log(n, tail=400000) for n in names + ["attacker"]}
     for name in names:
         rounds = swarm.records(name)[:ROUNDS]
@@ -105,20 +110,7 @@ def test_a_member_that_refuses_or_answers_audits_with_garbage_is_named_and_left_
     the issue's run). Now it is named by the members it broke an attempt of: a garbage answer as malformed
     data (16 outer steps), a refusal that blames no other member for the rest of the round, and longer at
     each repeat. So nearly every round completes, and it breaks at most one attempt of a round."""
-    swarm.bootstrap()
-    honest = [spawn(swarm, WORKER, f"honest{i}", seed=i + 1, **OPTS) for i in range(3)]
-    attacker = spawn(swarm, BREAKER, "attacker", "--breaks", breaks, seed=4, **OPTS)
-    names = [f"honest{i}" for i in range(3)]
-    deadline = time.monotonic() + 300
-    while not all(len(swarm.records(n)) >= ROUNDS for n in names):
-        assert time.monotonic() < deadline, {n: [(r["ok"], r["reason"]) for r in swarm.records(n)] for n in names}
-        assert all(p.poll() is None for p in honest + [attacker]), {n: swarm.log(n) for n in names + ["attacker"]}
-        time.sleep(0.3)
-    for proc in honest + [attacker]:
-        proc.terminate()
-    swarm.wait(honest + [attacker], timeout=60)
-
-    bad = swarm.records("attacker", "start")[0]["peer_id"]
+    names, bad = play(swarm, BREAKER, "--breaks", breaks)
     logs = {n: swarm.log(n, tail=400000) for n in names}
     for name in names:
         rounds = swarm.records(name)[:ROUNDS]
