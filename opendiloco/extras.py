@@ -10,8 +10,9 @@ from types import ModuleType
 DISTRIBUTION = "opendiloco-swarm"
 
 
-class MissingExtra(RuntimeError):
-    """A feature needs a package of an extra that is not installed (the message is the user's one line)."""
+class MissingExtra(RuntimeError, ImportError):
+    """A feature needs a package of an extra that is not installed (the message is the user's one line).
+    An ``ImportError`` too: an integration module whose framework is missing fails its import with it."""
 
 
 def install_hint(extra: str) -> str:

@@ -1,25 +1,15 @@
 """DiLoCo in other frameworks' loops: ``hf`` (transformers' ``Trainer``), ``lightning`` (a Lightning
 ``Callback`` and a Fabric helper); an ``accelerate`` loop needs nothing beyond ``LocalRanks``
 (examples/accelerate_loop.py). Each module imports its framework when it is imported, and says in
-one line which extra installs it."""
+one line which extra installs it (``extras.require``)."""
 
 from __future__ import annotations
 
-import importlib
 import logging
-from types import ModuleType
 
 from opendiloco.optimizer import DiLoCoOptimizer, SyncReport
 
 log = logging.getLogger("opendiloco.integrations")
-
-
-def require(module: str, extra: str, user: str) -> ModuleType:
-    """``module`` imported, or an ``ImportError`` of one line naming the extra that installs it."""
-    try:
-        return importlib.import_module(module)
-    except ImportError as e:
-        raise ImportError(f"{user} needs {module.split('.')[0]} ({e}): pip install 'opendiloco[{extra}]'") from None
 
 
 class RoundLog:

@@ -21,7 +21,8 @@ import torch
 from opendiloco.comm.base import Communicator
 from opendiloco.optimizer import DiLoCoOptimizer
 
-from . import RoundLog, require
+from ..extras import require
+from . import RoundLog
 
 transformers = require("transformers", "hf", "opendiloco.integrations.hf")
 

@@ -17,7 +17,8 @@ from typing import Any
 from opendiloco.comm.base import Communicator
 from opendiloco.optimizer import DiLoCoOptimizer
 
-from . import RoundLog, require
+from ..extras import require
+from . import RoundLog
 
 pl = require("lightning.pytorch", "lightning", "opendiloco.integrations.lightning")
 
