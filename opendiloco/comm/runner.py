@@ -38,7 +38,7 @@ from ..fingerprint import new_hasher, tensor_bytes
 from . import audit
 from .aggregation import Aggregation
 from .base import RoundKey
-from .blame import blamed, breaks_attempt
+from .blame import MAX_BLAMED, blamed, breaks_attempt
 from .buffers import all_finite
 from .compression import Codec, codec_label
 from .wire import ByteStream, Code, Refused, StreamClosed, payload_size
@@ -1230,7 +1230,7 @@ async def ask_outcome(connect: Connect, peer: str, group_id: str, members: Seque
     """
     stream = await connect(peer)
     try:
-        await stream.send(Code.ASK_OUTCOME, {"group_id": group_id, "blame": sorted(blame)[:16]})
+        await stream.send(Code.ASK_OUTCOME, {"group_id": group_id, "blame": sorted(blame)[:MAX_BLAMED]})
         frame = await stream.recv(max_payload=0, expect=Code.OUTCOME)
     finally:
         stream.close()
