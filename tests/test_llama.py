@@ -3,12 +3,14 @@ initial weights for the same seed, the same loss and gradients, state dicts that
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
 from opendiloco.train.config import ModelConfig
 from opendiloco.train.llama import LlamaForCausalLM, LlamaSpec
-from opendiloco.train.model import build_model
+from opendiloco.train.model import build_model, seed_generators, seeded
 
 transformers = pytest.importorskip("transformers")
 
@@ -79,6 +81,31 @@ def test_the_trainers_model_draws_from_its_seed_and_leaves_the_callers_rng_alone
     other = build_model(cfg.model_copy(update={"init_seed": 6}), 100, 16)
     assert not torch.equal(a.model.embed_tokens.weight, other.model.embed_tokens.weight)
     assert a.lm_head.weight.shape == (128, 32)  # the vocabulary padded to a multiple of 64
+
+
+def test_a_trainer_seeding_in_another_thread_waits_until_a_model_is_drawn():
+    """Workers in threads of one process: a trainer's ``seed_generators`` while another thread draws
+    initial weights under ``seeded`` once reset those draws midway, and the replicas differed."""
+    drawn, entered, resume = [], threading.Event(), threading.Event()
+
+    def draw():
+        with seeded(1):
+            drawn.append(torch.rand(4))
+            entered.set()
+            resume.wait(10)
+            drawn.append(torch.rand(4))
+
+    drawer = threading.Thread(target=draw)
+    drawer.start()
+    assert entered.wait(10)
+    seeder = threading.Thread(target=seed_generators, args=(5,))
+    seeder.start()
+    seeder.join(0.5)  # with no lock it has reset the generator by now
+    resume.set()
+    drawer.join(10)
+    seeder.join(10)
+    torch.manual_seed(1)
+    assert torch.equal(drawn[1], torch.rand(8)[4:])
 
 
 def test_ten_adamw_steps_of_both_stay_together():

@@ -5,6 +5,7 @@ downloaded."""
 from __future__ import annotations
 
 import contextlib
+import random
 import threading
 
 import torch
@@ -51,6 +52,14 @@ def build_model(cfg: ModelConfig, vocab_size: int, max_seq_len: int, tokenizer=N
 
 
 _SEEDED = threading.Lock()
+
+
+def seed_generators(seed: int) -> None:
+    """Seeds torch's and Python's generators, outside any ``seeded`` block: a trainer seeding them in one
+    thread while another thread draws a model's initial weights would reset that model's draws midway."""
+    with _SEEDED:
+        torch.manual_seed(seed)
+        random.seed(seed)
 
 
 @contextlib.contextmanager

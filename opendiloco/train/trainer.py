@@ -8,7 +8,6 @@ import functools
 import logging
 import math
 import os
-import random
 import signal
 import time
 from collections.abc import Callable
@@ -33,7 +32,7 @@ from .data import make_streams
 from .device import place
 from .hf_model import ModelError
 from .metrics import MetricsWriter
-from .model import build_model, count_parameters
+from .model import build_model, count_parameters, seed_generators
 from .prometheus import PrometheusSink, start_exporter
 from .ranks import RanksError, WorkerRanks
 from .sinks import make_sinks, missing_package
@@ -213,8 +212,7 @@ class Trainer:
         the model (on ``device``, wrapped in DDP in a worker of several processes); raises ``TrainError``
         for a data problem."""
         cfg = self.cfg
-        torch.manual_seed(cfg.train.seed)
-        random.seed(cfg.train.seed)
+        seed_generators(cfg.train.seed)
         try:
             self.tokenizer = make_tokenizer(cfg.data.tokenizer)
             self.stream, self.eval_set = make_streams(cfg.data, self.tokenizer, order_key=cfg.shard_key,

@@ -57,7 +57,8 @@ async def main_async(args) -> dict:
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, asyncio.current_task().cancel)
     try:
         while time.monotonic() < deadline:
-            steps = [r.outer_step for r in book.read_workers().values()]
+            # Blocking calls run in threads, so that SIGTERM's cancel reaches this loop at once.
+            steps = [r.outer_step for r in (await asyncio.to_thread(book.read_workers)).values()]
             print(f"the run's outer steps: {sorted(steps)}", file=sys.stderr, flush=True)
             first = max(steps, default=0) + 1
             for step in range(first, first + args.rounds):
@@ -66,7 +67,7 @@ async def main_async(args) -> dict:
                     continue  # flooded already, and its junk lives on
                 exp = get_dht_time() + 60
                 flooded[key] = exp
-                records = junk(book, key, args.count, exp, identities)
+                records = await asyncio.to_thread(junk, book, key, args.count, exp, identities)
                 for target in args.targets if args.mode in ("push", "both") else ():  # pushes first: they are quick
                     for i in range(0, len(records), MAX_PUSH_RECORDS):  # a stream carries one push
                         try:

@@ -44,10 +44,10 @@ def steps_together(swarm) -> list[int]:
     return sorted(k for k in by[0] if by[1].get(k) == by[0][k])
 
 
-def stop(swarm, procs):
+def stop(swarm, procs, timeout: float = 60.0):
     for proc in procs:
         proc.terminate()
-    swarm.wait(procs, timeout=60)
+    swarm.wait(procs, timeout=timeout)
 
 
 def test_an_outsider_can_neither_read_publish_download_nor_contribute(swarm):
