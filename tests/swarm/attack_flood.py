@@ -16,6 +16,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 
 from opendiloco.swarm.pushed_records import PushedRecord
@@ -53,8 +54,16 @@ async def main_async(args) -> dict:
     report = {"stored": 0, "pushed": 0, "errors": 0, "keys": []}
     deadline, flooded = time.monotonic() + args.duration, {}
     # A test stops it with SIGTERM, at once: storing 511 records under one key can outlast the test's
-    # bound on a loaded machine (the report is written after each key, so nothing it did is lost).
-    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, asyncio.current_task().cancel)
+    # bound on a loaded machine (the report is written after each key, so nothing it did is lost). The
+    # handler runs even while a store blocks this thread on a full pipe to the DHT process (the event
+    # loop's own signal handling would wait for it): it ends the stores and cancels the flood.
+    stopping, loop, flood = threading.Event(), asyncio.get_running_loop(), asyncio.current_task()
+
+    def on_sigterm(*_):
+        stopping.set()
+        loop.call_soon_threadsafe(flood.cancel)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
     try:
         while time.monotonic() < deadline:
             # Blocking calls run in threads, so that SIGTERM's cancel reaches this loop at once.
@@ -82,9 +91,13 @@ async def main_async(args) -> dict:
                         except Exception:
                             report["errors"] += 1
                 if args.mode in ("dht", "both"):
-                    answers = await asyncio.gather(*(asyncio.wrap_future(dht.store(
-                        r.key, r.envelope, r.expiration_time, subkey=r.subkey, return_future=True)) for r in records),
-                        return_exceptions=True)
+                    stores = []
+                    for r in records:
+                        if stopping.is_set():
+                            break
+                        stores.append(asyncio.wrap_future(dht.store(
+                            r.key, r.envelope, r.expiration_time, subkey=r.subkey, return_future=True)))
+                    answers = await asyncio.gather(*stores, return_exceptions=True)
                     report["stored"] += sum(a is True for a in answers)
                     report["errors"] += sum(isinstance(a, BaseException) for a in answers)
                 report["keys"].append(step)
