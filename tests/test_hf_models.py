@@ -14,7 +14,7 @@ import torch
 from opendiloco import InProcessGroup
 from opendiloco.cli import main
 from opendiloco.streaming import find_blocks
-from opendiloco.train import trainer as trainer_mod
+from opendiloco.train import startup
 from opendiloco.train.config import ConfigError, load_config
 from opendiloco.train.hf_model import ModelError
 from opendiloco.train.metrics import read_metrics
@@ -55,7 +55,7 @@ def hf_config(arch, run_dir, *extra):
 @pytest.mark.parametrize("arch", list(ARCHS))
 def test_two_workers_train_it_with_muon_fragments_by_block_and_error_feedback(tmp_path, monkeypatch, arch):
     group = InProcessGroup(2, compression="int4")  # 4 bits on the wire: error feedback on
-    monkeypatch.setattr(trainer_mod, "make_communicator", lambda cfg, run_dir: group.members[int(cfg.worker[1])])
+    monkeypatch.setattr(startup, "make_communicator", lambda cfg, run_dir: group.members[int(cfg.worker[1])])
     features = ["--optim.inner", "muon", "--optim.fragments", "2", "--optim.overlap", "1", "--swarm.compression",
                 "int4", "--train.total-steps", "8"]
     trainers = [Trainer(hf_config(arch, tmp_path / f"w{i}", *features, "--run.worker", f"w{i}")) for i in range(2)]

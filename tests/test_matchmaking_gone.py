@@ -20,6 +20,7 @@ from opendiloco.swarm.clock import RunClock
 from opendiloco.swarm.matchmaking import SLOW_READ_EVERY, Matchmaker, MatchmakingSettings
 from opendiloco.swarm.partners import Partners
 from opendiloco.swarm.records import WorkerRecord
+from tests.conftest import run_in_threads
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -110,12 +111,8 @@ def test_a_smallest_peer_that_went_back_after_announcing_neither_leads_nor_holds
         except AveragingError as e:
             results[me] = e
 
-    threads = [threading.Thread(target=member, args=(m,)) for m in ("b", "c")]
     began = time.monotonic()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
+    run_in_threads([lambda m=m: member(m) for m in ("b", "c")], timeout=30)
     assert results == {"b": ("b", "c"), "c": ("b", "c")}, results
     assert time.monotonic() - began < SETTINGS.straggler_wait + SETTINGS.matchmaking_timeout  # not a timeout
 
@@ -149,11 +146,7 @@ def test_a_peer_whose_streamed_round_is_in_flight_is_waited_for_before_its_annou
         except AveragingError as e:
             results[me] = e
 
-    threads = [threading.Thread(target=member, args=(m, d)) for m, d in (("b", 0.0), ("c", 0.0), ("a", 0.5))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
+    run_in_threads([lambda m=m, d=d: member(m, d) for m, d in (("b", 0.0), ("c", 0.0), ("a", 0.5))], timeout=30)
     assert results == {m: ("a", "b", "c") for m in "abc"}, results
 
 
@@ -282,11 +275,7 @@ def test_members_follow_the_peer_that_would_close_their_group_to_a_later_attempt
             results[me] = e
 
     began = time.monotonic()
-    threads = [threading.Thread(target=member, args=args) for args in (("b", 0), ("c", 0), ("a", 1, 1.0))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(45)
+    run_in_threads([lambda args=args: member(*args) for args in (("b", 0), ("c", 0), ("a", 1, 1.0))], timeout=45)
     assert results == {m: (("a", "b", "c"), 1) for m in "abc"}, results
     assert time.monotonic() - began < settings.straggler_wait  # followed, not waited out
 
@@ -339,11 +328,7 @@ def test_a_peer_behind_nat_is_asked_by_a_ping_once_its_record_missed_a_heartbeat
             results[me] = e
 
     try:
-        threads = [threading.Thread(target=member, args=(m,)) for m in "ab"]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(45)
+        run_in_threads([lambda m=m: member(m) for m in "ab"], timeout=45)
     finally:
         stop()
     assert {m: r[0] for m, r in results.items()} == {"a": ("a", "b"), "b": ("a", "b")}, results

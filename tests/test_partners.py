@@ -18,6 +18,7 @@ from opendiloco.swarm.matchmaking import Matchmaker
 from opendiloco.swarm.partners import Partners
 from opendiloco.swarm.quorum import Claim, confirmed_ahead, drifted
 from opendiloco.swarm.records import WorkerRecord
+from tests.conftest import run_in_threads
 from tests.test_matchmaking_gone import SETTINGS, Presence, Table, Writer
 
 pytestmark = pytest.mark.fast
@@ -93,12 +94,8 @@ def test_a_fresh_identity_that_promises_to_be_ready_in_an_hour_costs_partners_on
         mm = _matchmaker(table, me, workers, settings, partners={"b", "c"}, joiners={"f"} if joined else ())
         results[me] = mm.form_group(key, 0, 10)[0].members
 
-    threads = [threading.Thread(target=member, args=(m,), daemon=True) for m in ("b", "c")]
     began = time.monotonic()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(settings.max_wait / 2)
+    run_in_threads([lambda m=m: member(m) for m in ("b", "c")], timeout=settings.max_wait / 2)
     assert results == {"b": ("b", "c"), "c": ("b", "c")}, results
     assert time.monotonic() - began < settings.max_wait / 2
     # Only f is missing, and none of the missing are partners: still not believed (the partners b and c are

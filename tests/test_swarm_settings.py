@@ -85,7 +85,7 @@ def test_the_new_keys_are_checked(override, message):
 # -- the refusal of other settings names the swarm's setting; the trainer names its keys ----------
 
 def test_other_settings_name_the_fingerprint_and_the_trainer_names_its_keys(tmp_path, monkeypatch):
-    from opendiloco.train import trainer
+    from opendiloco.train import startup
     from opendiloco.train.config import FINGERPRINT_KEYS
 
     refusal = OtherSettings("worker 3fd1a2b9 of run 'r' trains with other settings (config fingerprint a, this "
@@ -102,7 +102,7 @@ def test_other_settings_name_the_fingerprint_and_the_trainer_names_its_keys(tmp_
     monkeypatch.setitem(sys.modules, "opendiloco.swarm.communicator", fake)
     cfg = load_config(None, ["--swarm.enabled"])
     with pytest.raises(OtherSettings) as raised:
-        trainer.make_communicator(cfg, tmp_path)
+        startup.make_communicator(cfg, tmp_path)
     said = str(raised.value)
     assert said == (f"{refusal.detail}: {fingerprint_covers()} must be the same on every worker (compare their "
                     "--print-config)")

@@ -17,6 +17,7 @@ from opendiloco.comm.wire import Code, Refused
 from opendiloco.errors import PeerFailure, ProtocolError
 from opendiloco.fingerprint import new_hasher
 from opendiloco.train.config import SwarmConfig
+from tests.conftest import run_in_threads
 from tests.test_runner import OPENING, PART, attack, honest_round, read_refusal
 
 NAME = "topk64+e2m1"
@@ -185,7 +186,6 @@ def test_replicas_training_through_top_k_stay_bit_identical():
         m.load_state_dict(models[0].state_dict())
     opts = [DiLoCoOptimizer(m.parameters(), local_steps=3, communicator=c, error_feedback=True)
             for m, c in zip(models, group.members)]
-    import threading
 
     def train(rank):
         g = torch.Generator().manual_seed(rank)
@@ -194,11 +194,7 @@ def test_replicas_training_through_top_k_stay_bit_identical():
             opts[rank].step()
             opts[rank].zero_grad()
 
-    threads = [threading.Thread(target=train, args=(r,)) for r in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
+    run_in_threads([lambda r=r: train(r) for r in range(n)], timeout=60)
     assert len({o.global_hash() for o in opts}) == 1
     assert opts[0].outer_step == 3
 
@@ -288,7 +284,6 @@ def test_a_round_of_weight_zero_keeps_all_its_work_local_and_owes_nothing_twice(
     opts = [DiLoCoOptimizer(m.parameters(), local_steps=100, communicator=c, error_feedback=True, error_decay=decay,
                             weight_by_samples=True, outer_optimizer=lambda p: torch.optim.SGD(p, lr=1.0))
             for m, c in zip(models, group.members)]
-    import threading
 
     def both(steps):
         reports = [None, None]
@@ -300,11 +295,7 @@ def test_a_round_of_weight_zero_keeps_all_its_work_local_and_owes_nothing_twice(
                 opts[rank].zero_grad()
             reports[rank] = opts[rank].sync()
 
-        threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
+        run_in_threads([lambda r=r: run(r) for r in range(2)], timeout=60)
         return reports
 
     assert all(r.ok for r in both([3, 3]))

@@ -13,11 +13,12 @@ import pytest
 
 from opendiloco import InProcessGroup, SingleWorker
 from opendiloco.cli import main
-from opendiloco.train import trainer as trainer_mod
+from opendiloco.train import startup
 from opendiloco.train.config import config_fingerprint, load_config
 from opendiloco.train.data import PackedStream
 from opendiloco.train.metrics import read_metrics
-from opendiloco.train.trainer import Trainer, TrainError, lr_lambda, make_communicator, train
+from opendiloco.train.startup import make_communicator
+from opendiloco.train.trainer import Trainer, TrainError, lr_lambda, train
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = [
@@ -220,7 +221,7 @@ def test_joiner_adopts_peer_state_schedule_and_data_position(tmp_path, monkeypat
     peer = Trainer(small_config(tmp_path / "peer", "--train.total-steps", "8", *outer))
     peer_result = peer.run()
     comm = _ServesState(peer.opt.shareable_state())
-    monkeypatch.setattr(trainer_mod, "make_communicator", lambda cfg, run_dir: comm)
+    monkeypatch.setattr(startup, "make_communicator", lambda cfg, run_dir: comm)
 
     joiner = Trainer(small_config(tmp_path / "joiner", "--train.total-steps", "12", "--run.worker", "late", *outer))
     result = joiner.run()

@@ -135,7 +135,7 @@ class TokenStream:
         try:
             self.shards._check(batch, "a token shard")
         except ValueError as e:  # mid-run: the trainer's error, one line for the user, not a traceback
-            from .trainer import TrainError
+            from .startup import TrainError
 
             raise TrainError(f"data: {e}") from None
         return torch.from_numpy(batch)

@@ -79,6 +79,7 @@ def islands():
         node.shutdown()
 
 
+@pytest.mark.swarm
 def test_a_stream_whose_dial_failed_goes_to_the_addresses_the_peers_record_names(islands):
     a, b, c = islands
 
@@ -116,6 +117,7 @@ def test_a_stream_whose_dial_failed_goes_to_the_addresses_the_peers_record_names
     asyncio.run(play())
 
 
+@pytest.mark.swarm
 def test_a_public_workers_record_names_where_it_listens():
     first = start_dht(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
     comm = SwarmCommunicator(first, SwarmSettings(run_id="addresses"), own_dht=False)
@@ -160,6 +162,7 @@ def test_the_address_book_says_who_moved():
     assert small.of("a") == () and small.of("c")  # bounded: the least recently read go first
 
 
+@pytest.mark.swarm
 def test_the_others_drop_their_connections_to_a_worker_whose_record_says_it_moved():
     """A worker's address changed: its peers' connections to its old address are dead, and their streams
     to it (a round's parts, a settle's question) hung on them until a transport timeout (14 s of one
@@ -199,6 +202,7 @@ def test_the_others_drop_their_connections_to_a_worker_whose_record_says_it_move
         first.shutdown()
 
 
+@pytest.mark.swarm
 def test_a_worker_sees_its_own_move_while_its_heartbeat_hangs():
     """Just after a worker's address changes, its heartbeat's DHT store hangs on its dead connections (20 s
     in the long scenario): a move looked for only before each heartbeat was seen that late, and the
@@ -238,6 +242,7 @@ def test_a_worker_sees_its_own_move_while_its_heartbeat_hangs():
         first.shutdown()
 
 
+@pytest.mark.swarm
 def test_a_moved_worker_publishes_its_new_address_at_once_and_never_loopback_alone(monkeypatch):
     """Mid-move the daemon listed loopback alone for a moment; the record then named only that, and its
     peers behind NAT dialled themselves until the next record (17 s in the long scenario). The old

@@ -6,13 +6,13 @@ import asyncio
 import functools
 import os
 import signal
-import threading
 import time
 
 import pytest
 import torch.multiprocessing
 
 from opendiloco.swarm.node import start_dht
+from tests.conftest import run_in_threads
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(120)]
 
@@ -42,23 +42,13 @@ async def unsendable(dht, dht_node):
 
 
 def test_calls_from_many_threads_each_get_their_own_answer(node):
-    errors = []
-
     def work(t: int):
-        try:
-            for i in range(20):  # answers come back out of order: later calls overtake slower ones
-                value = node.run_coroutine(functools.partial(echo, value=(t, i), delay=0.01 * (i % 3)))
-                assert value == (t, i)
-            assert node.get(f"nothing-{t}", latest=True) is None  # hivemind's own calls, by the same way
-        except Exception as e:  # handed to the test thread
-            errors.append(e)
+        for i in range(20):  # answers come back out of order: later calls overtake slower ones
+            value = node.run_coroutine(functools.partial(echo, value=(t, i), delay=0.01 * (i % 3)))
+            assert value == (t, i)
+        assert node.get(f"nothing-{t}", latest=True) is None  # hivemind's own calls, by the same way
 
-    threads = [threading.Thread(target=work, args=(t,)) for t in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert not errors and not any(t.is_alive() for t in threads), errors
+    run_in_threads([lambda t=t: work(t) for t in range(8)], timeout=60)
 
 
 def test_a_call_is_awaitable_cancellable_and_fails_with_what_was_raised(node):

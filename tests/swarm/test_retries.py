@@ -32,6 +32,7 @@ from opendiloco.swarm.hooks import RoundHooks
 from opendiloco.swarm.node import start_dht
 from opendiloco.swarm.reservations import RelaySlots
 from opendiloco.swarm.streams import P2PStreams
+from tests.conftest import run_in_threads
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(150)]
 
@@ -91,20 +92,14 @@ def workers():
 
 def together(comms, key):
     """Starts the round on every worker at once; their results or errors."""
-    out: list = [None] * len(comms)
 
     def run(i):
         try:
-            out[i] = comms[i].start(torch.full((64,), float(i + 1)), weight=1.0, key=key).wait(90)
+            return comms[i].start(torch.full((64,), float(i + 1)), weight=1.0, key=key).wait(90)
         except AveragingError as e:
-            out[i] = e
+            return e
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(comms))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    return out
+    return run_in_threads([lambda i=i: run(i) for i in range(len(comms))], timeout=120)
 
 
 def test_a_round_tried_again_at_the_same_key_uses_attempts_it_has_not_used(workers):
