@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from opendiloco import AveragingError, InProcessGroup, SingleWorker
-from opendiloco.comm.compression import get_codec
+from opendiloco.comm.formats import get_codec
 
 
 def _average_all(run_replicas, group, inputs, weights, steps=None, timeout=10.0):

@@ -17,9 +17,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator, model_validator
 
-from opendiloco.comm.compression import CODECS, QUANTIZED
-from opendiloco.comm.subset import parse_subset
-from opendiloco.comm.topk import parse_topk
+from opendiloco.comm.formats import get_codec
 from opendiloco.streaming import check_schedule
 
 if sys.version_info >= (3, 11):
@@ -407,36 +405,27 @@ class SwarmConfig(Section):
     @field_validator("compression", "result_compression")
     @classmethod
     def _codec(cls, v, info):
-        if v is None:
-            return v
-        subset, base = parse_subset(v)  # a malformed subsetN+ or topkN+ name: ValueError, one line
-        every, base = parse_topk(base)
-        if (subset is not None or every is not None) and info.field_name == "result_compression":
-            raise ValueError(f"{v!r}: the averages are dense, of the contributions' values; name a format without "
-                             "subsetN+ or topkN+ (e.g. int8)")
-        if subset is not None and every is not None:
-            raise ValueError(f"{v!r}: a subset and top-k do not combine; choose one")
-        if base not in CODECS:
-            raise ValueError(f"unknown format {v!r}; choose one of {', '.join(CODECS)}, or subsetN+ or topkN+ one "
-                             "of them (e.g. subset32+int4, topk64+e2m1)")
+        if v is not None:  # the registry's one-line ValueError for any name it refuses
+            get_codec(v, averages=info.field_name == "result_compression")
         return v
 
     @model_validator(mode="after")
-    def _subset_feedback(self):
-        sparse = parse_subset(self.compression)[0] is not None or parse_topk(self.compression)[0] is not None
-        if self.error_feedback is False and sparse:
+    def _format_needs(self):
+        codec = get_codec(self.compression)
+        if self.error_feedback is False and codec.needs_error_feedback:
             raise ValueError(f"error_feedback: {self.compression} owes what a round does not send to later rounds; "
                              "it needs error feedback (leave error_feedback unset)")
-        if self.error_decay is not None and parse_topk(self.compression)[0] is None:
-            raise ValueError(f"error_decay is for the top-k formats (topkN+), not {self.compression!r}")
+        if self.error_decay is not None and not codec.allows_error_decay:
+            raise ValueError(f"error_decay is for the formats that owe what they leave out in a residual (topkN+), "
+                             f"not {self.compression!r}")
         return self
 
     @property
     def uses_error_feedback(self) -> bool:
         if self.error_feedback is not None:
             return self.error_feedback
-        return (self.compression in QUANTIZED or parse_subset(self.compression)[0] is not None
-                or parse_topk(self.compression)[0] is not None)
+        codec = get_codec(self.compression)
+        return codec.needs_error_feedback or codec.error_feedback_pays
 
     @field_validator("initial_peers")
     @classmethod
