@@ -102,7 +102,7 @@ def test_all_zero_weights_is_an_error(run_replicas):
 def test_group_validation_and_single_worker():
     with pytest.raises(ValueError):
         InProcessGroup(0)
-    with pytest.raises(ValueError, match="unknown compression"):
+    with pytest.raises(ValueError, match="unknown format"):
         InProcessGroup(2, compression="zip")
     x = [torch.tensor([1.0, 1e-5, 70000.0])]
     res = SingleWorker("fp16").average(x, weight=3.0, outer_step=7)
