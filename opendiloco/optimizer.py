@@ -109,8 +109,7 @@ class DiLoCoOptimizer(Checkpointing, StateExchange, torch.optim.Optimizer):
         self.error_decay = error_decay
         """SparseLoCo's rule (top-k): the unsent owed in a residual decayed by this, θ_local reset; None: in
         the weights."""
-        self._rules = RoundRules(self.communicator, codec, self.error_feedback, error_decay, self.mix,
-                                 len(self.fragments))
+        self._wire_format = codec
         self.weight_by_samples = weight_by_samples or pace == "swarm"
         self.catch_up_timeout = catch_up_timeout
         # Held while θ_global changes, so state served to a joiner from another thread is never torn.
@@ -141,6 +140,12 @@ class DiLoCoOptimizer(Checkpointing, StateExchange, torch.optim.Optimizer):
         trainable = [p for p in given if id(p) in stepped and p.requires_grad and p.is_floating_point()]
         self.outer = OuterState(trainable, averaged_buffers(module) if module is not None else [], outer_optimizer)
         return trainable
+
+    @property
+    def _rules(self) -> RoundRules:
+        """What this optimizer's rounds follow (read when one starts or lands: the communicator may be replaced)."""
+        return RoundRules(self.communicator, self._wire_format, self.error_feedback, self.error_decay, self.mix,
+                          self.num_fragments)
 
     def _start_counters(self) -> None:
         self._hash: str | None = None
