@@ -10,13 +10,13 @@ every member scatters the same decoded bytes back, so replicas stay bit-identica
 value gets exactly zero pseudo-gradient in that round.
 
 What is not sent is owed to later rounds (error feedback, required with a subset), and it is owed
-in the local weights (``carry_unsent``): after the outer step an unselected value of θ_local is θ_global
-minus its whole contribution, so local training goes on from where it was and the next Δ holds the
-owed work. Owing it in the residual instead (θ_local reset to θ_global, the contribution added to
-the next one) restarts every round of an unsent value from the same stale θ_global, so N rounds of
-owed displacement overshoot N-fold: held-out loss 30 instead of 2 after 32 rounds of
-``subset32+int4`` (benchmarks/convergence.py). The residual keeps what the codec lost of the values
-that were sent.
+in the local weights (``opendiloco.fragment.carry_unsent``): after the outer step an unselected
+value of θ_local is θ_global minus its whole contribution, so local training goes on from where it
+was and the next Δ holds the owed work. Owing it in the residual instead (θ_local reset to
+θ_global, the contribution added to the next one) restarts every round of an unsent value from
+the same stale θ_global, so N rounds of owed displacement overshoot N-fold: held-out loss 30
+instead of 2 after 32 rounds of ``subset32+int4`` (benchmarks/convergence.py). The residual keeps
+what the codec lost of the values that were sent.
 
 The selection is by blocks of ``BLOCK`` consecutive values, and it cycles: over each ``N`` rounds of a
 fragment, the fragment's blocks in a random order (seeded by the cycle, fragment and size) are cut

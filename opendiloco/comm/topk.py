@@ -15,7 +15,7 @@ all-gather of everyone's entries would.
 What a member does not send is owed to its later rounds (error feedback, required). The codec's
 error is exactly the values it left out plus what the value format rounded; ``DiLoCoOptimizer``
 then owes the left-out values in the local weights (they keep their local progress) and only the
-rounding in the residual, as with a subset (``opendiloco.comm.subset``, ``carry_unsent``).
+rounding in the residual, as with a subset (``opendiloco.comm.subset``; ``opendiloco.fragment.carry_unsent``).
 
 A payload is checked before it is used: indices inside their chunk, strictly increasing (so no
 value is counted twice), the padding of an odd count zero, and the value format's own checks. A
