@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError,
 
 from opendiloco.comm.formats import get_codec
 from opendiloco.streaming import check_schedule
+from opendiloco.train.validation_errors import describe, in_one_line
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -504,44 +505,6 @@ def config_fingerprint(cfg: Config) -> str:
     return hashlib.sha256(json.dumps(picked, sort_keys=True).encode()).hexdigest()[:16]
 
 
-# -- errors -----------------------------------------------------------------------------------
-
-def _describe(err: dict) -> str:
-    kind, ctx, value = err["type"], err.get("ctx") or {}, err.get("input")
-    if kind == "extra_forbidden":
-        return "unknown key"
-    for key, op in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<")):
-        if key in ctx and kind.startswith(("greater", "less")):
-            return f"must be {op} {ctx[key]}, got {value!r}"
-    if kind == "literal_error":
-        return f"must be one of {ctx.get('expected')}, got {value!r}"
-    if kind == "finite_number":
-        return f"must be a finite number, got {value!r}"
-    names = {"int": "an integer", "float": "a number", "bool": "true or false", "string": "a string",
-             "list": "a list", "tuple": "a list", "model": "a table", "dict": "a table"}
-    for prefix, name in names.items():
-        if kind.startswith(prefix + "_") and kind != "int_from_float":
-            return f"expected {name}, got {value!r}"
-    if kind == "int_from_float":
-        return f"expected an integer, got {value!r}"
-    msg = err["msg"]
-    return msg.removeprefix("Value error, ")
-
-
-def _format(exc: ValidationError, prefix: tuple = ()) -> str:
-    errors = exc.errors()
-    first = errors[0]
-    loc = ".".join(str(p) for p in (*prefix, *first["loc"]) if p != "__root__")
-    more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
-    described = _describe(first)
-    # A section's own check names its field first ("lr: ..."): make that "optim.lr: ...".
-    field_name, sep, rest = described.partition(": ")
-    section = Config.model_fields.get(loc)
-    if sep and section is not None and field_name in section.annotation.model_fields:
-        loc, described = f"{loc}.{field_name}", rest
-    return f"{loc or 'config'}: {described}{more}"
-
-
 # -- loading ----------------------------------------------------------------------------------
 
 def parse_overrides(args: list[str]) -> dict[str, dict[str, Any]]:
@@ -598,7 +561,7 @@ def _parse_value(annotation, values: list[str], dotted: str):
     try:
         return adapter.validate_python(raw)
     except ValidationError as e:
-        raise ConfigError(f"{dotted}: {_describe(e.errors()[0])}") from None
+        raise ConfigError(f"{dotted}: {describe(e.errors()[0])}") from None
 
 
 def _toml_scalar(values: list[str], dotted: str):
@@ -644,7 +607,7 @@ def validate_config(data: dict) -> Config:
         # Strict: a TOML string where a number belongs is an error, not silently converted.
         return Config.model_validate(data, strict=True)
     except ValidationError as e:
-        raise ConfigError(_format(e)) from None
+        raise ConfigError(in_one_line(e, Config.model_fields)) from None
 
 
 def to_toml(cfg: Config) -> str:
