@@ -228,8 +228,7 @@ class Checkpointing:
         self._global_changed()  # θ_global was replaced: drop the cached hash
         if pending is not None:  # the round that was in flight starts again, under the same key
             fragment = self.fragments[pending.fragment]
-            contribution, result = fragment.buffers()
-            contribution.flat.copy_(pending.contribution)
+            fragment.buffers()[0].flat.copy_(pending.contribution)
             round_ = Round(RoundKey(pending.outer_step, fragment.index), fragment, steps=pending.steps,
                            began=time.perf_counter(), weight=pending.weight, own_finite=pending.own_finite)
             try:
