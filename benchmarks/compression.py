@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from opendiloco.comm.compression import get_codec
+from opendiloco.comm.formats import get_codec
 
 from . import analysis
 from .network import Loopback

@@ -152,6 +152,23 @@ class OuterState:
             g.copy_(src)
 
 
+def averaged_buffers(module: torch.nn.Module) -> list[torch.Tensor]:
+    """The buffers ``module=`` averages: the floating, persistent ones (those in ``state_dict``, e.g.
+    BatchNorm's running statistics), each once, in ``module.buffers()`` order. Integer buffers are
+    counters, and non-persistent ones are constants a module computes for itself (a rotary
+    embedding's ``inv_freq``): averaging those through a lossy wire would only round them, and a run
+    restored from a checkpoint would then differ from one that never stopped."""
+    seen, out = set(), []
+    for owner in module.modules():
+        for name, buf in owner._buffers.items():
+            if buf is None or name in owner._non_persistent_buffers_set or not buf.is_floating_point():
+                continue
+            if id(buf) not in seen:
+                seen.add(id(buf))
+                out.append(buf)
+    return out
+
+
 def validate_tensors(incoming: Sequence, expected: Sequence[torch.Tensor], what: str) -> None:
     """Refuses tensors whose count, shapes or dtypes differ from ``expected``, or that are not finite."""
     if not isinstance(incoming, (list, tuple)) or len(incoming) != len(expected):

@@ -150,3 +150,15 @@ def fragments_from_groups(params: Sequence[torch.Tensor], groups: Sequence[Seque
     if missing:
         raise ValueError(f"parameters {missing[:8]} are in no fragment")
     return out
+
+
+def cut_fragments(params: Sequence[torch.Tensor], fragments, local_steps: int, overlap: int,
+                  mix: float) -> list[list[int]]:
+    """The parameter index groups of ``fragments`` (a count, cut by ``split_evenly``, or explicit groups of
+    parameters), their schedule checked (``check_schedule``)."""
+    if isinstance(fragments, int) and not isinstance(fragments, bool):
+        check_schedule(local_steps, fragments, overlap, mix)
+        return split_evenly(params, fragments) if fragments > 1 else [list(range(len(params)))]
+    groups = fragments_from_groups(params, fragments)
+    check_schedule(local_steps, len(groups), overlap, mix)
+    return groups

@@ -26,22 +26,25 @@ NAMES = ["fp16", "int8", "int4", "e2m1", "e3m0"]
 
 
 def load_codecs(module: Path | None):
+    """name -> codec: the package's registry, or the dense formats of a copy of ``compression.py``."""
     if module is None:
-        from opendiloco.comm import compression
-        return compression
-    text = module.read_text().replace("from ..", "from opendiloco.")  # a copy outside the package
+        from opendiloco.comm.formats import get_codec
+        return get_codec
+    # a copy outside the package: its relative imports point into the package
+    text = module.read_text().replace("from ..", "from opendiloco.").replace("from .", "from opendiloco.comm.")
     spec = importlib.util.spec_from_loader("compression_under_test", loader=None)
     mod = importlib.util.module_from_spec(spec)
     exec(compile(text, str(module), "exec"), mod.__dict__)  # noqa: S102 - a local file the user names
-    return mod
+    makers = {"fp16": mod.Float16Compression, "int8": mod.int8, "int4": mod.int4, "e2m1": mod.e2m1, "e3m0": mod.e3m0}
+    return lambda name: makers[name]()
 
 
-def measure(mod, names: list[str], numel: int, repeats: int) -> dict[str, dict[str, float]]:
+def measure(make, names: list[str], numel: int, repeats: int) -> dict[str, dict[str, float]]:
     """Median seconds of encode, decode, encode + decode per format, scaled to 10M values."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(numel, generator=g) * torch.logspace(-4, -1, numel)  # pseudo-gradient-like magnitudes
     out = torch.empty_like(x)
-    codecs = {n: mod.get_codec(n) for n in names}
+    codecs = {n: make(n) for n in names}
     times: dict[str, dict[str, list[float]]] = {n: {"encode": [], "decode": [], "both": []} for n in names}
     for r in range(repeats + 1):  # the first round warms up
         for name, codec in codecs.items():

@@ -119,7 +119,7 @@ def single_worker(params: float) -> dict:
     import torch
 
     from opendiloco import DiLoCoOptimizer, SingleWorker
-    from opendiloco.comm.compression import get_codec
+    from opendiloco.comm.formats import get_codec
 
     torch.manual_seed(0)
     model, width = mlp(params)

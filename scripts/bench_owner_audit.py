@@ -19,7 +19,7 @@ import time
 import torch
 
 from opendiloco.comm.base import RoundKey
-from opendiloco.comm.compression import get_codec
+from opendiloco.comm.formats import get_codec
 from opendiloco.comm.runner import DEFAULT_PART_NUMEL, Group, RoundRunner
 from opendiloco.testing.memory import MemoryNetwork
 

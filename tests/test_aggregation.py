@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from opendiloco.comm.aggregation import Aggregation, lower_median
-from opendiloco.comm.compression import get_codec
+from opendiloco.comm.formats import get_codec
 from opendiloco.comm.runner import ShardReducer
 
 

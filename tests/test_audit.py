@@ -13,7 +13,7 @@ import torch
 from opendiloco.comm import audit
 from opendiloco.comm.aggregation import Aggregation
 from opendiloco.comm.base import RoundKey
-from opendiloco.comm.compression import get_codec
+from opendiloco.comm.formats import get_codec
 from opendiloco.comm.runner import Group, RoundRunner, ShardReducer
 from opendiloco.errors import PeerFailure, ProtocolError
 from tests.test_runner import PART, honest_round, reference, run

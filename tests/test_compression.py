@@ -8,7 +8,9 @@ import sys
 import pytest
 import torch
 
-from opendiloco.comm.compression import CODECS, FP16_MAX, BlockScaled, SmallFormat, codec_label, get_codec
+from opendiloco.comm.codec import codec_label
+from opendiloco.comm.compression import FP16_MAX, BlockScaled, SmallFormat
+from opendiloco.comm.formats import CODECS, get_codec
 
 SMALL = ["int8", "int4", "e2m1", "e3m0"]
 BLOCK_SCALED = ["scaled-fp16"] + SMALL
@@ -28,7 +30,7 @@ def _bytes(encoded: dict[str, torch.Tensor]) -> bytes:
 
 def test_known_codecs():
     assert set(CODECS) == {"none", "fp16", "scaled-fp16", "int8", "int4", "e2m1", "e3m0"}
-    with pytest.raises(ValueError, match="unknown compression 'gzip'"):
+    with pytest.raises(ValueError, match="unknown format 'gzip'"):
         get_codec("gzip")
 
 
@@ -186,7 +188,7 @@ def test_codec_label_names_both_formats_only_when_they_differ():
 
 _OTHER_PROCESS = """
 import sys, torch
-from opendiloco.comm.compression import get_codec
+from opendiloco.comm.formats import get_codec
 name, n = sys.argv[1], int(sys.argv[2])
 payload = open(sys.argv[3], "rb").read()
 x = torch.load(sys.argv[4])

@@ -19,7 +19,8 @@ import numpy as np
 import pytest
 import torch
 
-from opendiloco.comm.compression import SmallFormat, _float_magnitudes, get_codec
+from opendiloco.comm.compression import SmallFormat, _float_magnitudes
+from opendiloco.comm.formats import get_codec
 
 SMALL = ["int8", "int4", "e2m1", "e3m0"]
 BLOCK_SCALED = ["scaled-fp16", *SMALL]

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from opendiloco import AveragingError, InProcessGroup, SingleWorker
-from opendiloco.comm.compression import get_codec
+from opendiloco.comm.formats import get_codec
 
 
 def _average_all(run_replicas, group, inputs, weights, steps=None, timeout=10.0):
@@ -102,7 +102,7 @@ def test_all_zero_weights_is_an_error(run_replicas):
 def test_group_validation_and_single_worker():
     with pytest.raises(ValueError):
         InProcessGroup(0)
-    with pytest.raises(ValueError, match="unknown compression"):
+    with pytest.raises(ValueError, match="unknown format"):
         InProcessGroup(2, compression="zip")
     x = [torch.tensor([1.0, 1e-5, 70000.0])]
     res = SingleWorker("fp16").average(x, weight=3.0, outer_step=7)

@@ -16,7 +16,7 @@ import torch
 
 from opendiloco.comm.aggregation import Aggregation
 from opendiloco.comm.base import RoundKey
-from opendiloco.comm.compression import get_codec
+from opendiloco.comm.formats import get_codec
 from opendiloco.comm.runner import (
     Answer,
     Group,

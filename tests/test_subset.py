@@ -17,9 +17,10 @@ from torch import nn
 from opendiloco import DiLoCoOptimizer, InProcessGroup, SingleWorker
 from opendiloco.comm.aggregation import Aggregation
 from opendiloco.comm.base import RoundKey
-from opendiloco.comm.compression import codec_label, get_codec
+from opendiloco.comm.codec import codec_label
+from opendiloco.comm.formats import get_codec
 from opendiloco.comm.runner import Group, RoundRunner, group_label
-from opendiloco.comm.subset import BLOCK, Subset, parse_subset, start_subset
+from opendiloco.comm.subset import BLOCK, Subset, start_subset
 from opendiloco.errors import AveragingError
 from opendiloco.testing.memory import MemoryNetwork
 from opendiloco.train.config import ConfigError, load_config
@@ -39,8 +40,7 @@ def wide(seed: int = 0, bn: bool = False) -> nn.Module:
 # -- choosing the values --------------------------------------------------------------------------
 
 def test_names():
-    assert parse_subset("int4") == (None, "int4")
-    assert parse_subset("subset32+int4") == (Subset(32), "int4")
+    assert get_codec("subset32+int4").values.label == "int4"
     assert codec_label(get_codec("subset32+int4")) == "subset32+int4"
     assert codec_label(get_codec("subset32+int4"), get_codec("int8")) == "subset32+int4/int8.v2"
     assert codec_label(get_codec("subset32+int4"), get_codec("int4")) == "subset32+int4"
@@ -178,7 +178,7 @@ def _lone_subset_run(compression, rounds=12, H=2):
     owed in the local weights), what it sent (scattered), and what is owed in the weights at the end."""
     model = wide()
     numel = sum(p.numel() for p in model.parameters())
-    subset, sent, compact = parse_subset(compression)[0], [], []
+    subset, sent, compact = get_codec(compression).subset, [], []
 
     class Recorder(SingleWorker):
         def start(self, flat, *, key, **kw):

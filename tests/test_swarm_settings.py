@@ -14,7 +14,7 @@ import torch
 from opendiloco.comm import SingleWorker
 from opendiloco.comm.aggregation import Aggregation
 from opendiloco.comm.base import PROGRESS_FIELDS, Communicator, Progress, check_progress
-from opendiloco.comm.compression import get_codec
+from opendiloco.comm.formats import get_codec
 from opendiloco.comm.local import average_alone
 from opendiloco.errors import AveragingError, SwarmError
 from opendiloco.swarm.communicator import SwarmSettings

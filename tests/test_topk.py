@@ -11,8 +11,9 @@ import torch
 
 from opendiloco import DiLoCoOptimizer, InProcessGroup
 from opendiloco.comm.aggregation import Aggregation
-from opendiloco.comm.compression import codec_label, get_codec
-from opendiloco.comm.topk import CHUNK, index_bytes, pack_indices, parse_topk, unpack_indices
+from opendiloco.comm.codec import codec_label
+from opendiloco.comm.formats import get_codec
+from opendiloco.comm.topk import CHUNK, index_bytes, pack_indices, unpack_indices
 from opendiloco.comm.wire import Code, Refused
 from opendiloco.errors import PeerFailure, ProtocolError
 from opendiloco.fingerprint import new_hasher
@@ -137,7 +138,7 @@ def test_every_machine_decodes_the_same_bytes_to_the_same_values():
     payload = get_codec(NAME).to_bytes(torch.randn(2 * CHUNK + 77, generator=torch.Generator().manual_seed(3)))
     here = new_hasher()
     here.update(get_codec(NAME).from_bytes(payload, 2 * CHUNK + 77).numpy().tobytes())
-    code = ("import sys, torch; from opendiloco.comm.compression import get_codec; "
+    code = ("import sys, torch; from opendiloco.comm.formats import get_codec; "
             "from opendiloco.fingerprint import new_hasher; p = sys.stdin.buffer.read(); h = new_hasher(); "
             f"h.update(get_codec({NAME!r}).from_bytes(p, {2 * CHUNK + 77}).numpy().tobytes()); print(h.hexdigest())")
     there = subprocess.run([sys.executable, "-c", code], input=bytes(payload), capture_output=True, timeout=120)
@@ -149,7 +150,7 @@ def test_top_k_formats_are_named_apart_and_their_averages_travel_dense():
     assert codec.averages.label == "e2m1"
     labels = {codec_label(get_codec(n), get_codec(n).averages) for n in (NAME, "topk32+e2m1", "topk64+int4", "e2m1")}
     assert len(labels) == 4  # workers with other top-k settings never average together
-    assert parse_topk("topk64+e2m1") == (64, "e2m1") and parse_topk("e2m1") == (None, "e2m1")
+    assert (get_codec("topk64+e2m1").every, get_codec("topk64+e2m1").values.label) == (64, "e2m1")
     for bad in ("topk3+e2m1", "topk8192+e2m1"):
         with pytest.raises(ValueError, match="must divide 4096"):
             get_codec(bad)

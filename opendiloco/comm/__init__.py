@@ -5,7 +5,7 @@ Nothing here imports hivemind: the swarm transport lives in ``opendiloco.swarm``
 
 from ..errors import AveragingError, BehindError
 from .base import AverageResult, Communicator, RoundKey, Work
-from .compression import CODECS, get_codec
+from .formats import CODECS, get_codec
 from .local import InProcessGroup, SingleWorker
 from .ranks import LocalRanks
 

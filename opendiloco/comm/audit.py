@@ -39,7 +39,7 @@ from blake3 import blake3
 
 from ..fingerprint import tensor_bytes
 from .aggregation import Aggregation
-from .compression import BlockScaled, Codec, Float16Compression, NoCompression, SmallFormat
+from .codec import Codec, Rounding
 
 DEFAULT_AUDIT_CHUNKS = 4
 """Chunks of every other owner's shard a member audits per round (0: no audit)."""
@@ -103,8 +103,7 @@ def leaf_hash(values: torch.Tensor) -> bytes:
 def value_dtype(codec: Codec) -> torch.dtype:
     """The dtype an owner decodes a member's part of ``codec`` to (``Codec.view_bytes``): what its Merkle
     leaves hash, and what audit answers carry (fp16 for ``fp16``: half the bytes of fp32)."""
-    block = rounding(codec)[0] if rounding(codec)[0] < 1 << 20 else 1
-    return codec.view_bytes(codec.to_bytes(torch.zeros(block)), block).dtype
+    return codec.view_dtype
 
 
 def _node(left: bytes, right: bytes) -> bytes:
@@ -196,24 +195,15 @@ def norms_agree(claimed: float, actual: float) -> bool:
     return abs(claimed - actual) <= 2e-3 * abs(actual) + 1e-30
 
 
-def rounding(codec: Codec) -> tuple[int, float, float]:
+def rounding(codec: Codec) -> Rounding:
     """(block, relative step, absolute step): a decoded value is within ``relative`` x its block's
-    largest magnitude, plus ``absolute``, of what was encoded (generous: rounding is half a step)."""
-    if isinstance(codec, NoCompression):
-        return 1, 1e-6, 0.0
-    if isinstance(codec, Float16Compression):
-        return 1, 2.0**-10, 2.0**-23  # fp16's subnormals are 2**-24 apart
-    if isinstance(codec, SmallFormat):
-        gaps = (codec.magnitudes[1:] - codec.magnitudes[:-1]).max()
-        return codec.block_size, float(gaps) / codec.top, 0.0
-    if isinstance(codec, BlockScaled):
-        return codec.block_size, 2.0**-10, 0.0
-    return 1 << 30, 1.0, 0.0  # an unknown codec: its largest magnitude
+    largest magnitude, plus ``absolute``, of what was encoded; the codec says (``Codec.rounding``)."""
+    return codec.rounding
 
 
 def tolerance(result: torch.Tensor, part_result: torch.Tensor, offset: int, codec: Codec) -> torch.Tensor:
     """Per value of ``result`` (a chunk of ``part_result``, at ``offset``), how far rounding may move it."""
-    block, step, absolute = rounding(codec)
+    block, step, absolute = codec.rounding
     if block == 1:
         scale = result.abs()
     else:
@@ -229,7 +219,7 @@ def tolerance(result: torch.Tensor, part_result: torch.Tensor, offset: int, code
 def as_sent(expected: torch.Tensor, codec: Codec) -> torch.Tensor:
     """What an honest owner would send of ``expected``, where a chunk alone encodes as it does in its
     part (value by value: fp16 saturates, say); else ``expected`` itself (``tolerance`` covers it)."""
-    return codec.roundtrip(expected) if rounding(codec)[0] == 1 else expected
+    return codec.roundtrip(expected) if codec.rounding.block == 1 else expected
 
 
 def result_norm_bound(aggregation: Aggregation, declared: Sequence[float], norms: Sequence[float], codec: Codec,
@@ -254,7 +244,7 @@ def result_norm_bound(aggregation: Aggregation, declared: Sequence[float], norms
         bound = sum(weights[i] / total * n for i, n in zip(members, clipped))
     else:
         bound = max(clipped)
-    block, step, absolute = rounding(codec)
+    block, step, absolute = codec.rounding
     return bound * (1 + step * math.sqrt(min(block, max(numel, 1)))) * 1.01 + absolute * math.sqrt(numel) + 1e-30
 
 

@@ -224,15 +224,16 @@ class Communicator(ABC):
 
     @property
     def wire_format(self):
-        """The codec this communicator's contributions travel in (``opendiloco.comm.compression``), if it
-        has one: the optimizer checks what a format needs of it (a top-k format: error feedback)."""
+        """The codec this communicator's contributions travel in (``opendiloco.comm.codec``), if it has one:
+        the optimizer asks it what a round sends and owes, and what the format needs (error feedback)."""
         return getattr(self, "codec", None)
 
     @property
     def subset(self):
         """The shared-seed subset (``opendiloco.comm.subset.Subset``) that this communicator's wire format
         names, e.g. ``subset32+int4``; None: whole contributions. The caller (``DiLoCoOptimizer``, which
-        knows which values are updates and which are buffers) sends only that subset through ``start``."""
+        knows which values are updates and which are buffers) sends only that subset through ``start``
+        (the format's ``start_round``)."""
         return getattr(getattr(self, "codec", None), "subset", None)
 
     def average(self, tensors: Sequence[torch.Tensor], *, weight: float = 1.0, outer_step: int = 0) -> AverageResult:

@@ -1,5 +1,6 @@
 """Wire codecs for pseudo-gradients, in plain torch.
 
+The dense formats (every value travels; the registry of names is ``opendiloco.comm.formats``).
 Three kinds: ``none`` (fp32), ``fp16`` (saturating), and the block-scaled family: each block of
 values is divided by one fp32 scale (its absolute maximum over the format's largest magnitude)
 and rounded to a small format: scaled fp16 (``scaled-fp16``), 8-bit integers (``int8``), 4-bit
@@ -13,7 +14,7 @@ average is encoded once, by the peer that reduced it, and every peer (that one i
 uses the decoded bytes.
 
 An encoded tensor is a ``dict[str, torch.Tensor]`` of flat CPU tensors; ``decode`` needs the
-element count because block-wise codecs pad.
+element count because block-wise codecs pad. What every codec is (and says about itself): ``codec.py``.
 """
 
 from __future__ import annotations
@@ -24,111 +25,22 @@ import math
 import os
 import queue
 import threading
-import warnings
-from abc import ABC, abstractmethod
 
 import torch
 
-from ..errors import NonFiniteError, ProtocolError
+from ..errors import NonFiniteError
 from ..fingerprint import tensor_bytes
+from .codec import Codec, Rounding, codec_label
+
+__all__ = ["FP16_MAX", "BlockScaled", "Codec", "Float16Compression", "NoCompression", "ScaledFloat16Compression",
+           "SmallFormat", "codec_label", "e2m1", "e3m0", "int4", "int8"]
 
 FP16_MAX = float(torch.finfo(torch.float16).max)
 
 
-class Codec(ABC):
-    name: str
-    revision: int = 1
-    """Bumped when a codec's bytes change under the same name: peers of different revisions never group."""
-
-    @property
-    def label(self) -> str:
-        return self.name if self.revision == 1 else f"{self.name}.v{self.revision}"
-
-    @property
-    def averages(self) -> Codec:
-        """The format the averages travel back in unless ``result_compression`` names one: this one
-        (a top-k format's: its value format, ``opendiloco.comm.topk``)."""
-        return self
-
-    @abstractmethod
-    def encode(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Encode a flat fp32 CPU tensor."""
-
-    @abstractmethod
-    def decode(self, encoded: dict[str, torch.Tensor], numel: int) -> torch.Tensor:
-        """Decode back to a flat fp32 tensor of ``numel`` elements."""
-
-    @abstractmethod
-    def expected_fields(self, numel: int) -> dict[str, tuple[torch.dtype, int]]:
-        """The fields ``encode`` produces for ``numel`` elements: name -> (dtype, element count).
-
-        Used to validate what a peer sends before decoding it.
-        """
-
-    def roundtrip(self, flat: torch.Tensor) -> torch.Tensor:
-        return self.decode(self.encode(flat), flat.numel())
-
-    def roundtrip_into(self, flat: torch.Tensor, out: torch.Tensor, chunk: int = 1 << 20) -> torch.Tensor:
-        """``out[:] = roundtrip(flat)``, a cache-sized chunk at a time (no full-size wire copy).
-
-        Chunks are multiples of every codec's block, so the values equal those of encoding
-        ``flat`` in parts of the same size, as the round runner does.
-        """
-        for a in range(0, flat.numel(), chunk):
-            self.decode_into(self.to_bytes(flat[a : a + chunk]), out[a : a + chunk])
-        return out
-
-    def wire_bytes(self, numel: int) -> int:
-        return sum(torch.empty(0, dtype=dt).element_size() * n for dt, n in self.expected_fields(numel).values())
-
-    def to_bytes_with_error(self, flat: torch.Tensor, error_out: torch.Tensor) -> memoryview | bytes:
-        """``to_bytes``, and ``error_out[:] = flat - decoded payload``: what this encoding lost (error
-        feedback adds it to the next contribution)."""
-        payload = self.to_bytes(flat)
-        self.decode_into(payload, error_out)
-        torch.sub(flat, error_out, out=error_out)
-        return payload
-
-    def to_bytes(self, flat: torch.Tensor) -> memoryview | bytes:
-        """``encode`` as one payload: the fields' bytes in name order (no copy for one-field codecs)."""
-        fields = self.encode(flat)
-        names = sorted(fields)
-        if len(names) == 1:
-            return tensor_bytes(fields[names[0]])
-        return b"".join(tensor_bytes(fields[n]) for n in names)
-
-    def from_bytes(self, payload: bytes, numel: int) -> torch.Tensor:
-        """Decodes a payload made by ``to_bytes``; refuses one whose size does not fit ``numel``."""
-        fields = self._fields(payload, numel)
-        return self.decode(fields, numel) if numel else torch.zeros(0)
-
-    def view_bytes(self, payload: bytes, numel: int) -> torch.Tensor:
-        """The payload's values in a form ``torch.add`` accepts: no copy where the wire dtype is a float
-        (fp16, fp32), decoded to fp32 otherwise. Same values as ``from_bytes``."""
-        return self.from_bytes(payload, numel)
-
-    def decode_into(self, payload: bytes, out: torch.Tensor) -> None:
-        """Decodes a payload straight into the fp32 tensor ``out`` (one pass where the codec allows)."""
-        out.copy_(self.view_bytes(payload, out.numel()))
-
-    def _fields(self, payload: bytes, numel: int) -> dict[str, torch.Tensor]:
-        expected = self.expected_fields(numel)
-        sizes = {n: torch.empty(0, dtype=dt).element_size() * c for n, (dt, c) in expected.items()}
-        if len(payload) != sum(sizes.values()):
-            raise ProtocolError(f"payload of {len(payload)} bytes; {sum(sizes.values())} expected for {numel} values")
-        fields, offset = {}, 0
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)  # read-only bytes: decoding never writes to them
-            for name in sorted(expected):
-                dtype, count = expected[name]
-                fields[name] = torch.frombuffer(payload, dtype=dtype, count=count, offset=offset) if count \
-                    else torch.empty(0, dtype=dtype)
-                offset += sizes[name]
-        return fields
-
-
 class NoCompression(Codec):
     name = "none"
+    rounding = Rounding(1, 1e-6, 0.0)
 
     def encode(self, flat):
         return {"values": flat.detach().to(torch.float32).contiguous()}
@@ -147,6 +59,8 @@ class Float16Compression(Codec):
     """Round to fp16, saturating at the fp16 range instead of producing inf."""
 
     name = "fp16"
+    rounding = Rounding(1, 2.0**-10, 2.0**-23)  # fp16's subnormals are 2**-24 apart
+    view_dtype = torch.float16
 
     def encode(self, flat):
         # Saturate only when a value is out of range (one fast min/max pass decides), and then on the
@@ -190,6 +104,10 @@ class BlockScaled(Codec):
     bits: int = 8
     CHUNK = 1 << 18
     """Values per chunk (a multiple of every block size)."""
+
+    @property
+    def rounding(self) -> Rounding:
+        return Rounding(self.block_size, 2.0**-10, 0.0)
 
     def _num_blocks(self, numel: int) -> int:
         return math.ceil(numel / self.block_size)
@@ -425,6 +343,8 @@ class SmallFormat(BlockScaled):
     comparisons (``_quantize``); decoding looks each byte up in a table of its values.
     """
 
+    error_feedback_pays = True
+
     def __init__(self, name: str, bits: int, magnitudes: list[float], block_size: int):
         if bits not in (4, 8) or len(magnitudes) != 1 << (bits - 1) or magnitudes[0] != 0:
             raise ValueError("magnitudes: 2**(bits-1) ascending values from 0")
@@ -443,6 +363,11 @@ class SmallFormat(BlockScaled):
         # 8 bits: one value per byte; 4 bits: both values of a byte as one 64-bit word.
         self._decode_table = values if bits == 8 else \
             torch.stack([values.repeat(16), values.repeat_interleave(16)], 1).view(torch.int64).reshape(-1)
+
+    @property
+    def rounding(self) -> Rounding:
+        gaps = (self.magnitudes[1:] - self.magnitudes[:-1]).max()
+        return Rounding(self.block_size, float(gaps) / self.top, 0.0)
 
     @functools.cached_property
     def _constants(self) -> dict[str, torch.Tensor]:
@@ -552,64 +477,19 @@ def _float_magnitudes(exponent_bits: int, mantissa_bits: int, bias: int, count: 
     return out
 
 
-def _int8():  # revision 2: offset codes in blocks of 256 (revision 1: two's complement in blocks of 1024)
+def int8() -> SmallFormat:  # revision 2: offset codes in blocks of 256 (revision 1: two's complement in blocks of 1024)
     codec = SmallFormat("int8", 8, [float(i) for i in range(128)], block_size=256)
     codec.revision = 2
     return codec
 
 
-def _int4():
+def int4() -> SmallFormat:
     return SmallFormat("int4", 4, [float(i) for i in range(8)], block_size=64)
 
 
-def _e2m1():  # OCP MX FP4: 0, 0.5, 1, 1.5, 2, 3, 4, 6
+def e2m1() -> SmallFormat:  # OCP MX FP4: 0, 0.5, 1, 1.5, 2, 3, 4, 6
     return SmallFormat("e2m1", 4, _float_magnitudes(2, 1, 1, 8), block_size=64)
 
 
-def _e3m0():  # powers of two, 2^-6 .. 2^0, and zero
+def e3m0() -> SmallFormat:  # powers of two, 2^-6 .. 2^0, and zero
     return SmallFormat("e3m0", 4, [0.0] + [2.0**-k for k in range(6, -1, -1)], block_size=64)
-
-
-CODECS: dict[str, object] = {
-    "none": NoCompression, "fp16": Float16Compression, "scaled-fp16": ScaledFloat16Compression,
-    "int8": _int8, "int4": _int4, "e2m1": _e2m1, "e3m0": _e3m0,
-}
-"""Codec name -> a callable that makes one."""
-QUANTIZED = frozenset({"int8", "int4", "e2m1", "e3m0"})
-"""The formats coarse enough for error feedback to pay (on by default in the trainer)."""
-
-
-def get_codec(name: str) -> Codec:
-    """The codec ``name``. ``subsetN+name`` is that codec with ``subset`` set (``opendiloco.comm.subset``):
-    the optimizer sends the round's subset through it, and the group label names it. ``topkN+name``
-    sends the largest 1/N of every chunk with their indices, in that value format (``opendiloco.comm.topk``)."""
-    from .subset import parse_subset  # here, not at the top: the codecs' part of this file stays as it is
-    from .topk import parse_topk, topk_codec
-
-    subset, base = parse_subset(name)
-    every, values = parse_topk(base)
-    if every is not None and subset is not None:
-        raise ValueError(f"{name!r}: a subset and top-k do not combine; choose one")
-    try:
-        codec = CODECS[values]()
-    except KeyError:
-        raise ValueError(f"unknown compression {name!r}; choose one of {sorted(CODECS)}, "
-                         "or subsetN+ or topkN+ one of them") from None
-    if every is not None:
-        codec = topk_codec(every, codec)
-    codec.subset = subset
-    return codec
-
-
-def codec_label(codec: Codec, result_codec: Codec | None = None) -> str:
-    """How a group names its wire formats: ``int4``, ``int4/int8`` when averages travel wider,
-    ``subset32+int4`` when a round sends a shared-seed subset."""
-    subset = getattr(codec, "subset", None)
-    label = codec.label if subset is None else f"{subset.label}+{codec.label}"
-    if result_codec is None or result_codec is codec:
-        return label
-    if getattr(result_codec, "subset", None) is not None:
-        raise ValueError("the averages are of the contributions' values: their format takes no subsetN+ prefix")
-    if result_codec.label == codec.label:
-        return label
-    return f"{label}/{result_codec.label}"

@@ -10,7 +10,8 @@ import torch
 
 from ..errors import AveragingError
 from .base import AverageResult, Communicator, CompletedWork, FutureWork, RoundKey, Work
-from .compression import Codec, get_codec
+from .codec import Codec
+from .formats import get_codec
 
 
 def average_alone(codec: Codec, flat: torch.Tensor, weight: float, out: torch.Tensor,

@@ -38,7 +38,7 @@ from ..errors import (
     RoundCounted,
 )
 from .base import AverageResult, Communicator, CompletedWork, RoundKey, Work
-from .compression import get_codec
+from .formats import get_codec
 
 log = logging.getLogger(__name__)
 

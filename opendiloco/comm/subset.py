@@ -10,13 +10,13 @@ every member scatters the same decoded bytes back, so replicas stay bit-identica
 value gets exactly zero pseudo-gradient in that round.
 
 What is not sent is owed to later rounds (error feedback, required with a subset), and it is owed
-in the local weights (``carry_unsent``): after the outer step an unselected value of θ_local is θ_global
-minus its whole contribution, so local training goes on from where it was and the next Δ holds the
-owed work. Owing it in the residual instead (θ_local reset to θ_global, the contribution added to
-the next one) restarts every round of an unsent value from the same stale θ_global, so N rounds of
-owed displacement overshoot N-fold: held-out loss 30 instead of 2 after 32 rounds of
-``subset32+int4`` (benchmarks/convergence.py). The residual keeps what the codec lost of the values
-that were sent.
+in the local weights (``opendiloco.fragment.carry_unsent``): after the outer step an unselected
+value of θ_local is θ_global minus its whole contribution, so local training goes on from where it
+was and the next Δ holds the owed work. Owing it in the residual instead (θ_local reset to
+θ_global, the contribution added to the next one) restarts every round of an unsent value from
+the same stale θ_global, so N rounds of owed displacement overshoot N-fold: held-out loss 30
+instead of 2 after 32 rounds of ``subset32+int4`` (benchmarks/convergence.py). The residual keeps
+what the codec lost of the values that were sent.
 
 The selection is by blocks of ``BLOCK`` consecutive values, and it cycles: over each ``N`` rounds of a
 fragment, the fragment's blocks in a random order (seeded by the cycle, fragment and size) are cut
@@ -36,7 +36,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import math
-import re
 from dataclasses import dataclass
 
 import numpy as np
@@ -44,11 +43,11 @@ import torch
 
 from ..errors import AveragingError
 from .base import AverageResult, Communicator, RoundKey, Work
+from .codec import Codec, Rounding
 
 BLOCK = 256
 """Values per selectable block (a multiple of the int4/e2m1/e3m0 block, the int8 block)."""
 MAX_EVERY = 1024
-_NAME = re.compile(r"^subset([1-9][0-9]*)\+(.+)$")
 
 
 @dataclass(frozen=True)
@@ -95,20 +94,6 @@ def _block_order(every: int, cycle: int, fragment: int, numel: int) -> torch.Ten
     seed = f"opendiloco subset|every={every}|cycle={cycle}|fragment={fragment}|numel={numel}".encode()
     keys = np.frombuffer(hashlib.shake_256(seed).digest(8 * nb), dtype="<u8")
     return torch.from_numpy(np.argsort(keys, kind="stable").astype(np.int32))
-
-
-def parse_subset(name: str) -> tuple[Subset | None, str]:
-    """``"subset32+int4"`` -> (Subset(32), ``"int4"``); a name without the prefix -> (None, name).
-    ``ValueError`` (one line) for a malformed subset name."""
-    if not isinstance(name, str) or not name.startswith("subset"):
-        return None, name
-    match = _NAME.match(name)
-    if match is None:
-        raise ValueError(f"bad format {name!r}: a subset format is subsetN+FORMAT, e.g. subset32+int4")
-    try:
-        return Subset(int(match.group(1))), match.group(2)
-    except ValueError as e:
-        raise ValueError(f"bad format {name!r}: {e}") from None
 
 
 def start_subset(communicator: Communicator, subset: Subset, flat: torch.Tensor, *, head: int, weight: float,
@@ -162,24 +147,69 @@ class SubsetWork(Work):
         return self._result is not None or self.inner.done()
 
 
-@torch.no_grad()
-def carry_unsent(local: list[torch.Tensor], global_: list[torch.Tensor], work: torch.Tensor, idx: torch.Tensor,
-                 scratch: torch.Tensor) -> None:
-    """After a subset round's outer step: every value of θ_local the round did not send (not in ``idx``)
-    becomes the new θ_global minus ``work``, its θ_global − θ_local + owed taken before the step (its
-    whole contribution, and the steps taken since, with overlap), so it keeps its local progress; the
-    sent values keep what the step gave them. ``local``, ``global_``: a fragment's parameters; ``work``
-    and ``scratch``: flat fp32 vectors of their size (reused buffers: no allocation, no boolean mask).
-    """
-    offset, first = 0, 0
-    for p, g in zip(local, global_):
-        n = p.numel()
-        last = first + int(torch.searchsorted(idx[first:], offset + n))  # idx ascending
-        target = scratch[offset : offset + n]
-        torch.sub(g.detach().reshape(-1), work[offset : offset + n], out=target)
-        if last > first:
-            sent = idx[first:last] - offset
-            values = p.detach().reshape(-1).index_select(0, sent.to(p.device))
-            target.index_copy_(0, sent, values.to("cpu", torch.float32))
-        p.copy_(target.view(p.shape))
-        offset, first = offset + n, last
+
+class SubsetCodec(Codec):
+    """``subsetN+F``: a round sends the shared-seed ``subset`` of a fragment's pseudo-gradient (and its
+    buffers whole) as one dense vector in the value format ``values``, whose bytes these are. What it
+    does not send is owed in the local weights (error feedback, required)."""
+
+    needs_error_feedback = True
+
+    def __init__(self, every: int, values: Codec):
+        self.subset, self.values = Subset(every), values
+        self.name = f"{self.subset.label}+{values.name}"
+
+    @property
+    def label(self) -> str:
+        return f"{self.subset.label}+{self.values.label}"
+
+    @property
+    def values_label(self) -> str:
+        return self.values.label
+
+    @property
+    def averages(self) -> Codec:
+        return self.values
+
+    @property
+    def rounding(self) -> Rounding:
+        return self.values.rounding
+
+    @property
+    def view_dtype(self) -> torch.dtype:
+        return self.values.view_dtype
+
+    def start_round(self, communicator, flat, *, head, weight, key, fragments, out, error_out):
+        return start_subset(communicator, self.subset, flat, head=head, weight=weight, key=key, fragments=fragments,
+                            out=out, error_out=error_out)
+
+    def sent(self, key, fragments, contribution, error):
+        return self.subset.indices(key, contribution.numel(), fragments)
+
+    # the bytes: the value format's
+    def encode(self, flat):
+        return self.values.encode(flat)
+
+    def decode(self, encoded, numel):
+        return self.values.decode(encoded, numel)
+
+    def expected_fields(self, numel):
+        return self.values.expected_fields(numel)
+
+    def roundtrip_into(self, flat, out, chunk=1 << 20):
+        return self.values.roundtrip_into(flat, out, chunk)
+
+    def to_bytes_with_error(self, flat, error_out):
+        return self.values.to_bytes_with_error(flat, error_out)
+
+    def to_bytes(self, flat):
+        return self.values.to_bytes(flat)
+
+    def from_bytes(self, payload, numel):
+        return self.values.from_bytes(payload, numel)
+
+    def view_bytes(self, payload, numel):
+        return self.values.view_bytes(payload, numel)
+
+    def decode_into(self, payload, out):
+        self.values.decode_into(payload, out)

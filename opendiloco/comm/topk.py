@@ -15,7 +15,7 @@ all-gather of everyone's entries would.
 What a member does not send is owed to its later rounds (error feedback, required). The codec's
 error is exactly the values it left out plus what the value format rounded; ``DiLoCoOptimizer``
 then owes the left-out values in the local weights (they keep their local progress) and only the
-rounding in the residual, as with a subset (``opendiloco.comm.subset``, ``carry_unsent``).
+rounding in the residual, as with a subset (``opendiloco.comm.subset``; ``opendiloco.fragment.carry_unsent``).
 
 A payload is checked before it is used: indices inside their chunk, strictly increasing (so no
 value is counted twice), the padding of an odd count zero, and the value format's own checks. A
@@ -25,27 +25,13 @@ the same bytes.
 
 from __future__ import annotations
 
-import re
-
 import torch
 
 from ..errors import ProtocolError
-from .compression import Codec
+from .codec import Codec
 
 CHUNK = 4096
 MAX_EVERY = CHUNK
-_NAME = re.compile(r"^topk([1-9][0-9]*)\+(.+)$")
-
-
-def parse_topk(name: str) -> tuple[int | None, str]:
-    """(N, the value format) for ``topkN+F``; (None, name) for any other name; ``ValueError`` for a bad N."""
-    match = _NAME.match(name)
-    if match is None:
-        return None, name
-    every = int(match.group(1))
-    if not 2 <= every <= MAX_EVERY or CHUNK % every:
-        raise ValueError(f"{name!r}: N in topkN+ must divide {CHUNK} and be 2..{MAX_EVERY}")
-    return every, match.group(2)
 
 
 def _layout(size: int, k: int) -> tuple[int, int, int, int]:
@@ -138,16 +124,32 @@ def unpack_indices(packed: torch.Tensor, numel: int, every: int) -> torch.Tensor
 
 
 class TopK(Codec):
-    """The largest ``1/every`` of each chunk's values (at least one), their values in ``values``."""
+    """The largest ``1/every`` of each chunk's values (at least one), their values in ``values``.
+
+    What it does not send is owed (error feedback, required); its averages are of updates, not values
+    (no module buffers); the unsent may be owed in a decayed residual instead (``error_decay``)."""
+
+    needs_error_feedback = allows_error_decay = True
+    takes_buffers = False
+    revision = 3  # 3: Elias-Fano indices (2: 12-bit, 1: 16-bit)
 
     def __init__(self, every: int, values: Codec):
+        if not 2 <= every <= MAX_EVERY or CHUNK % every:
+            raise ValueError(f"N in topkN+ must divide {CHUNK} and be 2..{MAX_EVERY}")
         self.every, self.values = every, values
-        self.name = f"topk{every}+{values.label}"
-        self.revision = 3  # 3: Elias-Fano indices (2: 12-bit, 1: 16-bit)
+        self.name = f"topk{every}+{values.name}"
+
+    @property
+    def label(self) -> str:
+        return f"topk{self.every}+{self.values.label}.v{self.revision}"
 
     @property
     def averages(self) -> Codec:
         return self.values
+
+    def sent(self, key, fragments, contribution, error):
+        """The values it did not owe whole: the round's error of a sent value is its rounding only."""
+        return torch.ne(contribution, error).nonzero().squeeze(1)
 
     def _k(self, size: int) -> int:
         return _entries(size, self.every)
@@ -205,8 +207,3 @@ class TopK(Codec):
     def decode_into(self, payload, out):
         out.copy_(self.from_bytes(payload, out.numel()))
 
-
-def topk_codec(every: int, values: Codec) -> TopK:
-    if getattr(values, "subset", None) is not None or isinstance(values, TopK):
-        raise ValueError("topkN+ takes a plain value format (e.g. e2m1)")
-    return TopK(every, values)

@@ -42,7 +42,7 @@ import uvloop
 from ..comm.aggregation import Aggregation
 from ..comm.audit import DEFAULT_AUDIT_CHUNKS
 from ..comm.base import AverageResult, Communicator, FutureWork, RoundKey, StateProvider, Work
-from ..comm.compression import get_codec
+from ..comm.formats import get_codec
 from ..comm.local import average_alone
 from ..comm.runner import DEFAULT_PART_NUMEL, Group, RoundOutcome, RoundRunner, Rounds, group_label, resolve
 from ..comm.wire import ByteStream, Code

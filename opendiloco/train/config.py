@@ -17,10 +17,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator, model_validator
 
-from opendiloco.comm.compression import CODECS, QUANTIZED
-from opendiloco.comm.subset import parse_subset
-from opendiloco.comm.topk import parse_topk
+from opendiloco.comm.formats import get_codec
 from opendiloco.streaming import check_schedule
+from opendiloco.train.validation_errors import describe, in_one_line
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -407,36 +406,27 @@ class SwarmConfig(Section):
     @field_validator("compression", "result_compression")
     @classmethod
     def _codec(cls, v, info):
-        if v is None:
-            return v
-        subset, base = parse_subset(v)  # a malformed subsetN+ or topkN+ name: ValueError, one line
-        every, base = parse_topk(base)
-        if (subset is not None or every is not None) and info.field_name == "result_compression":
-            raise ValueError(f"{v!r}: the averages are dense, of the contributions' values; name a format without "
-                             "subsetN+ or topkN+ (e.g. int8)")
-        if subset is not None and every is not None:
-            raise ValueError(f"{v!r}: a subset and top-k do not combine; choose one")
-        if base not in CODECS:
-            raise ValueError(f"unknown format {v!r}; choose one of {', '.join(CODECS)}, or subsetN+ or topkN+ one "
-                             "of them (e.g. subset32+int4, topk64+e2m1)")
+        if v is not None:  # the registry's one-line ValueError for any name it refuses
+            get_codec(v, averages=info.field_name == "result_compression")
         return v
 
     @model_validator(mode="after")
-    def _subset_feedback(self):
-        sparse = parse_subset(self.compression)[0] is not None or parse_topk(self.compression)[0] is not None
-        if self.error_feedback is False and sparse:
+    def _format_needs(self):
+        codec = get_codec(self.compression)
+        if self.error_feedback is False and codec.needs_error_feedback:
             raise ValueError(f"error_feedback: {self.compression} owes what a round does not send to later rounds; "
                              "it needs error feedback (leave error_feedback unset)")
-        if self.error_decay is not None and parse_topk(self.compression)[0] is None:
-            raise ValueError(f"error_decay is for the top-k formats (topkN+), not {self.compression!r}")
+        if self.error_decay is not None and not codec.allows_error_decay:
+            raise ValueError(f"error_decay is for the formats that owe what they leave out in a residual (topkN+), "
+                             f"not {self.compression!r}")
         return self
 
     @property
     def uses_error_feedback(self) -> bool:
         if self.error_feedback is not None:
             return self.error_feedback
-        return (self.compression in QUANTIZED or parse_subset(self.compression)[0] is not None
-                or parse_topk(self.compression)[0] is not None)
+        codec = get_codec(self.compression)
+        return codec.needs_error_feedback or codec.error_feedback_pays
 
     @field_validator("initial_peers")
     @classmethod
@@ -515,44 +505,6 @@ def config_fingerprint(cfg: Config) -> str:
     return hashlib.sha256(json.dumps(picked, sort_keys=True).encode()).hexdigest()[:16]
 
 
-# -- errors -----------------------------------------------------------------------------------
-
-def _describe(err: dict) -> str:
-    kind, ctx, value = err["type"], err.get("ctx") or {}, err.get("input")
-    if kind == "extra_forbidden":
-        return "unknown key"
-    for key, op in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<")):
-        if key in ctx and kind.startswith(("greater", "less")):
-            return f"must be {op} {ctx[key]}, got {value!r}"
-    if kind == "literal_error":
-        return f"must be one of {ctx.get('expected')}, got {value!r}"
-    if kind == "finite_number":
-        return f"must be a finite number, got {value!r}"
-    names = {"int": "an integer", "float": "a number", "bool": "true or false", "string": "a string",
-             "list": "a list", "tuple": "a list", "model": "a table", "dict": "a table"}
-    for prefix, name in names.items():
-        if kind.startswith(prefix + "_") and kind != "int_from_float":
-            return f"expected {name}, got {value!r}"
-    if kind == "int_from_float":
-        return f"expected an integer, got {value!r}"
-    msg = err["msg"]
-    return msg.removeprefix("Value error, ")
-
-
-def _format(exc: ValidationError, prefix: tuple = ()) -> str:
-    errors = exc.errors()
-    first = errors[0]
-    loc = ".".join(str(p) for p in (*prefix, *first["loc"]) if p != "__root__")
-    more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
-    described = _describe(first)
-    # A section's own check names its field first ("lr: ..."): make that "optim.lr: ...".
-    field_name, sep, rest = described.partition(": ")
-    section = Config.model_fields.get(loc)
-    if sep and section is not None and field_name in section.annotation.model_fields:
-        loc, described = f"{loc}.{field_name}", rest
-    return f"{loc or 'config'}: {described}{more}"
-
-
 # -- loading ----------------------------------------------------------------------------------
 
 def parse_overrides(args: list[str]) -> dict[str, dict[str, Any]]:
@@ -609,7 +561,7 @@ def _parse_value(annotation, values: list[str], dotted: str):
     try:
         return adapter.validate_python(raw)
     except ValidationError as e:
-        raise ConfigError(f"{dotted}: {_describe(e.errors()[0])}") from None
+        raise ConfigError(f"{dotted}: {describe(e.errors()[0])}") from None
 
 
 def _toml_scalar(values: list[str], dotted: str):
@@ -655,7 +607,7 @@ def validate_config(data: dict) -> Config:
         # Strict: a TOML string where a number belongs is an error, not silently converted.
         return Config.model_validate(data, strict=True)
     except ValidationError as e:
-        raise ConfigError(_format(e)) from None
+        raise ConfigError(in_one_line(e, Config.model_fields)) from None
 
 
 def to_toml(cfg: Config) -> str:

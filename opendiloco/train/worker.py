@@ -21,7 +21,8 @@ from pydantic import ValidationError
 
 from opendiloco.errors import SwarmError
 
-from .config import ConfigError, SwarmConfig, _format
+from .config import ConfigError, SwarmConfig
+from .validation_errors import in_one_line
 
 if TYPE_CHECKING:
     import torch
@@ -128,7 +129,7 @@ def connect(initial_peers: Sequence[str] | str | None = None, *, identity_dir: s
     try:
         config = SwarmConfig(**swarm, initial_peers=peers, open=bool(open), enabled=True)
     except ValidationError as e:
-        raise ConfigError(f"connect: {_format(e)}") from None
+        raise ConfigError(f"connect: {in_one_line(e)}") from None
     fingerprint = loop_fingerprint(settings, model)
     check_membership(config)
     return join_swarm(config, identity_dir=identity_dir, fingerprint=fingerprint,

@@ -143,7 +143,7 @@ def test_four_bit_contributions_with_error_feedback_average_and_agree(swarm):
     """int4 contributions and int8 averages over real p2p streams: the wire carries exactly what
     the two formats say, every worker applies the same bits, and what each one lost on the wire
     (its error feedback) is what separates its contribution from what the group averaged."""
-    from opendiloco.comm.compression import get_codec
+    from opendiloco.comm.formats import get_codec
     from opendiloco.comm.runner import DEFAULT_PART_NUMEL, part_bounds, shard_bounds
 
     swarm.bootstrap()
@@ -189,7 +189,7 @@ def test_a_shared_seed_subset_travels_alone_and_replicas_agree(swarm):
     """subset8+int4 over real p2p streams: each round carries an eighth of the values (the round's
     subset, chosen by every worker alike) in int4, and nothing else; every worker applies the same bits."""
     from opendiloco.comm.base import RoundKey
-    from opendiloco.comm.compression import get_codec
+    from opendiloco.comm.formats import get_codec
     from opendiloco.comm.runner import DEFAULT_PART_NUMEL, part_bounds, shard_bounds
     from opendiloco.comm.subset import Subset
 
