@@ -107,3 +107,7 @@ class LocalRankFailure(RuntimeError):
 
 class Interrupted(AveragingError):
     """The worker was asked to stop (a signal): a wait for peers or a state download was abandoned."""
+
+
+class TrainError(RuntimeError):
+    """A problem of the trainer's run that the user can fix (printed as one line by the CLI)."""

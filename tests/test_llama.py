@@ -10,7 +10,8 @@ import torch
 
 from opendiloco.train.config import ModelConfig
 from opendiloco.train.llama import LlamaForCausalLM, LlamaSpec
-from opendiloco.train.model import build_model, seed_generators, seeded
+from opendiloco.train.model import build_model
+from opendiloco.train.seeding import seed_generators, seeded
 
 transformers = pytest.importorskip("transformers")
 

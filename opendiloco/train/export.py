@@ -20,8 +20,8 @@ import torch
 from .checkpoint import CheckpointManager
 from .config import Config, ConfigError, validate_config
 from .hf_model import ModelError, hf_config, llama_hf_config
-from .model import seeded, special_ids
-from .tokenizer import ByteTokenizer
+from .seeding import seeded
+from .tokenizer import ByteTokenizer, special_ids
 
 
 class ExportError(RuntimeError):

@@ -23,6 +23,8 @@ import torch
 
 from ..extras import install_hint
 from .config import ModelConfig
+from .seeding import seeded
+from .tokenizer import padded_vocab
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +96,6 @@ def hf_config(cfg: ModelConfig, *, vocab_size: int | None = None, seq_len: int |
             raise ModelError(f"model.options.{name}: {model_type}'s config has no such setting{hint}")
     extra: dict = {}
     if key == "model_type":  # a default config: the tokenizer's vocabulary and special tokens
-        from .model import padded_vocab
 
         if vocab_size is not None:
             extra["vocab_size"] = padded_vocab(vocab_size)
@@ -132,8 +133,6 @@ def build_hf_model(cfg: ModelConfig, *, vocab_size: int, seq_len: int,
                 raise ModelError(f"model.pretrained: {cfg.pretrained} lacks {len(missing)} of the model's weights "
                                  f"(e.g. {missing[0]})")
         else:
-            from .model import seeded
-
             with seeded(cfg.init_seed):
                 model = transformers.AutoModelForCausalLM.from_config(config)
     except (OSError, ValueError, KeyError, ImportError) as e:

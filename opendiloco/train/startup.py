@@ -23,7 +23,7 @@ import torch
 
 from opendiloco import Communicator, DiLoCoOptimizer
 from opendiloco.comm import LocalRanks, SingleWorker
-from opendiloco.errors import Interrupted, LocalRankFailure
+from opendiloco.errors import Interrupted, LocalRankFailure, TrainError
 from opendiloco.inner import inner_optimizer
 from opendiloco.streaming import block_fragments
 
@@ -39,10 +39,6 @@ from .worker import check_membership as check_swarm_membership
 from .worker import join_swarm
 
 log = logging.getLogger(__name__)
-
-
-class TrainError(RuntimeError):
-    """A problem the user can fix (printed as one line by the CLI)."""
 
 
 def check_membership(cfg: Config, *, warn: bool = True) -> bool:

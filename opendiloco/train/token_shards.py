@@ -21,6 +21,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..errors import TrainError
+
 CHECKED_TOKENS = 1 << 20
 """Token ids checked against the vocabulary when a shard is opened (its first ones: a shard written
 by another tokenizer shows at once); every batch is checked as it is read."""
@@ -135,8 +137,6 @@ class TokenStream:
         try:
             self.shards._check(batch, "a token shard")
         except ValueError as e:  # mid-run: the trainer's error, one line for the user, not a traceback
-            from .startup import TrainError
-
             raise TrainError(f"data: {e}") from None
         return torch.from_numpy(batch)
 

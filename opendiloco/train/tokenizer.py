@@ -47,3 +47,13 @@ class HFTokenizer:
 
 def make_tokenizer(name: str):
     return ByteTokenizer() if name == "bytes" else HFTokenizer(name)
+
+
+def padded_vocab(vocab_size: int, multiple: int = 64) -> int:
+    """Rounds the embedding table up so its matmuls hit fast GPU shapes."""
+    return -(-vocab_size // multiple) * multiple
+
+
+def special_ids(tokenizer) -> dict[str, int | None]:
+    """A tokenizer's special token ids, as a ``transformers`` config names them."""
+    return {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id, "pad_token_id": tokenizer.pad_id}

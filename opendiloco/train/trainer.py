@@ -27,8 +27,9 @@ from .data import make_streams
 from .device import place
 from .hf_model import ModelError
 from .metrics import Tally, outer_step_fields
-from .model import build_model, count_parameters, seed_generators
+from .model import build_model, count_parameters
 from .ranks import RanksError, WorkerRanks
+from .seeding import seed_generators
 from .sinks import missing_package
 from .startup import (
     TrainError,
