@@ -18,7 +18,8 @@ from opendiloco import DiLoCoOptimizer, InProcessGroup, SingleWorker
 from opendiloco.comm.aggregation import Aggregation
 from opendiloco.comm.base import RoundKey
 from opendiloco.comm.compression import codec_label, get_codec
-from opendiloco.comm.runner import Group, RoundRunner, group_label
+from opendiloco.comm.group import Group, group_label
+from opendiloco.comm.runner import RoundRunner
 from opendiloco.comm.subset import BLOCK, Subset, parse_subset, start_subset
 from opendiloco.errors import AveragingError
 from opendiloco.testing.memory import MemoryNetwork
