@@ -44,6 +44,8 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class RoundOutcome:
+    """A round that completed here: the verified average (``flat``) and what it took."""
+
     flat: torch.Tensor
     total_weight: float
     digest: str
@@ -56,7 +58,6 @@ class RoundOutcome:
     (norm clipped in some part; weight claim capped)."""
     bytes_received: int = 0
     """Payload bytes of the parts and averaged parts this member received (the counterpart of ``bytes_sent``)."""
-
 
 
 def check_settings(group: Group, me: str, part_numel: int, audit_chunks: int) -> None:
@@ -72,7 +73,10 @@ def check_settings(group: Group, me: str, part_numel: int, audit_chunks: int) ->
 
 
 class RoundRunner(audit.AuditingMember, AttemptFailure):
-    """This worker's side of one round: its contribution to every shard, and the shard it owns."""
+    """This worker's side of one round: its contribution to every shard, and the shard it owns.
+
+    Its audit of the other owners is ``audit.AuditingMember``'s; how the attempt fails and whom that
+    names is ``failure.AttemptFailure``'s."""
 
     def __init__(self, group: Group, me: str, flat: torch.Tensor, weight: float, codec: Codec, *,
                  out: torch.Tensor | None = None, part_numel: int = DEFAULT_PART_NUMEL,
