@@ -51,7 +51,6 @@ class AttemptFailure:
             self._gave_up.setdefault(member, blame)
         await self._fail(PeerFailure(f"{member[-8:]} {why} before this worker had all it sends", {member}))
 
-
     @property
     def breakers(self) -> set[str]:
         """The members that broke this attempt here: the culprits of its first failure that gave up on it
@@ -72,7 +71,6 @@ class AttemptFailure:
         error = self.error
         return frozenset(error.peers) - {self.me} if isinstance(error, PeerFailure) else frozenset()
 
-
     def _checked(self, peer: str, error: ProtocolError) -> AveragingError:
         """What a ``ProtocolError`` on ``peer``'s stream says of it: a ``Malformed`` (noted) when its own
         bytes failed a check here; the error itself when the stream only closed or was refused."""
@@ -90,7 +88,6 @@ class AttemptFailure:
         for peer in error.peers:
             if peer != self.me:
                 self.malformed.setdefault(peer, str(error))
-
 
     async def _unless_failed(self, awaitable):
         """Awaits ``awaitable``, or raises as soon as the round fails (a handler never outlives its round)."""
@@ -118,7 +115,6 @@ class AttemptFailure:
                 raise (Malformed if isinstance(error, Malformed) else PeerFailure)(str(error), error.peers) from None
             raise AveragingError(str(error) if isinstance(error, AveragingError) else f"round failed: {error}") \
                 from None
-
 
     async def _fail(self, error: Exception) -> None:
         """Fails the attempt here with ``error`` (the first failure stands) and wakes every wait on it."""

@@ -145,7 +145,6 @@ UNDIALLED_GONE_S = 3.0
 out of reach, and its record would only say so once it expires (``record_ttl``, 8 s in the long scenario)."""
 
 
-
 class _Inquiry:
     """Asking the other members of the round of ``doubt`` how it ended (``find_outcome``): their answers so
     far, and whether they settle it."""
