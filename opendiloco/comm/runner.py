@@ -27,7 +27,7 @@ from dataclasses import field as dataclass_field
 
 import torch
 
-from ..errors import AveragingError, InDoubt, Malformed, PeerFailure, ProtocolError, Unreachable
+from ..errors import AveragingError, InDoubt, PeerFailure, ProtocolError, Unreachable
 from ..fingerprint import new_hasher
 from . import audit
 from .aggregation import Aggregation
@@ -35,8 +35,8 @@ from .buffers import all_finite
 from .compression import Codec
 from .failure import AttemptFailure
 from .group import DEFAULT_PART_NUMEL, MAX_WEIGHT, Group, group_label, part_bounds, shard_bounds_for
-from .reducer import ShardReducer
-from .wire import ByteStream, Code, Connect, Refused, payload_size
+from .reducer import ShardOwner, ShardReducer
+from .wire import ByteStream, Code, Connect, payload_size
 from .wire import field as meta_field
 
 log = logging.getLogger(__name__)
@@ -72,11 +72,11 @@ def check_settings(group: Group, me: str, part_numel: int, audit_chunks: int) ->
         raise ValueError(f"part_numel must be a positive int, got {part_numel!r}")
 
 
-class RoundRunner(audit.AuditingMember, AttemptFailure):
+class RoundRunner(ShardOwner, audit.AuditingMember, AttemptFailure):
     """This worker's side of one round: its contribution to every shard, and the shard it owns.
 
-    Its audit of the other owners is ``audit.AuditingMember``'s; how the attempt fails and whom that
-    names is ``failure.AttemptFailure``'s."""
+    Serving its own shard is ``reducer.ShardOwner``'s part; its audit of the other owners is
+    ``audit.AuditingMember``'s; how the attempt fails and whom that names is ``failure.AttemptFailure``'s."""
 
     def __init__(self, group: Group, me: str, flat: torch.Tensor, weight: float, codec: Codec, *,
                  out: torch.Tensor | None = None, part_numel: int = DEFAULT_PART_NUMEL,
@@ -360,22 +360,6 @@ class RoundRunner(audit.AuditingMember, AttemptFailure):
             self._manifests[j] = manifest
         return hasher.hexdigest(), float(total)
 
-    async def _own_shard(self) -> None:
-        """Our contribution to our own shard (same encode/decode as on the wire), then its average."""
-        await self._begin(self.me, self.weight)
-        a, b = self.bounds[self.my_index]
-        for i, (pa, pb) in enumerate(self.reducer.parts):
-            payload = self._encode(a + pa, a + pb)
-            self._commit(self.my_index, i, payload, pb - pa)
-            await self._add_part(self.me, i, payload)
-            await asyncio.sleep(0)  # let the streams move while we encode
-        for i, (pa, pb) in enumerate(self.reducer.parts):
-            self.result_codec.decode_into(await self._result(i), self.out[a + pa : a + pb])
-        async with self._changed:
-            self._shard_digests[self.my_index] = self.reducer.digest
-            self._shard_totals[self.my_index] = self.reducer.total_weight
-            self._changed.notify_all()
-
     @property
     def codec_label(self) -> str:
         """What the group agrees on (``group_label``)."""
@@ -421,95 +405,6 @@ class RoundRunner(audit.AuditingMember, AttemptFailure):
             log.warning("round %s: %d of %d members confirmed the average (the others may have died); applying it",
                         self.group.group_id, len(confirmed) + 1, len(self.members))
         return confirmed, missing
-
-    # -- the shard we own, as the other members see it ----------------------------------------------
-    async def serve(self, stream: ByteStream, opening: dict) -> None:
-        """An incoming contribution to our shard: reads its parts, streams the averaged parts back."""
-        sender = stream.remote
-        writer = None
-        try:
-            if sender in self._serving:
-                raise ProtocolError(f"{sender[-8:]} opened a second contribution")
-            self._serving.add(sender)
-            a, b = self.bounds[self.my_index]
-            numel, parts = meta_field(opening, "numel", int), meta_field(opening, "parts", int)
-            if numel != b - a or parts != len(self.reducer.parts):
-                raise ProtocolError(f"contribution of {opening.get('numel')!r} values in {opening.get('parts')!r} "
-                                    f"parts; this shard has {b - a} in {len(self.reducer.parts)}")
-            if meta_field(opening, "codec", str) != self.codec_label:
-                raise ProtocolError(f"codec {opening.get('codec')!r}, the group uses {self.codec_label!r}")
-            await self._begin(sender, meta_field(opening, "weight", (int, float)))
-            writer = asyncio.create_task(self._send_results(stream))
-            for i in range(len(self.reducer.parts)):
-                frame = await self._unless_failed(stream.recv(max_payload=self.reducer.part_bytes(i), expect=Code.PART))
-                self._heard(sender)
-                self.bytes_received += payload_size(frame.payload)
-                await self._add_part(sender, meta_field(frame.meta, "i", int), frame.payload)
-            await self._unless_failed(writer)
-            if self.audit_chunks:
-                request = await self._unless_failed(asyncio.wait_for(stream.recv(max_payload=0, expect=Code.AUDIT),
-                                                                     self.timeout + self.confirm_timeout))
-                await self._answer_audit(stream, sender, request.meta)
-            confirm = await self._unless_failed(asyncio.wait_for(stream.recv(max_payload=0, expect=Code.CONFIRM),
-                                                                 self.timeout + self.confirm_timeout))
-            async with self._changed:
-                self._confirms[sender] = meta_field(confirm.meta, "digest", str)
-                self._changed.notify_all()
-        except Exception as e:
-            if writer is not None:
-                writer.cancel()
-            failure = e if isinstance(e, AveragingError) else ProtocolError(f"{type(e).__name__}: {e}")
-            if isinstance(e, ProtocolError):  # the sender's bytes (a Malformed), or its stream closed
-                failure = self._checked(sender, e)
-                if not isinstance(failure, Malformed) and not isinstance(e, Refused):
-                    failure = PeerFailure(f"{sender[-8:]}: {e}", {sender})
-            if not self.finished:
-                await self._fail(failure)
-            await stream.refuse(str(e), blame=self.blame())
-            log.debug("contribution from %s ended: %s", sender[-8:], e)
-        finally:
-            stream.close()
-
-    async def _send_results(self, stream: ByteStream) -> None:
-        async with self._changed:
-            await self._changed.wait_for(lambda: self.reducer.total_weight is not None or self.error is not None)
-            self._raise_if_failed()
-        opening = {"total_weight": self.reducer.total_weight}
-        if self.audit_chunks:
-            opening["weights"] = self.reducer.declared
-        await stream.send(Code.RESULT, opening)
-        for i in range(len(self.reducer.parts)):
-            payload = await self._result(i)
-            await stream.send(Code.RESULT_PART, {"i": i, **(self.reducer.manifests[i] or {})}, payload)
-            self.bytes_sent += payload_size(payload)
-        self._results_out.add(stream.remote)  # from here on, that member may complete the round
-        await stream.send(Code.RESULT_END, {"digest": self.reducer.digest, "clipped": sorted(self.reducer.clipped),
-                                            "capped": self.reducer.capped})
-
-    # -- shared state ----------------------------------------------------------------------------------
-    async def _begin(self, member: str, weight) -> None:
-        self._raise_if_failed()
-        self.reducer.begin(member, weight)
-        if self.reducer.total_weight is not None:
-            async with self._changed:
-                self._changed.notify_all()
-
-    async def _add_part(self, member: str, index: int, payload) -> None:
-        self._raise_if_failed()
-        try:
-            completed = self.reducer.add_part(member, index, payload)
-        except Malformed as e:  # the part that completed a reduction found someone's values non-finite
-            self._note_malformed(e)
-            raise
-        if completed:
-            async with self._changed:
-                self._changed.notify_all()
-
-    async def _result(self, i: int):
-        async with self._changed:
-            await self._changed.wait_for(lambda: self.reducer.results[i] is not None or self.error is not None)
-            self._raise_if_failed()
-            return self.reducer.results[i]
 
     async def _fail(self, error: Exception) -> None:
         """Fails the attempt here (``AttemptFailure``) and closes the streams kept open for the confirmation."""
