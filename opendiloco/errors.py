@@ -63,7 +63,7 @@ class Malformed(PeerFailure):
 class InDoubt(PeerFailure):
     """This worker's attempt failed after its whole contribution went out and its shard's whole result
     reached some members (``ask``): they may have completed the round, which they apply even without
-    every member's confirmation. The communicator asks them before it retries (``runner.resolve``)."""
+    every member's confirmation. The communicator asks them before it retries (``outcome.resolve``)."""
 
     def __init__(self, message: str, peers, *, group_id: str, me: str, members, ask, held=None):
         super().__init__(message, peers)
@@ -74,7 +74,7 @@ class InDoubt(PeerFailure):
         self.held = held
         """The whole verified average (a ``RoundOutcome``) where every shard reached this worker, else None."""
         self.failed_too: frozenset[str] = frozenset()
-        """Members that answered, when asked (``runner.resolve``), that they failed the attempt too: alive and
+        """Members that answered, when asked (``outcome.resolve``), that they failed the attempt too: alive and
         reachable, so not to blame for it, whichever of their streams this worker saw close first."""
         self.distrusted: frozenset[str] = frozenset()
         """Members whose bytes failed this worker's own checks or audit, or that gave up on the attempt blaming

@@ -21,7 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from opendiloco.comm.aggregation import Aggregation  # noqa: E402
-from opendiloco.comm.runner import DEFAULT_PART_NUMEL  # noqa: E402
+from opendiloco.comm.group import DEFAULT_PART_NUMEL  # noqa: E402
 
 METHODS = {
     "plain mean (baseline)": Aggregation(clip_ratio=math.inf, max_weight_ratio=math.inf),

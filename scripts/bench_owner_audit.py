@@ -20,7 +20,8 @@ import torch
 
 from opendiloco.comm.base import RoundKey
 from opendiloco.comm.formats import get_codec
-from opendiloco.comm.runner import DEFAULT_PART_NUMEL, Group, RoundRunner
+from opendiloco.comm.group import DEFAULT_PART_NUMEL, Group
+from opendiloco.comm.runner import RoundRunner
 from opendiloco.testing.memory import MemoryNetwork
 
 

@@ -9,7 +9,7 @@ import torch
 
 from opendiloco.comm.aggregation import Aggregation, lower_median
 from opendiloco.comm.formats import get_codec
-from opendiloco.comm.runner import ShardReducer
+from opendiloco.comm.reducer import ShardReducer
 
 
 def honest(n: int = 3, size: int = 1000, seed: int = 0) -> list[torch.Tensor]:

@@ -11,7 +11,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "opendiloco"
 CORE = ["optimizer.py", "fragment.py", "optimizer_state.py", "outer.py", "pacing.py", "streaming.py", "staging.py",
         "state_check.py", "fingerprint.py", "errors.py", "comm/base.py", "comm/buffers.py", "comm/codec.py",
         "comm/compression.py", "comm/formats.py", "comm/subset.py", "comm/topk.py", "comm/local.py", "comm/ranks.py",
-        "comm/aggregation.py", "comm/audit.py"]
+        "comm/aggregation.py"]
 
 
 def imports(path: Path) -> set[str]:

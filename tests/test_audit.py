@@ -14,7 +14,9 @@ from opendiloco.comm import audit
 from opendiloco.comm.aggregation import Aggregation
 from opendiloco.comm.base import RoundKey
 from opendiloco.comm.formats import get_codec
-from opendiloco.comm.runner import Group, RoundRunner, ShardReducer
+from opendiloco.comm.group import Group
+from opendiloco.comm.reducer import ShardReducer
+from opendiloco.comm.runner import RoundRunner
 from opendiloco.errors import PeerFailure, ProtocolError
 from tests.test_runner import PART, honest_round, reference, run
 
@@ -264,7 +266,7 @@ def test_an_owner_that_leaves_its_audit_unanswered_has_its_result_applied_nowher
     """Before, members whose audit stalled failed "in doubt", heard "done" from the owner when they asked,
     and applied the average they held (2e13 in the first poisoned round). Now a member applies a round
     only where its own audit passed, names the silent owner, and does not believe its "done"."""
-    from opendiloco.comm.runner import resolve
+    from opendiloco.comm.outcome import resolve
     from opendiloco.errors import InDoubt, Malformed, RoundCounted
     from opendiloco.testing.memory import MemoryNetwork
 

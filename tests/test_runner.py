@@ -17,17 +17,10 @@ import torch
 from opendiloco.comm.aggregation import Aggregation
 from opendiloco.comm.base import RoundKey
 from opendiloco.comm.formats import get_codec
-from opendiloco.comm.runner import (
-    Answer,
-    Group,
-    RoundRunner,
-    ShardReducer,
-    ask_outcome,
-    part_bounds,
-    resolve,
-    shard_bounds,
-    shard_bounds_for,
-)
+from opendiloco.comm.group import Group, part_bounds, shard_bounds, shard_bounds_for
+from opendiloco.comm.outcome import Answer, ask_outcome, resolve
+from opendiloco.comm.reducer import ShardReducer
+from opendiloco.comm.runner import RoundRunner
 from opendiloco.comm.wire import PREFIX, ByteStream, Code, Refused, memory_pipe
 from opendiloco.errors import AveragingError, InDoubt, PeerFailure, ProtocolError, RoundCounted, Unreachable
 from opendiloco.fingerprint import new_hasher

@@ -19,7 +19,8 @@ from opendiloco.comm.aggregation import Aggregation
 from opendiloco.comm.base import RoundKey
 from opendiloco.comm.codec import codec_label
 from opendiloco.comm.formats import get_codec
-from opendiloco.comm.runner import Group, RoundRunner, group_label
+from opendiloco.comm.group import Group, group_label
+from opendiloco.comm.runner import RoundRunner
 from opendiloco.comm.subset import BLOCK, Subset, start_subset
 from opendiloco.errors import AveragingError
 from opendiloco.testing.memory import MemoryNetwork

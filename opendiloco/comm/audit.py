@@ -26,20 +26,29 @@ What an owner can still do: change a few values of its result, which a random ch
 probability of about (chunks audited x members) / chunks of the shard per round; and, as a member,
 send its own shard any values within the clip bound, like any member.
 
-Pure computation (no I/O): ``runner.py`` moves the bytes.
+The arithmetic of the check is pure computation (no I/O); ``AuditingMember`` is a member's side of it
+on the wire, in the round ``runner.py`` runs.
 """
 
 from __future__ import annotations
 
+import asyncio
+import collections
 import math
+import random
 from collections.abc import Sequence
 
 import torch
 from blake3 import blake3
 
+from ..errors import AveragingError, Malformed, PeerFailure, ProtocolError
 from ..fingerprint import tensor_bytes
 from .aggregation import Aggregation
+from .buffers import all_finite
 from .codec import Codec, Rounding
+from .group import MAX_WEIGHT, part_bounds
+from .wire import ByteStream, Code, Refused, StreamClosed, payload_size
+from .wire import field as meta_field
 
 DEFAULT_AUDIT_CHUNKS = 4
 """Chunks of every other owner's shard a member audits per round (0: no audit)."""
@@ -282,3 +291,217 @@ def check_chunk(aggregation: Aggregation, declared: Sequence[float], norms: Sequ
     if bool(((result < lo) | (result > hi)).any()):
         return "its result lies outside what its members sent"
     return None
+
+
+MIN_AUDIT_ANSWER_S = 5.0
+"""The least time a member is given to answer an audit (``AuditingMember.answer_bound``): the chunks are
+small and it has every part by then, but a loaded machine's event loop may lag."""
+
+
+class AuditingMember:
+    """A round member's side of the audit on the wire (mixed into ``runner.RoundRunner``): it remembers
+    the Merkle tree and norm of every part it sends, checks what each owner committed to about it as the
+    result arrives, audits random chunks of every other owner's result once all are in, and answers the
+    other members' audits with its own values of the chunks they picked.
+
+    What it uses of the round: ``members``, ``my_index``, ``bounds``, ``part_numel``, ``flat``, ``out``,
+    ``weight``, ``codec``, ``result_codec``, ``aggregation``, the streams kept open for the confirmation
+    (``_confirm_streams``), the byte counts, and how the round notes a failure (``_heard``, ``_checked``,
+    ``_note_malformed``, ``_raise_if_failed``).
+    """
+
+    def _init_audit(self, audit_chunks: int) -> None:
+        """The audit's state for ``audit_chunks`` chunks of every other owner's shard (0: no audit); the
+        round's members, vector and codecs are set."""
+        self.audit_chunks = audit_chunks
+        """What the group agrees on (its label); ``_per_owner`` is what this round audits of each shard."""
+        numel, size = self.flat.numel(), len(self.members)
+        self._trees: dict[tuple[int, int], MerkleTree] = {}
+        """(owner, part) -> the Merkle tree of this worker's own values of that part (answers audits)."""
+        self._own_norms: dict[tuple[int, int], float] = {}
+        share = (size - 1) / size
+        round_bytes = int(share * (self.codec.wire_bytes(numel) + self.result_codec.wire_bytes(numel)))
+        self._per_owner = chunks_per_owner(audit_chunks, numel, size, self.part_numel, round_bytes)
+        self._manifests: dict[int, dict] = {}
+        """owner -> what it committed to: ``weights`` and, per part, ``roots`` and ``norms``."""
+        self._auditing: set[str] = set()  # members whose audit answers are still to come
+        self.answer_bound = max(self.confirm_timeout, MIN_AUDIT_ANSWER_S)
+        """Seconds within which every member answers this worker's audit, from the request."""
+        self._answer_dtype = value_dtype(self.codec) if audit_chunks else torch.float32
+        self._answer_itemsize = torch.empty(0, dtype=self._answer_dtype).element_size()
+        self.audited = not audit_chunks
+        """Whether this worker's own audit of every other owner passed (always, without an audit): a round is
+        applied here only then, never on another member's word (``_held``)."""
+
+    def _commit(self, j: int, i: int, payload, numel: int) -> None:
+        """Remembers the Merkle tree and norm of our part i of shard j, as its owner will decode it."""
+        if self.audit_chunks:
+            values = self.codec.view_bytes(payload, numel)
+            self._trees[(j, i)] = MerkleTree(values)
+            self._own_norms[(j, i)] = norm_of(values)
+
+    def _checked_weights(self, meta: dict, total: float) -> list[float]:
+        """The declared weights an owner committed to: ours as we sent it, and a total that follows."""
+        weights = meta_field(meta, "weights", list)
+        if len(weights) != len(self.members) or not all(
+                isinstance(w, (int, float)) and not isinstance(w, bool) and math.isfinite(w) and 0 <= w <= MAX_WEIGHT
+                for w in weights):
+            raise ProtocolError("the owner's declared weights are malformed")
+        weights = [float(w) for w in weights]
+        if weights[self.my_index] != self.weight:
+            raise ProtocolError(f"the owner says this worker declared weight {weights[self.my_index]!r}, "
+                                f"it declared {self.weight!r}")
+        used = sum(self.aggregation.weights(weights)[0])
+        if abs(used - total) > 1e-9 * max(used, 1e-30):
+            raise ProtocolError(f"total weight {total!r} does not follow from the declared weights ({used!r})")
+        return weights
+
+    def _checked_manifest(self, meta: dict, j: int, i: int) -> tuple[list[str], list[float]]:
+        """Part i's roots and norms as shard j's owner committed to them; ours must be what we sent."""
+        roots, norms = meta_field(meta, "roots", list), meta_field(meta, "norms", list)
+        if len(roots) != len(self.members) or len(norms) != len(self.members) \
+                or not all(isinstance(r, str) and len(r) == HASH_HEX for r in roots) \
+                or not all(isinstance(n, (int, float)) and not isinstance(n, bool) and n >= 0 for n in norms):
+            raise ProtocolError(f"the owner's commitment for part {i} is malformed")
+        norms = [float(n) for n in norms]
+        if roots[self.my_index] != self._trees[(j, i)].root \
+                or not norms_agree(norms[self.my_index], self._own_norms[(j, i)]):
+            raise ProtocolError(f"the owner misreports this worker's part {i} (its commitment names other values)")
+        return roots, norms
+
+    def _check_size(self, owner: str, i: int, values: torch.Tensor, weights: list[float], norms: list[float]) -> None:
+        """Every value of an owner's result part, not only the audited chunks: its norm within what the
+        members' committed norms and weights allow (``result_norm_bound``); else the owner is named."""
+        size = norm_of(values)
+        limit = result_norm_bound(self.aggregation, weights, norms, self.result_codec, values.numel())
+        if size > limit:
+            failure = Malformed(f"{owner[-8:]} owns a shard whose result part {i} is larger than its members' "
+                                f"parts allow (norm {size:.3g} > {limit:.3g})", {owner})
+            self._note_malformed(failure)
+            raise failure
+
+    def _chunk_span(self, j: int, i: int, c: int) -> tuple[int, int, int, int]:
+        """Where chunk c of part i of shard j lies: (the part's first value in the flat vector, the part's
+        length, the chunk's [start, end) within the part)."""
+        a = self.bounds[j][0]
+        pa, pb = part_bounds(self.bounds[j][1] - a, self.part_numel)[i]
+        return (a + pa, pb - pa, *chunk_range(pb - pa, c))
+
+    def _own_chunk(self, j: int, i: int, c: int) -> torch.Tensor:
+        """Our values of chunk c of part i of shard j, as the owner decoded them (encoded again)."""
+        start, n, ca, cb = self._chunk_span(j, i, c)
+        block = rounding(self.codec)[0]  # the codec's blocks are aligned to the part's start
+        ea, eb = ca // block * block, min(n, -(-cb // block) * block)
+        encoded = self.codec.to_bytes(self.flat[start + ea : start + eb])
+        values = self.codec.view_bytes(encoded, eb - ea)[ca - ea : cb - ea].clone()
+        if leaf_hash(values) != self._trees[(j, i)].leaf(c):
+            raise AveragingError(f"encoding part {i} of shard {j} again gave other values: the codec is not "
+                                 "deterministic, so owners cannot be audited")
+        return values
+
+    async def _audit(self) -> None:
+        """Spot-checks ``audit_chunks`` random chunks of every other owner's shard: asks every other member
+        for its values of them (with Merkle paths to what the owner committed), recomputes the result."""
+        rng = random.SystemRandom()  # picked after the results arrived: no owner can know which
+        picked: dict[int, list[tuple[int, int]]] = {}
+        for j in range(len(self.members)):
+            if j == self.my_index:
+                continue
+            parts = part_bounds(self.bounds[j][1] - self.bounds[j][0], self.part_numel)
+            chunks = [(i, c) for i, (pa, pb) in enumerate(parts) if pb > pa  # an empty shard has nothing to check
+                      for c in range(chunk_count(pb - pa))]
+            picked[j] = rng.sample(chunks, min(self._per_owner, len(chunks)))
+        asked = [[j, i, c] for j, chosen in sorted(picked.items()) for i, c in chosen]
+        streams = dict(self._confirm_streams)
+        if len(streams) != len(self.members) - 1:  # a failure closed them (``_fail``) as the audit began
+            self._raise_if_failed()
+            raise AveragingError("the members' streams closed before the audit")
+        answers = await asyncio.gather(*(self._ask(m, streams[m], asked) for m in sorted(streams)))
+        values = dict(zip(sorted(streams), answers))
+        for n, (j, i, c) in enumerate(asked):
+            owner = self.members[j]
+            start, numel, ca, cb = self._chunk_span(j, i, c)
+            chunk = [self._own_chunk(j, i, c).to(torch.float32) if m == self.my_index else values[m][n]
+                     for m in range(len(self.members))]
+            part_result = self.out[start : start + numel]
+            result = part_result[ca:cb]
+            tol = tolerance(result, part_result, ca, self.result_codec)
+            manifest = self._manifests[j]
+            wrong = check_chunk(self.aggregation, manifest["weights"], manifest["norms"][i], chunk, result, tol,
+                                      self.result_codec)
+            if wrong is not None:
+                first = start - self.bounds[j][0]
+                failure = Malformed(f"{owner[-8:]} owns a shard whose result failed this worker's audit (part {i}, "
+                                    f"values {first + ca}-{first + cb}): {wrong}", {owner})
+                self._note_malformed(failure)
+                raise failure
+
+    async def _ask(self, m: int, stream: ByteStream, asked: list) -> list[torch.Tensor]:
+        """Member m's values of the ``asked`` chunks, each proven against its owner's committed root.
+
+        A member that keeps its stream open and answers nothing within ``answer_bound`` (it has every part
+        of the round by then: it asks nothing of anyone to answer), or answers out of form, is named
+        (``Malformed``): a round is applied only where its own audit passed, so silence would otherwise
+        stall every auditor for nothing, attempt after attempt. One that refuses or closes its stream (its
+        attempt failed) only fails the attempt."""
+        peer = self.members[m]
+        self._auditing.add(peer)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.answer_bound
+        try:
+            await stream.send(Code.AUDIT, {"chunks": asked})
+            out = []
+            for j, i, c in asked:
+                _, numel, ca, cb = self._chunk_span(j, i, c)
+                size = self._answer_itemsize * (cb - ca)
+                frame = await asyncio.wait_for(stream.recv(max_payload=size, expect=Code.AUDIT_ANSWER),
+                                               max(0.0, deadline - loop.time()))
+                self._heard(peer)
+                self.bytes_received += payload_size(frame.payload)
+                if payload_size(frame.payload) != size:
+                    raise ProtocolError(f"an audit answer of {payload_size(frame.payload)} bytes")
+                values = torch.frombuffer(bytearray(frame.payload), dtype=self._answer_dtype)
+                if not all_finite(values) or not path_ok(values, c, frame.meta.get("path"),
+                                                         self._manifests[j]["roots"][i][m], numel):
+                    # Its values, or the owner's commitment to them: the member itself checks the latter.
+                    raise PeerFailure(f"{peer[-8:]}'s values of part {i} of {self.members[j][-8:]}'s shard do not "
+                                      "match what the owner committed to", {peer, self.members[j]})
+                out.append(values.to(torch.float32))
+            return out
+        except asyncio.TimeoutError:
+            failure = Malformed(f"{peer[-8:]} left this worker's audit unanswered for {self.answer_bound:.0f}s",
+                                {peer})
+            self._note_malformed(failure)
+            raise failure from None
+        except (StreamClosed, Refused, OSError, ConnectionError) as e:
+            if isinstance(e, Refused):
+                self._checked(peer, e)
+            raise PeerFailure(f"audit answers from {peer[-8:]}: {type(e).__name__}: {e}", {peer}) from None
+        except ProtocolError as e:  # its own bytes: out of form, of the wrong size or code
+            failure = Malformed(f"{peer[-8:]} answered this worker's audit out of form: {e}", {peer})
+            self._note_malformed(failure)
+            raise failure from None
+        finally:
+            self._auditing.discard(peer)
+
+    async def _answer_audit(self, stream: ByteStream, sender: str, meta: dict) -> None:
+        """Our values of the chunks ``sender`` audits, with their Merkle paths (checked before any work)."""
+        asked = meta_field(meta, "chunks", list)
+        if len(asked) > self._per_owner * len(self.members):
+            raise ProtocolError(f"an audit of {len(asked)} chunks; at most {self._per_owner} per owner")
+        per_owner: collections.Counter = collections.Counter()
+        for entry in asked:
+            if not (isinstance(entry, list) and len(entry) == 3 and all(type(x) is int for x in entry)):
+                raise ProtocolError("a malformed audit request")
+            j, i, c = entry
+            if not (0 <= j < len(self.members)) or self.members[j] == sender or (j, i) not in self._trees \
+                    or not 0 <= c < len(self._trees[(j, i)].levels[0]):
+                raise ProtocolError(f"an audit of a chunk that does not exist ({j}, {i}, {c})")
+            per_owner[j] += 1
+            if per_owner[j] > self._per_owner:
+                raise ProtocolError(f"an audit of more than {self._per_owner} chunks of one shard")
+        for j, i, c in asked:
+            values = self._own_chunk(j, i, c)
+            payload = tensor_bytes(values)
+            await stream.send(Code.AUDIT_ANSWER, {"path": self._trees[(j, i)].path(c)}, payload)
+            self.bytes_sent += payload_size(payload)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import struct
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import msgpack
@@ -52,7 +53,7 @@ class Code(enum.IntEnum):
     # membership (swarm/streams.py)
     HELLO = 9
     """The first frame of every stream in a closed run: the opener's proof that it holds the run secret."""
-    # a failed attempt in doubt (runner.py)
+    # a failed attempt in doubt (outcome.py)
     ASK_OUTCOME = 10
     """A member whose attempt failed asks another member of it: did you complete round ``group_id``?"""
     OUTCOME = 11
@@ -181,6 +182,10 @@ class ByteStream:
             self.writer.close()
         except Exception:  # already closed or broken
             pass
+
+
+Connect = Callable[[str], Awaitable[ByteStream]]
+"""How a member opens a stream to another: ``connect(peer) -> ByteStream`` (the transport's dial)."""
 
 
 def _unpack_meta(raw: bytes) -> dict:

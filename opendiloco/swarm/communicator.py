@@ -9,13 +9,13 @@ states, one job per module:
     GROUP     matchmaking.py   the run's live workers ready for this key form a group
     EXCHANGE  comm/runner.py   streamed reduce-scatter / all-gather over p2p streams (streams.py)
     VERIFY    comm/runner.py   every member confirms the digest of the whole average
-    SETTLE    comm/runner.py   an attempt that failed here after members may have completed it asks them
+    SETTLE    comm/outcome.py  an attempt that failed here after members may have completed it asks them
     DONE / FAILED
 
 A failed attempt changes nothing and is retried with whoever is still there (less a member whose bytes
 failed this worker's checks: it is left out of the next groups, exclusion.py), unless members may
 have completed it (they apply without every confirmation): then this worker asks them, and ends
-with the group's outcome (``runner.resolve``): it applies the average it holds, adopts the group's
+with the group's outcome (``outcome.resolve``): it applies the average it holds, adopts the group's
 state (``RoundCounted``), or retries when they all failed it. A worker that finds the group ahead
 of it raises ``BehindError`` so that its optimizer downloads state (state_transfer.py) instead.
 """
@@ -43,8 +43,11 @@ from ..comm.aggregation import Aggregation
 from ..comm.audit import DEFAULT_AUDIT_CHUNKS
 from ..comm.base import AverageResult, Communicator, FutureWork, RoundKey, StateProvider, Work
 from ..comm.formats import get_codec
+from ..comm.group import DEFAULT_PART_NUMEL, Group, group_label
 from ..comm.local import average_alone
-from ..comm.runner import DEFAULT_PART_NUMEL, Group, RoundOutcome, RoundRunner, Rounds, group_label, resolve
+from ..comm.outcome import resolve
+from ..comm.rounds_taken import Rounds
+from ..comm.runner import RoundOutcome, RoundRunner
 from ..comm.wire import ByteStream, Code
 from ..comm.wire import field as meta_field
 from ..errors import AveragingError, InDoubt, Interrupted, PeerFailure, RoundCounted, SplitHold
@@ -669,7 +672,7 @@ class SwarmCommunicator(Communicator):
         return record is None or record.abandoned == group.group_id
 
     def _settle(self, group: Group, doubt: InDoubt) -> RoundOutcome | None:
-        """Asks the members that may have completed a failed attempt whether they did (``runner.resolve``):
+        """Asks the members that may have completed a failed attempt whether they did (``outcome.resolve``):
         the average to apply, None to retry, or ``RoundCounted``."""
         s = self.settings
         self.state = RoundState.SETTLE

@@ -11,7 +11,8 @@ from __future__ import annotations
 import torch
 
 from ..comm.base import AverageResult, RoundKey
-from ..comm.runner import Group, RoundRunner
+from ..comm.group import Group
+from ..comm.runner import RoundRunner
 
 
 class RoundHooks:

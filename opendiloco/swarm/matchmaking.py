@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from ..comm.base import RoundKey
-from ..comm.runner import Group, make_group_id
+from ..comm.group import Group, make_group_id
 from ..errors import AveragingError, BehindError, Interrupted
 from . import records
 from .exclusion import (

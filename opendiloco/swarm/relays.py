@@ -30,7 +30,7 @@ hivemind 1.1.12's daemon:
 - **a relayed connection carries at most 128 KiB in each direction** (the relay logs "relayed 131072
   bytes" and resets it): libp2p's default limit for relays, which this daemon applies whatever its
   ``-relayDataLimit`` says. A stream that crosses it fails. So a worker behind NAT owns no shard of a
-  round (``comm.runner.shard_bounds_for``): what two of them send each other is a few small frames;
+  round (``comm.group.shard_bounds_for``): what two of them send each other is a few small frames;
 - the limit is per connection, not per stream: a connection held across rounds ran out of it every
   7-8 rounds of the long scenario (about 17 KiB a round between two workers behind NAT), and that
   round failed for every member. So a held connection that carried a round is replaced by a fresh

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable
 
-from ..comm.runner import Rounds
+from ..comm.rounds_taken import Rounds
 from ..comm.wire import ByteStream, memory_pipe
 
 Handler = Callable[[ByteStream], Awaitable[None]]

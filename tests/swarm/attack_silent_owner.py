@@ -22,7 +22,8 @@ import torch
 import worker  # tests/swarm/worker.py: this script's own folder is on the path
 
 from opendiloco.comm.aggregation import Aggregation
-from opendiloco.comm.runner import RoundRunner, ask_outcome
+from opendiloco.comm.outcome import ask_outcome
+from opendiloco.comm.runner import RoundRunner
 from opendiloco.comm.wire import Code
 
 ASK = False

@@ -25,7 +25,8 @@ import pytest
 import torch
 
 from opendiloco.comm.base import RoundKey
-from opendiloco.comm.runner import Group, RoundRunner
+from opendiloco.comm.group import Group
+from opendiloco.comm.runner import RoundRunner
 from opendiloco.errors import AveragingError, BehindError, Unreachable
 from opendiloco.swarm.communicator import SwarmCommunicator, SwarmSettings
 from opendiloco.swarm.hooks import RoundHooks

@@ -144,7 +144,7 @@ def test_four_bit_contributions_with_error_feedback_average_and_agree(swarm):
     the two formats say, every worker applies the same bits, and what each one lost on the wire
     (its error feedback) is what separates its contribution from what the group averaged."""
     from opendiloco.comm.formats import get_codec
-    from opendiloco.comm.runner import DEFAULT_PART_NUMEL, part_bounds, shard_bounds
+    from opendiloco.comm.group import DEFAULT_PART_NUMEL, part_bounds, shard_bounds
 
     swarm.bootstrap()
     names = ["w0", "w1", "w2"]
@@ -190,7 +190,7 @@ def test_a_shared_seed_subset_travels_alone_and_replicas_agree(swarm):
     subset, chosen by every worker alike) in int4, and nothing else; every worker applies the same bits."""
     from opendiloco.comm.base import RoundKey
     from opendiloco.comm.formats import get_codec
-    from opendiloco.comm.runner import DEFAULT_PART_NUMEL, part_bounds, shard_bounds
+    from opendiloco.comm.group import DEFAULT_PART_NUMEL, part_bounds, shard_bounds
     from opendiloco.comm.subset import Subset
 
     swarm.bootstrap()
