@@ -35,6 +35,8 @@ from collections.abc import Iterable, Sequence
 from hivemind.p2p import P2P, PeerID
 from hivemind.utils.multiaddr import Multiaddr
 
+from . import hivemind_privates
+
 log = logging.getLogger(__name__)
 
 MAX_ADDRS = 4
@@ -150,7 +152,8 @@ class AddressBook:
 async def dial_addrs(p2p: P2P, peer: str, addrs: Sequence[str], timeout: float = DIAL_TIMEOUT) -> bool:
     """Connects to ``peer`` at ``addrs`` (its daemon learns them); False if that failed."""
     try:
-        await asyncio.wait_for(p2p._client.connect(PeerID.from_base58(peer), [Multiaddr(a) for a in addrs]), timeout)
+        where = [Multiaddr(a) for a in addrs]
+        await asyncio.wait_for(hivemind_privates.connect(p2p, PeerID.from_base58(peer), where), timeout)
         return True
     except asyncio.CancelledError:
         raise
