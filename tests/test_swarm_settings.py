@@ -17,9 +17,9 @@ from opendiloco.comm.base import PROGRESS_FIELDS, Communicator, Progress, check_
 from opendiloco.comm.compression import get_codec
 from opendiloco.comm.local import average_alone
 from opendiloco.errors import AveragingError, SwarmError
-from opendiloco.swarm.communicator import SwarmSettings
 from opendiloco.swarm.presence import OtherSettings, Presence
 from opendiloco.swarm.records import WorkerRecord
+from opendiloco.swarm.settings import SwarmSettings
 from opendiloco.train.config import SwarmConfig, fingerprint_covers, load_config
 
 NOT_DEFAULT = {

@@ -27,10 +27,11 @@ import torch
 from opendiloco.comm.base import RoundKey
 from opendiloco.comm.runner import Group, RoundRunner
 from opendiloco.errors import AveragingError, BehindError, Unreachable
-from opendiloco.swarm.communicator import SwarmCommunicator, SwarmSettings
+from opendiloco.swarm.communicator import SwarmCommunicator
 from opendiloco.swarm.hooks import RoundHooks
 from opendiloco.swarm.node import start_dht
 from opendiloco.swarm.reservations import RelaySlots
+from opendiloco.swarm.settings import SwarmSettings
 from opendiloco.swarm.streams import P2PStreams
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(150)]
@@ -439,10 +440,11 @@ def test_a_member_cut_off_mid_round_abandons_it_and_the_others_stop_waiting(work
     async def connections_gone_already(peers):  # its closing them reaches nobody in the world
         cut.closed = set(peers)
 
-    trio[2]._disconnect = connections_gone_already
+    trio[2].connectivity.disconnect = connections_gone_already
     # Its relay slots (as if behind NAT, with trio[0] its relay), asked for once here and then only when
     # something says they may be gone: a cut-off is such a thing (its router's address may have changed).
-    slots = trio[2].relay_slots = RelaySlots(trio[2].p2p, [str(trio[0].dht.get_visible_maddrs()[0])], every=3600)
+    relay = [str(trio[0].dht.get_visible_maddrs()[0])]
+    slots = trio[2].connectivity.relay_slots = RelaySlots(trio[2].p2p, relay, every=3600)
     trio[2]._loop.call_soon_threadsafe(trio[2]._in_background, slots.keep())
     try:
         deadline = time.monotonic() + 60
@@ -497,7 +499,7 @@ def test_a_member_whose_address_changed_mid_round_abandons_it_at_once(workers):
     async def connections_gone_already(peers):  # its closing them reaches nobody in the world
         closed.update(peers)
 
-    trio[2]._disconnect = connections_gone_already
+    trio[2].connectivity.disconnect = connections_gone_already
     try:
         out, took = round_of_three(trio, moved.entered)
         assert isinstance(out[2], AveragingError) and "address changed" in str(out[2]), out
