@@ -114,16 +114,16 @@ def test_other_settings_name_the_fingerprint_and_the_trainer_names_its_keys(tmp_
 
 
 def test_the_swarm_layer_names_no_trainer_key_in_its_messages():
-    """The text of every call (errors raised, lines logged) in the communicator and its presence."""
+    """The text of every call (errors raised, lines logged) in the communicator, its start and its presence."""
     import ast
     from pathlib import Path
 
     swarm = Path(__file__).resolve().parents[1] / "opendiloco" / "swarm"
-    for path in [swarm / "communicator.py", swarm / "presence.py"]:
+    for path in [swarm / "communicator.py", swarm / "startup.py", swarm / "presence.py"]:
         said = [node.value for call in ast.walk(ast.parse(path.read_text())) if isinstance(call, ast.Call)
                 for arg in [*call.args, *(k.value for k in call.keywords)] for node in ast.walk(arg)
                 if isinstance(node, ast.Constant) and isinstance(node.value, str)]
-        assert any("trains with other settings" in text for text in said) or path.name != "communicator.py"
+        assert any("trains with other settings" in text for text in said) or path.name != "startup.py"
         for key in ("[swarm]", "[model]", "optim.", "--swarm.", "data.tokenizer", "--print-config"):
             assert not [text for text in said if key in text], (path.name, key)
 

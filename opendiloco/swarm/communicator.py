@@ -30,7 +30,6 @@ import concurrent.futures
 import enum
 import functools
 import logging
-import os
 import threading
 import time
 
@@ -42,29 +41,25 @@ from ..comm.base import AverageResult, Communicator, FutureWork, RoundKey, State
 from ..comm.compression import get_codec
 from ..comm.local import average_alone
 from ..comm.runner import Group, RoundOutcome, RoundRunner, Rounds, group_label, resolve
-from ..comm.wire import ByteStream, Code
-from ..comm.wire import field as meta_field
 from ..errors import AveragingError, InDoubt, Interrupted, PeerFailure, RoundCounted, SplitHold
 from ..pacing import Pace
 from . import records
 from .connectivity import ConnectivityWatch
-from .doctor import startup_warnings
 from .exclusion import Breakers, Offenders, UnreachablePeers
 from .frozen import Unanswered
 from .hooks import RoundHooks
 from .majority import RecentMembers
 from .matchmaking import Doorbell, Matchmaker
 from .member_watch import MemberWatch
-from .membership import SECRET_FILE_ENV, Membership, RunSecret
-from .node import start_dht, visible_maddrs, worker_identity
-from .partners import PARTNERS_FILE
-from .presence import OtherSettings, Presence
-from .pushed_records import MAX_PUSH_BYTES, PushedRecord, decode_push, encode_push
+from .membership import Membership, RunSecret
+from .presence import Presence
+from .pushes import Pushes
 from .relays import DIAL_TIMEOUT, RENEW_BEFORE_ROUND_S, RelayLinks
 from .reservations import RelaySlots
 from .reversal import ConnectionReversal
 from .settings import SwarmSettings
 from .signing import Identity
+from .startup import start_from_config
 from .state_download import StateDownload
 from .state_transfer import StateServer
 from .streams import P2PStreams
@@ -99,15 +94,6 @@ class RoundState(enum.Enum):
     SETTLE = "settle"
     DONE = "done"
     FAILED = "failed"
-
-
-def _warn_if_unreachable(dht, initial_peers: list[str], client_mode: bool) -> None:
-    """A worker's short reachability check at start (``doctor.startup_warnings``), off its start's path."""
-    try:
-        for finding in startup_warnings(dht, initial_peers, client_mode):
-            log.warning("%s (check this machine with `opendiloco doctor`)", finding.text)
-    except Exception as e:  # a check that could not run changes nothing
-        log.debug("reachability check at start: %s: %s", type(e).__name__, e)
 
 
 class SwarmCommunicator(Communicator):
@@ -179,7 +165,7 @@ class SwarmCommunicator(Communicator):
             self.records, self.presence, s.matchmaking(),
             group_label(self.codec, self.result_codec, s.aggregation, s.audit_chunks),
             self._interrupted,
-            doorbell=self.doorbell, push=self._push,
+            doorbell=self.doorbell, push=self.pushes.push,
             joiners=lambda step: self.state_server.recent_joiners(step, within=s.straggler_wait + 10.0),
             offenders=self.offenders, unreachable=self.unreachable, liveness=self.unanswered, breakers=self.breakers)
         self.state_download = StateDownload(self._peer_id, self.presence, self.state_server, self.state_streams,
@@ -189,62 +175,8 @@ class SwarmCommunicator(Communicator):
 
     @classmethod
     def from_config(cls, cfg, run_dir: str | None = None, config_fingerprint: str = "") -> SwarmCommunicator:
-        """Starts a DHT node from a ``SwarmConfig`` and wraps it, with ``SwarmSettings.from_config``;
-        refuses a run whose live workers have other settings (``OtherSettings``). The run secret comes
-        from the environment or ``cfg.secret_file`` (``RunSecret.from_environment``)."""
-        secret = RunSecret.from_environment(cfg.secret_file)
-        # Its own identity in its run dir, unless one is given: restarted there, it is the same peer.
-        own = cfg.identity_path is None and run_dir is not None
-        dht = start_dht(initial_peers=cfg.initial_peers, host_maddrs=cfg.host_maddrs,
-                        announce_maddrs=cfg.announce_maddrs,
-                        identity_path=worker_identity(str(run_dir)) if own else cfg.identity_path,
-                        identity_locked=own, client_mode=cfg.client_mode)
-        settings = SwarmSettings.from_config(cfg, config_fingerprint)
-        comm = cls(dht, settings, secret=secret)
-        try:
-            comm.refuse_other_settings()
-        except BaseException:
-            comm.close()
-            raise
-        addrs = visible_maddrs(dht)
-        log.info("worker %s joined run %r; peers can join through: %s", comm.peer_id, settings.run_id,
-                 " ".join(addrs))
-        if secret is None:
-            log.warning("run %r is open (no run secret): anyone who can reach a worker can read the run's records, "
-                        "download its state and join it; to close it, start every worker with the same secret in "
-                        "$%s or the secret_file setting (docs/trust.md)", settings.run_id, SECRET_FILE_ENV)
-        else:
-            log.info("run %r is closed: only workers started with its secret (%s) take part", settings.run_id,
-                     secret.source)
-        if run_dir:
-            os.makedirs(run_dir, exist_ok=True)
-            comm.presence.partners.keep_in(os.path.join(run_dir, PARTNERS_FILE))  # known again after a restart
-            with open(os.path.join(run_dir, "peer_addrs.txt"), "w") as f:
-                f.write("\n".join(addrs) + "\n")
-        threading.Thread(target=_warn_if_unreachable, args=(dht, list(cfg.initial_peers), cfg.client_mode),
-                         name="opendiloco-reach-check", daemon=True).start()
-        return comm
-
-    def refuse_other_settings(self) -> None:
-        """Raises ``OtherSettings`` (one line) if the run's live workers all train with another config
-        fingerprint: this worker is the odd one out. Workers with other settings beside some with
-        this worker's are their writers' problem (never grouped with, waited for or downloaded
-        from, and named in a warning): one record cannot keep every newcomer out of a run."""
-        try:
-            workers = self.presence.records.read_workers(self.presence.max_ttl)
-        except AveragingError as e:  # the DHT did not answer: the rounds' own checks still apply
-            log.warning("could not compare settings with the run's workers: %s", e)
-            return
-        others = [r for p, r in workers.items() if p != self._peer_id]
-        foreign = [r for r in others if r.config != self.settings.config_fingerprint]
-        if not foreign:
-            return
-        if len(foreign) < len(others):
-            self.presence.same_settings(workers)  # warns once for each of the others
-            return
-        rec, mine = foreign[0], self.settings.config_fingerprint or "none"
-        raise OtherSettings(f"worker {rec.peer_id[-8:]} of run {self.settings.run_id!r} trains with other settings "
-                            f"(config fingerprint {rec.config or 'none'}, this worker's {mine})")
+        """A worker's communicator in its run, started from a ``SwarmConfig`` (``startup.py``)."""
+        return start_from_config(cls, cfg, run_dir, config_fingerprint)
 
     # -- plumbing ----------------------------------------------------------------------------
     @property
@@ -303,42 +235,9 @@ class SwarmCommunicator(Communicator):
         await self.state_server.listen()
         self.doorbell = Doorbell()
         self.match_streams = P2PStreams(self.p2p, f"opendiloco.{ns}.match", m, links, book, reversal)
-        await self.match_streams.listen(self._on_ring)
+        self.pushes = Pushes(self.match_streams, self.records, self.doorbell, self._loop, self._in_background)
+        await self.match_streams.listen(self.pushes.serve)
         self._background: set[asyncio.Task] = set()
-
-    # -- matchmaking pushes ------------------------------------------------------------------
-    async def _on_ring(self, stream: ByteStream) -> None:
-        try:
-            frame = await asyncio.wait_for(stream.recv(max_payload=MAX_PUSH_BYTES, expect=Code.GROUP), 5.0)
-            key, attempt = meta_field(frame.meta, "key", str)[:64], meta_field(frame.meta, "attempt", int)
-            if frame.payload:
-                self.records.accept_pushed(decode_push(frame.payload))
-            self.doorbell.ring(key, attempt)
-        except Exception as e:  # a push is checked record by record; a bad one is dropped
-            log.debug("dropped a matchmaking push from %s: %s", stream.remote[-8:], e)
-        finally:
-            stream.close()
-
-    def _push(self, peers, key: str, attempt: int, pushed: list[PushedRecord]) -> None:
-        """Called from the round thread: sends every peer these records and rings its doorbell, in the
-        background (a peer that misses a push still finds the records in the DHT)."""
-        payload = encode_push(pushed)
-
-        async def push(peer: str) -> None:
-            try:
-                stream = await asyncio.wait_for(self.match_streams.connect(peer), 5.0)
-                try:
-                    await stream.send(Code.GROUP, {"key": key, "attempt": attempt}, payload)
-                finally:
-                    stream.close()
-            except Exception as e:  # the peer still finds the records by reading the DHT
-                log.debug("could not push to %s: %s", peer[-8:], e)
-
-        def schedule() -> None:
-            for peer in peers:
-                self._in_background(push(peer))
-
-        self._loop.call_soon_threadsafe(schedule)
 
     # -- progress records --------------------------------------------------------------------
     def report_progress(self, **fields) -> None:

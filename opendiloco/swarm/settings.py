@@ -74,7 +74,7 @@ class SwarmSettings:
     connections to the members and says so in its record, so they give up on it at once; 0: never."""
     config_fingerprint: str = ""
     """The hash of the settings every worker of the run must share: a worker with another one is
-    refused at start when every live worker of the run has them (``refuse_other_settings``), and
+    refused at start when every live worker of the run has them (``startup.refuse_other_settings``), and
     never grouped with, waited for or downloaded from. Not a config key: the trainer computes it
     from the config."""
 
