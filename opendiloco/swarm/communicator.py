@@ -19,7 +19,9 @@ have completed it (they apply without every confirmation): then this worker asks
 with the group's outcome (``runner.resolve``): it applies the average it holds, adopts the group's
 state (``RoundCounted``), or retries when they all failed it. A worker that finds the group ahead
 of it raises ``BehindError`` so that its optimizer downloads state (state_download.py) instead.
-Its settings are ``settings.py``'s; its watch over its own connectivity is ``connectivity.py``'s.
+What is not the round's lives beside it: the settings (settings.py), the start from a config
+(startup.py), the p2p protocols (protocols.py), matchmaking pushes (pushes.py), the run's records
+as last read (run_snapshot.py) and this worker's watch over its own connectivity (connectivity.py).
 """
 
 from __future__ import annotations
@@ -53,16 +55,15 @@ from .matchmaking import Doorbell, Matchmaker
 from .member_watch import MemberWatch
 from .membership import Membership, RunSecret
 from .presence import Presence
+from .protocols import open_protocols
 from .pushes import Pushes
-from .relays import DIAL_TIMEOUT, RENEW_BEFORE_ROUND_S, RelayLinks
-from .reservations import RelaySlots
-from .reversal import ConnectionReversal
+from .relays import DIAL_TIMEOUT, RENEW_BEFORE_ROUND_S
+from .run_snapshot import RunSnapshot
 from .settings import SwarmSettings
 from .signing import Identity
 from .startup import start_from_config
 from .state_download import StateDownload
 from .state_transfer import StateServer
-from .streams import P2PStreams
 
 log = logging.getLogger(__name__)
 
@@ -153,12 +154,11 @@ class SwarmCommunicator(Communicator):
                                  initial_peers=getattr(dht, "rejoin_peers", ()),
                                  find_addrs=functools.partial(self.p2p.get_visible_maddrs, latest=True),
                                  publish_addrs=not dht.client_mode)
-        self._workers_snapshot: dict[str, records.WorkerRecord] = {}
-        self._snapshot_reads = 0  # successful reads of the run's workers so far
+        self.snapshot = RunSnapshot(dht, self.records, self.presence, s.heartbeat_interval)
         self.connectivity = ConnectivityWatch(
-            self.p2p, self._peer_id, self.records, self.presence, self._relay_slots, self.unreachable,
+            self.p2p, self._peer_id, self.records, self.presence, self.protocols.relay_slots, self.unreachable,
             loop=self._loop, in_flight=self._in_flight, in_background=self._in_background,
-            on_round_thread=self._rounds_thread.submit, workers=lambda: self._workers_snapshot)
+            on_round_thread=self._rounds_thread.submit, snapshot=self.snapshot)
         self.connectivity.start()
         self.unanswered = Unanswered(self._loop, self.connectivity.ping)
         self.matchmaker = Matchmaker(
@@ -168,9 +168,9 @@ class SwarmCommunicator(Communicator):
             doorbell=self.doorbell, push=self.pushes.push,
             joiners=lambda step: self.state_server.recent_joiners(step, within=s.straggler_wait + 10.0),
             offenders=self.offenders, unreachable=self.unreachable, liveness=self.unanswered, breakers=self.breakers)
-        self.state_download = StateDownload(self._peer_id, self.presence, self.state_server, self.state_streams,
+        self.state_download = StateDownload(self._peer_id, self.presence, self.state_server, self.protocols.state,
                                             self.matchmaker, self._call, self._interrupted)
-        self._pace_refresh = asyncio.run_coroutine_threadsafe(self._refresh_workers(), self._loop)
+        self._pace_refresh = asyncio.run_coroutine_threadsafe(self.snapshot.refresh(), self._loop)
         self._leaving = asyncio.run_coroutine_threadsafe(self._leave_when_stopping(), self._loop)
 
     @classmethod
@@ -207,36 +207,16 @@ class SwarmCommunicator(Communicator):
         s = self.settings
         self.p2p = await self.dht.replicate_p2p()
         self.rounds = Rounds(wait_for_group=s.straggler_wait + s.verify_timeout)
-        ns, m = self.membership.namespace, self.membership
-        # Only a worker behind NAT dials through relays, and only one behind NAT is dialled that way (and
-        # held); a public one uses the connection the other dialled out, and serves no holds.
-        links = None
-        if getattr(self.dht, "relays", ()):
-            hold_streams = P2PStreams(self.p2p, f"opendiloco.{ns}.hold", m)
-            links = RelayLinks(self.records.relay_book, self.p2p, hold_streams.connect)
-            await hold_streams.listen(links.serve_hold)
-        self.relay_links = links
+        self.protocols = await open_protocols(self.p2p, self.membership, self.records, getattr(self.dht, "relays", ()))
+        self.relay_links = self.protocols.relay_links
         self._relayed_round_done = False
         """A round completed since the relayed connections were last replaced (``_round`` replaces them)."""
-        self._relay_slots = RelaySlots(self.p2p, self.dht.relays) if links is not None else None
-        """Behind NAT, its slots on its relays (``connectivity.py`` keeps them)."""
-        # A public worker that cannot dial one behind NAT asks it through its relay to dial back; one behind
-        # NAT serves those asks (a NAT'd peer is reached through relays: ``links``).
-        reversal_streams = P2PStreams(self.p2p, f"opendiloco.{ns}.reverse", m)
-        self.reversal = ConnectionReversal(self.p2p, reversal_streams, self.records.relay_book,
-                                           self.records.address_book)
-        if links is not None:
-            await reversal_streams.listen(self.reversal.serve)
-        book, reversal = self.records.address_book, (None if links is not None else self.reversal)
-        self.reduce_streams = P2PStreams(self.p2p, f"opendiloco.{ns}.reduce", m, links, book, reversal)
-        self.state_streams = P2PStreams(self.p2p, f"opendiloco.{ns}.state", m, links, book, reversal)
-        await self.reduce_streams.listen(self.rounds.serve)
-        self.state_server = StateServer(self.state_streams)
+        await self.protocols.reduce.listen(self.rounds.serve)
+        self.state_server = StateServer(self.protocols.state)
         await self.state_server.listen()
         self.doorbell = Doorbell()
-        self.match_streams = P2PStreams(self.p2p, f"opendiloco.{ns}.match", m, links, book, reversal)
-        self.pushes = Pushes(self.match_streams, self.records, self.doorbell, self._loop, self._in_background)
-        await self.match_streams.listen(self.pushes.serve)
+        self.pushes = Pushes(self.protocols.match, self.records, self.doorbell, self._loop, self._in_background)
+        await self.protocols.match.listen(self.pushes.serve)
         self._background: set[asyncio.Task] = set()
 
     # -- progress records --------------------------------------------------------------------
@@ -247,28 +227,9 @@ class SwarmCommunicator(Communicator):
     def live_workers(self):
         return self.presence.live_workers()
 
-    async def _refresh_workers(self) -> None:
-        """Keeps a snapshot of the run's records for ``peer_paces`` (asked after every inner step).
-
-        Read four times a heartbeat (0.5 s by default): a record changes at its writer's heartbeat, or at
-        once when its outer step or readiness does, and the pace estimate extrapolates each peer's work
-        from when its figure was true. Each read is a DHT lookup the peers answer, with every record's
-        signature checked: at eight reads a heartbeat the reads were most of an idle run's CPU."""
-        interval = min(1.0, max(0.25, self.settings.heartbeat_interval / 4))
-        key = self.records.workers_key()
-        while True:
-            try:
-                found = await self.dht.get(key, latest=True, return_future=True)
-                workers = self.records.workers_from(found, self.presence.max_ttl)
-                self._workers_snapshot = self.presence.same_settings(workers)
-                self._snapshot_reads += 1
-            except Exception as e:  # the DHT may be busy or shutting down: keep the last snapshot
-                log.debug("refreshing the workers snapshot: %s", e)
-            await asyncio.sleep(interval)
-
     def peer_paces(self, outer_step: int) -> list[Pace]:
         """The paces of the peers heading for ``outer_step`` whose word counts here (``partners.py``)."""
-        snapshot = self.presence.partners.voters(self._workers_snapshot)
+        snapshot = self.presence.partners.voters(self.snapshot.workers)
         return [r.pace(self.records.clock) for p, r in snapshot.items()
                 if p != self._peer_id and r.heading == outer_step]
 
@@ -351,7 +312,7 @@ class SwarmCommunicator(Communicator):
         self.state = RoundState.ANNOUNCE
         self.report_progress(outer_step=key.outer_step)
         workers = self.presence.read_live_workers()
-        snapshot = self._workers_snapshot
+        snapshot = self.snapshot.workers
         try:
             if snapshot:
                 self.presence.raise_if_drifted(key.outer_step, snapshot)
@@ -479,7 +440,7 @@ class SwarmCommunicator(Communicator):
         """Whether ``peer`` cannot have completed ``group``'s attempt, by the run's records: it left them,
         or its record says it failed that attempt (``WorkerRecord.abandoned``; a member cut off by a new
         address keeps its record fresh, and a question to it hung for 15 s in the long scenario)."""
-        record = self._workers_snapshot.get(peer)
+        record = self.snapshot.workers.get(peer)
         return record is None or record.abandoned == group.group_id
 
     def _settle(self, group: Group, doubt: InDoubt) -> RoundOutcome | None:
@@ -491,7 +452,7 @@ class SwarmCommunicator(Communicator):
         log.warning("round %s failed here (%s) after %d member(s) got this worker's whole shard: asking them whether "
                     "they completed it", group.group_id, doubt, len(doubt.ask))
         try:
-            return self._call(resolve(doubt, self.reduce_streams.connect, group.key, bound, self.rounds,
+            return self._call(resolve(doubt, self.protocols.reduce.connect, group.key, bound, self.rounds,
                                       gone=lambda peer: self._out_of(group, peer)),
                               timeout=bound + 10, interruptible=True)
         except RoundCounted:
@@ -532,10 +493,10 @@ class SwarmCommunicator(Communicator):
         await self.rounds.register(runner)
         watch = asyncio.create_task(MemberWatch(
             runner, group, self._peer_id, cut_off_after=s.cut_off_after, record_ttl=self.presence.record_ttl,
-            workers=lambda: (self._workers_snapshot, self._snapshot_reads), connectivity=self.connectivity,
+            snapshot=self.snapshot, connectivity=self.connectivity,
             unanswered=self.unanswered).run())
         try:
-            return await runner.run(self.reduce_streams.connect)
+            return await runner.run(self.protocols.reduce.connect)
         except AveragingError:
             # It sends nothing more in this attempt: members still waiting on it there stop at once, where
             # its refusal does not reach them (a stream stuck in a relay left one waiting 60 s).

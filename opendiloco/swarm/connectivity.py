@@ -27,6 +27,7 @@ from .presence import Presence
 from .records import RunRecords
 from .relays import DIAL_TIMEOUT, close_connections
 from .reservations import WIDEN_EVERY_S, RelaySlots, ping, widen
+from .run_snapshot import RunSnapshot
 
 log = logging.getLogger(__name__)
 
@@ -37,17 +38,17 @@ class ConnectivityWatch:
     ``relay_slots``: this worker's relay slots (behind NAT; None for a public worker). ``in_flight()``:
     the runner of the attempt under way, if any. ``in_background(coro)``: runs a coroutine on the event
     loop (called there). ``on_round_thread(fn)``: runs ``fn`` on the round thread (``RuntimeError`` once
-    it is shut down). ``workers()``: the last snapshot of the run's workers."""
+    it is shut down). ``snapshot``: the run's workers as last read."""
 
     def __init__(self, p2p: P2P, peer_id: str, records: RunRecords, presence: Presence,
                  relay_slots: RelaySlots | None, unreachable: UnreachablePeers, *, loop: asyncio.AbstractEventLoop,
                  in_flight: Callable[[], RoundRunner | None], in_background: Callable,
                  on_round_thread: Callable[[Callable[[], None]], concurrent.futures.Future],
-                 workers: Callable[[], dict]):
+                 snapshot: RunSnapshot):
         self.p2p, self.peer_id, self.records, self.presence = p2p, peer_id, records, presence
         self.relay_slots, self.unreachable, self.loop = relay_slots, unreachable, loop
         self.in_flight, self.in_background, self.on_round_thread = in_flight, in_background, on_round_thread
-        self.workers = workers
+        self.snapshot = snapshot
 
     def start(self) -> None:
         """Listens to what tells of a move, and (behind NAT) starts keeping and watching the relay slots."""
@@ -69,7 +70,7 @@ class ConnectivityWatch:
         while True:
             await asyncio.sleep(WIDEN_EVERY_S)
             try:
-                if await widen(self.relay_slots, self.peer_id, self.workers()):
+                if await widen(self.relay_slots, self.peer_id, self.snapshot.workers):
                     self.presence.relays = self.relay_slots.named()
                     self.presence.publish_soon()
             except Exception as e:  # the next look tries again

@@ -23,11 +23,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
 
 from ..comm.runner import Group, RoundRunner
 from .connectivity import ConnectivityWatch
 from .frozen import PING_TIMEOUT_S, FrozenProbe, Unanswered
+from .run_snapshot import RunSnapshot
 
 log = logging.getLogger(__name__)
 
@@ -39,15 +39,15 @@ reads of it) is given up on."""
 class MemberWatch:
     """Watches the members of one attempt (``runner`` of ``group``) while it runs, once a second.
 
-    ``workers()``: the last snapshot of the run's records and how many reads of them were made so far.
+    ``snapshot``: the run's records as last read (``run_snapshot.py``).
     ``cut_off_after``: ``SwarmSettings.cut_off_after`` (0: never). ``record_ttl``: how long a record
     lives after its writer's last heartbeat (said in the log)."""
 
     def __init__(self, runner: RoundRunner, group: Group, peer_id: str, *, cut_off_after: float, record_ttl: float,
-                 workers: Callable[[], tuple[dict, int]], connectivity: ConnectivityWatch, unanswered: Unanswered):
+                 snapshot: RunSnapshot, connectivity: ConnectivityWatch, unanswered: Unanswered):
         self.runner, self.group, self.peer_id = runner, group, peer_id
         self.cut_off_after, self.record_ttl = cut_off_after, record_ttl
-        self.workers, self.connectivity, self.unanswered = workers, connectivity, unanswered
+        self.snapshot, self.connectivity, self.unanswered = snapshot, connectivity, unanswered
         self._gone_since: dict[str, tuple[float, int]] = {}
 
     async def run(self) -> None:
@@ -78,7 +78,7 @@ class MemberWatch:
             self.unanswered.found(frozen)  # not waited for in the retry's matchmaking either
             await runner.give_up_on(frozen, "left a ping unanswered")
             return True
-        live, reads = self.workers()
+        live, reads = self.snapshot.workers, self.snapshot.reads
         for m in group.members:
             if m == self.peer_id or not runner.waits_on(m):
                 self._gone_since.pop(m, None)

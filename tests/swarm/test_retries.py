@@ -523,7 +523,7 @@ def test_a_settle_does_not_wait_on_a_member_whose_record_says_it_failed_the_atte
     deadline = time.monotonic() + 60
 
     def seen(abandoned: str):
-        while (record := a._workers_snapshot.get(b.peer_id)) is None or record.abandoned != abandoned:
+        while (record := a.snapshot.workers.get(b.peer_id)) is None or record.abandoned != abandoned:
             assert time.monotonic() < deadline, record
             time.sleep(0.1)
 
