@@ -207,3 +207,28 @@ def test_local_ranks_refuse_a_misspelt_field_on_every_rank():
         follower.report_progress(outer_stpe=1)
     follower.report_progress(outer_step=1)
     assert Communicator.report_progress is not LocalRanks.report_progress
+
+
+@pytest.mark.parametrize("changes, refused", [
+    ({}, None),
+    ({"part_numel": 2048}, None),
+    ({"min_group_size": 0}, "min_group_size"),
+    ({"part_numel": 1000}, "part_numel"),
+    ({"part_numel": 1536}, "part_numel"),
+    ({"part_numel": 2048.0}, "part_numel"),
+])
+def test_settings_no_round_can_run_with_are_refused_before_a_communicator_starts(changes, refused):
+    settings = dataclasses.replace(SwarmSettings(), **changes)
+    if refused is None:
+        settings.check()
+    else:
+        with pytest.raises(ValueError, match=refused):
+            settings.check()
+
+
+def test_the_matchmakers_records_live_as_long_as_a_round_may_wait_and_exchange():
+    settings = SwarmSettings(run_id="r", max_wait=100.0, matchmaking_timeout=20.0, allreduce_timeout=30.0,
+                             config_fingerprint="fp")
+    given = settings.matchmaking_settings()
+    assert given.record_ttl == 150.0 and given.run_id == "r" and given.config == "fp"
+    assert given.part_numel == settings.part_numel and given.min_group_size == settings.min_group_size

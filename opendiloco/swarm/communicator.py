@@ -162,7 +162,7 @@ class SwarmCommunicator(Communicator):
         self.connectivity.start()
         self.unanswered = Unanswered(self._loop, self.connectivity.ping)
         self.matchmaker = Matchmaker(
-            self.records, self.presence, s.matchmaking(),
+            self.records, self.presence, s.matchmaking_settings(),
             group_label(self.codec, self.result_codec, s.aggregation, s.audit_chunks),
             self._interrupted,
             doorbell=self.doorbell, push=self.pushes.push,

@@ -117,7 +117,7 @@ class SwarmSettings:
         if not isinstance(self.part_numel, int) or self.part_numel < 1024 or self.part_numel % 1024:
             raise ValueError("part_numel must be a positive multiple of 1024 (every codec's block)")
 
-    def matchmaking(self) -> MatchmakingSettings:
+    def matchmaking_settings(self) -> MatchmakingSettings:
         """What the matchmaker is given of these settings. Its announcements and groups live as long as a
         round may wait and exchange (``max_wait + matchmaking_timeout + allreduce_timeout``)."""
         return MatchmakingSettings(
