@@ -128,9 +128,10 @@ def run_peer(args) -> int:
     import torch
 
     from opendiloco.comm.base import RoundKey
-    from opendiloco.swarm.communicator import SwarmCommunicator, SwarmSettings
+    from opendiloco.swarm.communicator import SwarmCommunicator
     from opendiloco.swarm.hooks import RoundHooks
     from opendiloco.swarm.node import start_dht
+    from opendiloco.swarm.settings import SwarmSettings
 
     torch.set_num_threads(args.threads)
 

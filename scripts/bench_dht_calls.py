@@ -23,8 +23,9 @@ import hivemind
 import torch
 
 from opendiloco.comm.base import RoundKey
-from opendiloco.swarm.communicator import SwarmCommunicator, SwarmSettings
+from opendiloco.swarm.communicator import SwarmCommunicator
 from opendiloco.swarm.node import start_dht
+from opendiloco.swarm.settings import SwarmSettings
 
 LOCAL = ["/ip4/127.0.0.1/tcp/0"]
 HZ = os.sysconf("SC_CLK_TCK")

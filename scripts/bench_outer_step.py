@@ -55,8 +55,9 @@ def run_worker(args) -> int:
     import torch
 
     from opendiloco import DiLoCoOptimizer
-    from opendiloco.swarm.communicator import SwarmCommunicator, SwarmSettings
+    from opendiloco.swarm.communicator import SwarmCommunicator
     from opendiloco.swarm.node import start_dht
+    from opendiloco.swarm.settings import SwarmSettings
     from opendiloco.train.allocator import release_freed_tensors
 
     torch.set_num_threads(1)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import importlib.util
 from pathlib import Path
 
 import pytest
@@ -134,3 +135,47 @@ def test_the_layer_rules_catch_a_wrong_arrow():
                              ("swarm", "opendiloco.train.config"), ("swarm", "opendiloco.optimizer"),
                              ("train", "opendiloco.testing.proctree")]:
         assert layer(module) not in MAY_IMPORT[importer], (importer, module)
+
+
+HIVEMIND_PRIVATES_MODULE = PACKAGE / "swarm" / "hivemind_privates.py"
+OWN_NAMES = {"_peer_id", "_run", "_node"}
+"""Private names of hivemind's ``DHT`` or ``P2P`` that this project's own classes also use, for themselves."""
+
+
+def hivemind_private_names() -> set[str]:
+    """The private attributes and methods of hivemind's ``DHT`` and ``P2P``, read from its source."""
+    spec = importlib.util.find_spec("hivemind")  # finds the package without importing it
+    root = Path(spec.submodule_search_locations[0])
+    names = set()
+    for source in (root / "dht" / "dht.py", root / "p2p" / "p2p_daemon.py"):
+        for cls in (n for n in ast.parse(source.read_text()).body if isinstance(n, ast.ClassDef)):
+            for node in ast.walk(cls):
+                if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self":
+                    names.add(node.attr)
+                elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    names.add(node.name)
+    return {n for n in names if n.startswith("_") and not n.startswith("__")}
+
+
+def test_only_the_adapter_touches_hivemind_privates():
+    """hivemind's private attributes are reached in one module, pinned to one release (a new release is
+    checked there): everywhere else an attribute of that name is an access to hivemind's internals."""
+    names = hivemind_private_names()
+    assert {"_client", "_outer_pipe", "_parent_pid", "_make_process_args"} <= names
+    names -= OWN_NAMES
+    offenders = [f"{path.relative_to(PACKAGE)}:{where}" for path in library_files() if path != HIVEMIND_PRIVATES_MODULE
+                 for where in private_accesses(path.read_text(), names)]
+    assert not offenders, "\n".join(offenders)
+
+
+def private_accesses(source: str, names: set[str]) -> list[str]:
+    """``line: expression`` of every attribute access to one of ``names`` in ``source``."""
+    return [f"{node.lineno}: {ast.unparse(node)}" for node in ast.walk(ast.parse(source))
+            if isinstance(node, ast.Attribute) and node.attr in names]
+
+
+def test_the_privates_check_catches_a_daemon_call():
+    names = hivemind_private_names() - OWN_NAMES
+    assert private_accesses("async def f(p2p, peer):\n    await p2p._client.disconnect(peer)\n", names) == [
+        "2: p2p._client"]
+    assert private_accesses("dht._outer_pipe.close()\nself._peer_id = 1\n", names) == ["1: dht._outer_pipe"]

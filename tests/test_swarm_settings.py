@@ -17,9 +17,9 @@ from opendiloco.comm.base import PROGRESS_FIELDS, Communicator, Progress, check_
 from opendiloco.comm.formats import get_codec
 from opendiloco.comm.local import average_alone
 from opendiloco.errors import AveragingError, SwarmError
-from opendiloco.swarm.communicator import SwarmSettings
 from opendiloco.swarm.presence import OtherSettings, Presence
 from opendiloco.swarm.records import WorkerRecord
+from opendiloco.swarm.settings import SwarmSettings
 from opendiloco.train.config import SwarmConfig, fingerprint_covers, load_config
 
 NOT_DEFAULT = {
@@ -114,16 +114,16 @@ def test_other_settings_name_the_fingerprint_and_the_trainer_names_its_keys(tmp_
 
 
 def test_the_swarm_layer_names_no_trainer_key_in_its_messages():
-    """The text of every call (errors raised, lines logged) in the communicator and its presence."""
+    """The text of every call (errors raised, lines logged) in the communicator, its start and its presence."""
     import ast
     from pathlib import Path
 
     swarm = Path(__file__).resolve().parents[1] / "opendiloco" / "swarm"
-    for path in [swarm / "communicator.py", swarm / "presence.py"]:
+    for path in [swarm / "communicator.py", swarm / "startup.py", swarm / "presence.py"]:
         said = [node.value for call in ast.walk(ast.parse(path.read_text())) if isinstance(call, ast.Call)
                 for arg in [*call.args, *(k.value for k in call.keywords)] for node in ast.walk(arg)
                 if isinstance(node, ast.Constant) and isinstance(node.value, str)]
-        assert any("trains with other settings" in text for text in said) or path.name != "communicator.py"
+        assert any("trains with other settings" in text for text in said) or path.name != "startup.py"
         for key in ("[swarm]", "[model]", "optim.", "--swarm.", "data.tokenizer", "--print-config"):
             assert not [text for text in said if key in text], (path.name, key)
 
@@ -207,3 +207,28 @@ def test_local_ranks_refuse_a_misspelt_field_on_every_rank():
         follower.report_progress(outer_stpe=1)
     follower.report_progress(outer_step=1)
     assert Communicator.report_progress is not LocalRanks.report_progress
+
+
+@pytest.mark.parametrize("changes, refused", [
+    ({}, None),
+    ({"part_numel": 2048}, None),
+    ({"min_group_size": 0}, "min_group_size"),
+    ({"part_numel": 1000}, "part_numel"),
+    ({"part_numel": 1536}, "part_numel"),
+    ({"part_numel": 2048.0}, "part_numel"),
+])
+def test_settings_no_round_can_run_with_are_refused_before_a_communicator_starts(changes, refused):
+    settings = dataclasses.replace(SwarmSettings(), **changes)
+    if refused is None:
+        settings.check()
+    else:
+        with pytest.raises(ValueError, match=refused):
+            settings.check()
+
+
+def test_the_matchmakers_records_live_as_long_as_a_round_may_wait_and_exchange():
+    settings = SwarmSettings(run_id="r", max_wait=100.0, matchmaking_timeout=20.0, allreduce_timeout=30.0,
+                             config_fingerprint="fp")
+    given = settings.matchmaking_settings()
+    assert given.record_ttl == 150.0 and given.run_id == "r" and given.config == "fp"
+    assert given.part_numel == settings.part_numel and given.min_group_size == settings.min_group_size

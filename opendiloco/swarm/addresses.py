@@ -12,10 +12,10 @@ The same lookup is this worker's surest sign that its own address changed: an ad
 listened on is gone (``Presence.on_new_address``). Its connections through it are dead, and every
 stream on them would hang until a transport timeout: it closes them at once, and abandons an attempt
 in flight, which its record then says, so that the members stop waiting on it
-(``SwarmCommunicator._readdressed``). Its peers see it in its next record: an address it named is
+(``connectivity.ConnectivityWatch.readdressed``). Its peers see it in its next record: an address it named is
 gone. Their connections to it are as dead, and their streams to it (the round's parts, the settle's
 question) hung there: they close them, so the next stream dials its new address; a worker behind NAT
-dials it at once, as the moved worker cannot dial it back (``SwarmCommunicator._peers_moved``).
+dials it at once, as the moved worker cannot dial it back (``ConnectivityWatch.peers_moved``).
 
 A record's addresses are its writer's word: a dial to them reaches the peer of that id or nobody
 (libp2p authenticates the remote end), so a false one costs one failed dial of at most
@@ -34,6 +34,8 @@ from collections.abc import Iterable, Sequence
 
 from hivemind.p2p import P2P, PeerID
 from hivemind.utils.multiaddr import Multiaddr
+
+from . import hivemind_privates
 
 log = logging.getLogger(__name__)
 
@@ -150,7 +152,8 @@ class AddressBook:
 async def dial_addrs(p2p: P2P, peer: str, addrs: Sequence[str], timeout: float = DIAL_TIMEOUT) -> bool:
     """Connects to ``peer`` at ``addrs`` (its daemon learns them); False if that failed."""
     try:
-        await asyncio.wait_for(p2p._client.connect(PeerID.from_base58(peer), [Multiaddr(a) for a in addrs]), timeout)
+        where = [Multiaddr(a) for a in addrs]
+        await asyncio.wait_for(hivemind_privates.connect(p2p, PeerID.from_base58(peer), where), timeout)
         return True
     except asyncio.CancelledError:
         raise

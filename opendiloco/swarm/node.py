@@ -22,7 +22,7 @@ from hivemind.utils.multiaddr import Multiaddr
 
 from opendiloco.errors import SwarmError
 
-from . import reachability, relays
+from . import hivemind_privates, reachability, relays
 from .dht_calls import DhtCalls
 from .dialing import dial_from_ephemeral_ports
 from .p2pd_binary import use_unpacked
@@ -168,27 +168,28 @@ class WorkerBoundDHT(hivemind.DHT):
         self._calls.started()
 
     def get(self, key, latest: bool = False, return_future: bool = False, **kwargs):
-        future = self._call("_get", dict(key=key, latest=latest, **kwargs))
+        future = self._call(hivemind_privates.DHT_GET, dict(key=key, latest=latest, **kwargs))
         return future if return_future else future.result()
 
     def store(self, key, value, expiration_time, subkey=None, return_future: bool = False, **kwargs):
-        future = self._call("_store", dict(key=key, value=value, expiration_time=expiration_time, subkey=subkey,
-                                           **kwargs))
+        future = self._call(hivemind_privates.DHT_STORE, dict(key=key, value=value, expiration_time=expiration_time,
+                                                              subkey=subkey, **kwargs))
         return future if return_future else future.result()
 
     def run_coroutine(self, coro, return_future: bool = False):
-        future = self._call("_run_coroutine", dict(coro=coro))
+        future = self._call(hivemind_privates.DHT_RUN_COROUTINE, dict(coro=coro))
         return future if return_future else future.result()
 
     def _call(self, method: str, kwargs: dict):
         """hivemind's calls, answered through ``dht_calls`` instead of an ``MPFuture`` each."""
         assert os.getpid() != self.pid, "calling the DHT's external interface from inside its process deadlocks"
-        return self._calls.call(self._outer_pipe, method, kwargs)
+        return self._calls.call(hivemind_privates.dht_request_pipe(self), method, kwargs)
 
     def shutdown(self) -> None:
         if self.is_alive():
-            self._calls.send(self._outer_pipe, ("_shutdown", [], {}))
-            self._outer_pipe.close()
+            pipe = hivemind_privates.dht_request_pipe(self)
+            self._calls.send(pipe, (hivemind_privates.DHT_SHUTDOWN, [], {}))
+            pipe.close()
             self.join(self.shutdown_timeout)
             if self.is_alive():
                 log.warning("the DHT process did not shut down within %ss; terminating it", self.shutdown_timeout)
@@ -198,7 +199,7 @@ class WorkerBoundDHT(hivemind.DHT):
         self._calls.serve_answers()
         _keep_tasks_referenced()
         use_unpacked()  # the daemon unpacked into this project's cache by setup, where it is there
-        parent = self._parent_pid
+        parent = hivemind_privates.dht_parent_pid(self)
 
         def watchdog():
             while True:

@@ -53,7 +53,7 @@ CLOCK_SLACK = 10.0
 
 class OtherSettings(SwarmError):
     """Every live worker of the run has another config fingerprint than this worker: it is the odd one
-    out (``SwarmCommunicator.refuse_other_settings``). The swarm knows the fingerprint, not what it
+    out (``startup.refuse_other_settings``). The swarm knows the fingerprint, not what it
     covers: whoever computes it names that (``covering``; the trainer names its config keys)."""
 
     def __init__(self, detail: str, covers: str = "the settings its config fingerprint covers", advice: str = ""):

@@ -29,6 +29,7 @@ from hivemind.utils.multiaddr import Multiaddr
 
 from ..comm.wire import ByteStream, Code
 from ..comm.wire import field as meta_field
+from . import hivemind_privates
 
 log = logging.getLogger(__name__)
 
@@ -157,8 +158,8 @@ async def probe(dht, node, addr: str, ports: list[int], timeout: float) -> Probe
         return result
     began = time.perf_counter()
     try:
-        await asyncio.wait_for(p2p._client.connect(peer_id, [maddr.decapsulate(Multiaddr(f"/p2p/{base58}"))]),
-                               timeout)
+        where = [maddr.decapsulate(Multiaddr(f"/p2p/{base58}"))]
+        await asyncio.wait_for(hivemind_privates.connect(p2p, peer_id, where), timeout)
     except Exception as e:  # unreachable, refused, wrong peer id: all said as one line
         result.error = f"{type(e).__name__}: {e}".strip().rstrip(":") if str(e) else type(e).__name__
         return result

@@ -29,6 +29,7 @@ import logging
 from hivemind.p2p import PeerID
 from hivemind.utils.multiaddr import Multiaddr
 
+from . import hivemind_privates
 from .relays import close_connections
 
 log = logging.getLogger(__name__)
@@ -63,13 +64,13 @@ async def redial(_dht, node, initial_peers: tuple[str, ...], timeout: float = RE
         addr = Multiaddr(maddr)
         peer = PeerID.from_base58(addr["p2p"])
         where = [addr.decapsulate(Multiaddr(f"/p2p/{addr['p2p']}"))]
-        await node.p2p._client.connect(peer, where)
+        await hivemind_privates.connect(node.p2p, peer, where)
         if await node.protocol.call_ping(peer) is None:
             # The daemon may still hold a connection that is gone (this node's address changed): it dials
             # nothing while it has one, and every request waits on it until the transport gives up on it
             # (30-40 s in the world scenario). Closed, the next connect dials anew.
             await close_connections(node.p2p, addr["p2p"])
-            await node.p2p._client.connect(peer, where)
+            await hivemind_privates.connect(node.p2p, peer, where)
             await node.protocol.call_ping(peer)
 
     dials = [asyncio.ensure_future(asyncio.wait_for(dial(m), timeout)) for m in initial_peers]

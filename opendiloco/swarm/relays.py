@@ -50,6 +50,7 @@ from hivemind.p2p import P2P, PeerID
 from hivemind.utils.multiaddr import Multiaddr
 
 from ..comm.wire import ByteStream
+from . import hivemind_privates
 from .dialing import dial_from_ephemeral_ports
 
 log = logging.getLogger(__name__)
@@ -170,7 +171,7 @@ async def dial_via(p2p: P2P, peer: str, relays: Sequence[str], timeout: float = 
     and the caller's direct dial says why."""
     try:
         addrs = [circuit_address(r) for r in relays]
-        await asyncio.wait_for(p2p._client.connect(PeerID.from_base58(peer), addrs), timeout)
+        await asyncio.wait_for(hivemind_privates.connect(p2p, PeerID.from_base58(peer), addrs), timeout)
         return True
     except asyncio.CancelledError:
         raise
@@ -182,7 +183,7 @@ async def dial_via(p2p: P2P, peer: str, relays: Sequence[str], timeout: float = 
 async def close_connections(p2p: P2P, peer: str) -> None:
     """Closes the node's connections to ``peer`` (best effort): the next stream or call dials anew."""
     try:
-        await asyncio.wait_for(p2p._client.disconnect(PeerID.from_base58(peer)), DIAL_TIMEOUT)
+        await asyncio.wait_for(hivemind_privates.disconnect(p2p, PeerID.from_base58(peer)), DIAL_TIMEOUT)
     except asyncio.CancelledError:
         raise
     except Exception as e:  # gone already: the next stream dials anew either way
@@ -288,13 +289,10 @@ class RelayLinks:
                 del self._serving[peer]
 
 
-_make_process_args = P2P._make_process_args
+def _static_relays_only(flags: dict) -> None:
+    """A daemon given its relays (``trustedRelays`` with ``autoRelay``) looks for no others."""
+    if flags.get("trustedRelays") and flags.get("autoRelay"):
+        flags["relayDiscovery"] = False
 
 
-def _static_relays_only(*args, **kwargs) -> list[str]:
-    if kwargs.get("trustedRelays") and kwargs.get("autoRelay"):
-        kwargs["relayDiscovery"] = False
-    return _make_process_args(*args, **kwargs)
-
-
-P2P._make_process_args = staticmethod(_static_relays_only)
+hivemind_privates.edit_daemon_flags(_static_relays_only)

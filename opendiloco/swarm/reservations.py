@@ -36,6 +36,7 @@ from collections.abc import Callable, Sequence
 
 from hivemind.p2p import P2P, PeerID
 
+from . import hivemind_privates
 from .addresses import dial_addrs
 from .relays import MAX_RELAYS, checked_relays, uvarint
 
@@ -119,7 +120,7 @@ async def reserve(p2p: P2P, relay: str, timeout: float = RESERVE_TIMEOUT) -> boo
     try:
         async def ask() -> bool:
             nonlocal writer
-            _, reader, writer = await p2p._client.stream_open(PeerID.from_base58(relay), (HOP_PROTOCOL,))
+            reader, writer = await hivemind_privates.open_stream(p2p, PeerID.from_base58(relay), (HOP_PROTOCOL,))
             writer.write(uvarint(len(RESERVE)) + RESERVE)
             await writer.drain()
             length = await _read_varint(reader)
@@ -145,7 +146,7 @@ async def ping(p2p: P2P, peer: str, timeout: float = PING_TIMEOUT) -> bool | Non
     try:
         async def once() -> bool:
             nonlocal writer
-            _, reader, writer = await p2p._client.stream_open(PeerID.from_base58(peer), (PING_PROTOCOL,))
+            reader, writer = await hivemind_privates.open_stream(p2p, PeerID.from_base58(peer), (PING_PROTOCOL,))
             data = os.urandom(PING_BYTES)
             writer.write(data)
             await writer.drain()

@@ -12,10 +12,11 @@ import pytest
 from opendiloco.errors import Unreachable
 from opendiloco.swarm import presence
 from opendiloco.swarm.addresses import MAX_ADDRS, AddressBook, checked_addrs, is_local, own_addrs, plain_address
-from opendiloco.swarm.communicator import SwarmCommunicator, SwarmSettings
+from opendiloco.swarm.communicator import SwarmCommunicator
 from opendiloco.swarm.node import start_dht
 from opendiloco.swarm.presence import ADDRS_EVERY_S
 from opendiloco.swarm.records import WorkerRecord
+from opendiloco.swarm.settings import SwarmSettings
 from opendiloco.swarm.streams import P2PStreams
 
 pytestmark = pytest.mark.timeout(120)
@@ -178,7 +179,7 @@ def test_the_others_drop_their_connections_to_a_worker_whose_record_says_it_move
     async def record_closing(peers):
         closed.append(set(peers))
 
-    watcher._disconnect = record_closing
+    watcher.connectivity.disconnect = record_closing
     try:
         deadline = time.monotonic() + 60
         while not watcher.records.address_book.of(mover.peer_id):

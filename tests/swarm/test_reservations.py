@@ -97,7 +97,7 @@ def test_a_worker_behind_nat_is_reached_through_a_relay_that_restarted(renew, tm
 @pytest.mark.swarm
 def test_a_relay_back_from_a_restart_is_reported_once_it_holds_the_slot_again(tmp_path):
     """``on_slot_back`` tells the worker when a relay that gave no slot gives one again: the workers behind
-    NAT it could not dial while the relay was down are tried again then (``SwarmCommunicator._on_slot_back``)."""
+    NAT it could not dial while the relay was down are tried again then (``ConnectivityWatch.on_slot_back``)."""
     async def run():
         key, addr = _relay_identity(tmp_path)
         nodes = [relay := await _start_relay(key, addr)]

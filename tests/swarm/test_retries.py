@@ -28,10 +28,11 @@ from opendiloco.comm.base import RoundKey
 from opendiloco.comm.group import Group
 from opendiloco.comm.runner import RoundRunner
 from opendiloco.errors import AveragingError, BehindError, Unreachable
-from opendiloco.swarm.communicator import SwarmCommunicator, SwarmSettings
+from opendiloco.swarm.communicator import SwarmCommunicator
 from opendiloco.swarm.hooks import RoundHooks
 from opendiloco.swarm.node import start_dht
 from opendiloco.swarm.reservations import RelaySlots
+from opendiloco.swarm.settings import SwarmSettings
 from opendiloco.swarm.streams import P2PStreams
 from tests.conftest import run_in_threads
 
@@ -435,10 +436,11 @@ def test_a_member_cut_off_mid_round_abandons_it_and_the_others_stop_waiting(work
     async def connections_gone_already(peers):  # its closing them reaches nobody in the world
         cut.closed = set(peers)
 
-    trio[2]._disconnect = connections_gone_already
+    trio[2].connectivity.disconnect = connections_gone_already
     # Its relay slots (as if behind NAT, with trio[0] its relay), asked for once here and then only when
     # something says they may be gone: a cut-off is such a thing (its router's address may have changed).
-    slots = trio[2].relay_slots = RelaySlots(trio[2].p2p, [str(trio[0].dht.get_visible_maddrs()[0])], every=3600)
+    relay = [str(trio[0].dht.get_visible_maddrs()[0])]
+    slots = trio[2].connectivity.relay_slots = RelaySlots(trio[2].p2p, relay, every=3600)
     trio[2]._loop.call_soon_threadsafe(trio[2]._in_background, slots.keep())
     try:
         deadline = time.monotonic() + 60
@@ -493,7 +495,7 @@ def test_a_member_whose_address_changed_mid_round_abandons_it_at_once(workers):
     async def connections_gone_already(peers):  # its closing them reaches nobody in the world
         closed.update(peers)
 
-    trio[2]._disconnect = connections_gone_already
+    trio[2].connectivity.disconnect = connections_gone_already
     try:
         out, took = round_of_three(trio, moved.entered)
         assert isinstance(out[2], AveragingError) and "address changed" in str(out[2]), out
@@ -517,7 +519,7 @@ def test_a_settle_does_not_wait_on_a_member_whose_record_says_it_failed_the_atte
     deadline = time.monotonic() + 60
 
     def seen(abandoned: str):
-        while (record := a._workers_snapshot.get(b.peer_id)) is None or record.abandoned != abandoned:
+        while (record := a.snapshot.workers.get(b.peer_id)) is None or record.abandoned != abandoned:
             assert time.monotonic() < deadline, record
             time.sleep(0.1)
 

@@ -19,6 +19,7 @@ from hivemind.utils.multiaddr import Multiaddr
 
 from opendiloco.comm.wire import Code, Refused, StreamClosed
 from opendiloco.errors import Unreachable
+from opendiloco.swarm import hivemind_privates
 from opendiloco.swarm.addresses import AddressBook
 from opendiloco.swarm.relays import RelayBook, close_connections, daemon_options, dial_via
 from opendiloco.swarm.reversal import MIN_INTERVAL_S, ConnectionReversal, direct_connection
@@ -64,7 +65,7 @@ async def _public_after_backoff(natted: P2P, first: list[str], tmp_path) -> P2P:
     failed = 0
     while failed < 4:  # a dial in backoff fails at once, without counting
         try:
-            await natted._client.connect(peer, [Multiaddr(addr)])
+            await hivemind_privates.connect(natted, peer, [Multiaddr(addr)])
         except ControlFailure as e:
             failed += "backoff" not in str(e)
         await asyncio.sleep(0.3)
@@ -115,7 +116,7 @@ def test_a_worker_behind_nat_whose_daemon_backed_off_a_public_one_is_reached_by_
             public = await _public_after_backoff(natted, relays, tmp_path)
             public_id, natted_id = public.peer_id.to_base58(), natted.peer_id.to_base58()
             with pytest.raises(ControlFailure, match="backoff"):  # it is up, and the NAT'd node will not dial it
-                await natted._client.connect(public.peer_id, [])
+                await hivemind_privates.connect(natted, public.peer_id, [])
             serving = _reversal(natted, {})
             await serving.streams.listen(serving.serve)
             await P2PStreams(natted, "opendiloco.test.data").listen(_echo)
@@ -134,7 +135,7 @@ def test_a_worker_behind_nat_whose_daemon_backed_off_a_public_one_is_reached_by_
             assert asking.reversed == 1 and serving.dialled == 1
             assert await direct_connection(public, natted_id)  # the round's streams do not go through the relay
             assert await direct_connection(natted, public_id)
-            await natted._client.connect(public.peer_id, [])  # its backoff is gone
+            await hivemind_privates.connect(natted, public.peer_id, [])  # its backoff is gone
         finally:
             nodes = [p for p in (public, natted, relay) if p is not None]
             await asyncio.gather(*(p.shutdown() for p in nodes), return_exceptions=True)
