@@ -19,11 +19,16 @@ def module_name(path: Path) -> str:
 
 
 def imported(path: Path, tree: ast.AST, known: set[str]) -> set[str]:
-    """The package's modules that ``path`` imports (``from pkg import module`` counts as the module)."""
+    """The package's modules that ``path`` imports at run time (``from pkg import module`` counts as the
+    module; imports under ``if TYPE_CHECKING:`` do not count)."""
     here = module_name(path).split(".")
     package = here if path.name == "__init__.py" else here[:-1]
+    typing_only = {id(n) for block in ast.walk(tree) if isinstance(block, ast.If)
+                   and "TYPE_CHECKING" in ast.unparse(block.test) for n in ast.walk(block)}
     out = set()
     for node in ast.walk(tree):
+        if id(node) in typing_only:  # names for annotations: no import at run time
+            continue
         if isinstance(node, ast.Import):
             names = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom):
