@@ -7,6 +7,8 @@ id closes the group and publishes its members; everyone adopts the group publish
 smallest id, so no two views split the run. A group never holds both a member and a peer that member
 avoids (it caught it sending malformed data, or could not dial it: ``exclusion.py``); who is left out
 is decided from the announcements, the same way on every member.
+That rule is ``match_rule.decide``, a pure function of what a worker has seen; ``Matchmaker`` reads the
+records, announces, asks it what to do at every look, and does it (publishes, adopts, waits, pings, fails).
 Announcements and groups are DHT records, and each is also pushed to the peers that need it
 (``pushed_records.py``): a DHT read costs about two round trips, a push half of one, so the
 matchmaker reads what was pushed and the DHT only when nothing came or now and then.
