@@ -448,7 +448,7 @@ def _close(view: MatchView, settings: MatchmakingSettings) -> Outcome:
     avoids = avoids_of(view, closing.compatible | {me}, s)
     notes, taken = Notes(), view.taken
     if view.published is not None:  # a group already closed for this round wins over our own view
-        outcome = _published(view, closing.compatible, avoids, notes, Wait("", closing=closing))
+        outcome = _published(view, closing.compatible, avoids, notes, Wait("closing", closing=closing))
         if not isinstance(outcome, Wait):
             return outcome
         notes, taken = outcome.notes, outcome.notes.taken
