@@ -305,7 +305,7 @@ def _names(**named):
     ("unreachable, needs three", {}, dict(a="x"), {}, 4, set()),
 ])
 def test_which_announced_names_shape_a_group(case, refusals, unreachables, broken, min_size, left_out):
-    from opendiloco.swarm.matchmaking import guarded_avoids
+    from opendiloco.swarm.match_rule import guarded_avoids
     members = {"pair": {"a", "b", "c"}, "split": {"a", "b", "c", "d"}}.get(case, {"a", "b", "c", "x"})
     avoids = guarded_avoids(members, _names(**refusals), _names(**unreachables), _names(**broken), min_size)
     assert members - conflict_free(members, avoids) == left_out, case

@@ -17,7 +17,8 @@ import pytest
 from opendiloco.comm.base import RoundKey
 from opendiloco.errors import AveragingError
 from opendiloco.swarm.clock import RunClock
-from opendiloco.swarm.matchmaking import SLOW_READ_EVERY, Matchmaker, MatchmakingSettings
+from opendiloco.swarm.match_rule import Announcement, Closing, gone
+from opendiloco.swarm.matchmaking import SLOW_READ_EVERY, Matchmaker, MatchmakingSettings, peers_here
 from opendiloco.swarm.partners import Partners
 from opendiloco.swarm.records import WorkerRecord
 from tests.conftest import run_in_threads
@@ -120,11 +121,10 @@ def test_a_smallest_peer_that_went_back_after_announcing_neither_leads_nor_holds
 def test_a_record_older_than_the_announcement_says_nothing_yet():
     """The announcement may be read before the record that goes with it: the peer is not dropped."""
     table, key = Table(), RoundKey(1)
-    mm = Matchmaker(Writer(table, "b"), Presence("b", lambda: {}), SETTINGS, "fp16", threading.Event())
     now = table.clock.now()
-    announcements = {"a": {"since": now}, "d": {"since": now}}
+    announcements = {"a": Announcement(0, since=now), "d": Announcement(0, since=now)}
     workers = {"a": WorkerRecord("a", outer_step=0, time=now - 1.0)}  # d: no record at all (dead)
-    assert mm._gone(workers, announcements, key) == {"d"}
+    assert gone(peers_here(workers, table.clock), announcements, key.outer_step, "b") == {"d"}
 
 
 def test_a_peer_whose_streamed_round_is_in_flight_is_waited_for_before_its_announcement_arrives():
@@ -186,7 +186,8 @@ def test_a_worker_whose_peers_all_left_the_round_before_its_group_closed_does_no
     settings = dataclasses.replace(SETTINGS, min_group_size=1)  # the default: a group of one is big enough
     mm = Matchmaker(Writer(table, "b"), Presence("b", lambda: workers), settings, "fp16", threading.Event())
     with pytest.raises(AveragingError, match="not applied alone"):
-        mm._adopt_group(key, 0, {"a", "b"}, {"a", "b"}, 10)
+        mm._adopt_group(key, 0, 10, Closing(frozenset("ab"), frozenset()), workers,
+                        mm._read_announcements(table.round_key(key)))
     assert table.group_key(key, 0) not in table.values  # no group of one was published
 
 

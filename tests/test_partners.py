@@ -7,13 +7,11 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-from types import SimpleNamespace
 
 import pytest
 
 from opendiloco.comm.base import RoundKey
-from opendiloco.errors import BehindError
-from opendiloco.swarm.clock import RunClock
+from opendiloco.swarm.match_rule import MatchView, Peer, published_group, wait_until
 from opendiloco.swarm.matchmaking import Matchmaker
 from opendiloco.swarm.partners import Partners
 from opendiloco.swarm.quorum import Claim, confirmed_ahead, drifted
@@ -103,36 +101,38 @@ def test_a_fresh_identity_that_promises_to_be_ready_in_an_hour_costs_partners_on
     assert _matchmaker(table, "b", workers, settings, partners={"c"}).presence.partners.vouched(
         set(workers)) == {"b", "c"}
     # Its promise would be believed from a partner (the same record, another standing).
-    assert _matchmaker(table, "b", workers, settings, partners={"c", "f"})._wait_until(
-        workers["f"], now, vouched=True) == now + settings.max_wait
+    vouched = _matchmaker(table, "b", workers, settings, partners={"c", "f"}).presence.partners.vouched(workers)
+    assert "f" in vouched
+    assert wait_until(workers["f"].ready_at, now, settings.straggler_wait, settings.max_wait,
+                      vouched=True) == now + settings.max_wait
+
+
+def _published(table: Table, key: RoundKey, me: str, live: set[str], announced: set[str], partners=()):
+    """``match_rule.published_group`` of the groups in ``table``, as ``me`` sees them."""
+    matchmaker = _matchmaker(table, me, {}, partners=partners)
+    workers = {p: Peer(key.outer_step, key.outer_step) for p in live - {me}}
+    view = MatchView(me=me, key=key, attempt=0, numel=10, codec="fp16", now=0.0, began=0.0, workers=workers,
+                     announcements={}, trust=matchmaker.presence.partners.trust(live | announced),
+                     published=table.values[table.group_key(key, 0)])
+    return published_group(view, announced, {})
 
 
 def test_a_group_of_fresh_identities_does_not_leave_a_partner_behind():
     table, key = Table(), RoundKey(4)
-    now = table.clock.now()
-    announcement = {"attempt": 0, "numel": 10, "codec": "fp16", "part": SETTINGS.part_numel, "config": "",
-                    "since": now}
-    table.values[table.round_key(key)] = {p: announcement for p in ("f1", "f2")}
     table.values[table.group_key(key, 0)] = {"f1": ["f1", "f2"]}
     live = {"b", "c", "f1", "f2"}
-    fooled = _matchmaker(table, "b", {})
-    with pytest.raises(BehindError):  # without partners: two of four went on, so the run did
-        fooled._published(key, 0, table.group_key(key, 0), live, {"f1", "f2"})
-    partner = _matchmaker(table, "b", {}, partners={"c"})
-    assert partner._published(key, 0, table.group_key(key, 0), live, {"f1", "f2"}) is None
-    assert partner.taken == {"f1", "f2"}  # their business: not waited for
+    # Without partners: two of four went on, so the run did.
+    assert _published(table, key, "b", live, {"f1", "f2"}) == (None, {"f1", "f2"}, True)
+    # With one: their business, not waited for.
+    assert _published(table, key, "b", live, {"f1", "f2"}, partners={"c"}) == (None, {"f1", "f2"}, False)
     # The same group with a partner in it is the run moving on.
-    table.values[table.round_key(key)]["c"] = announcement
     table.values[table.group_key(key, 0)] = {"c": ["c", "f1"]}
-    with pytest.raises(BehindError):
-        partner._published(key, 0, table.group_key(key, 0), live, {"c", "f1", "f2"})
+    assert _published(table, key, "b", live, {"c", "f1", "f2"}, partners={"c"}) == (None, {"c", "f1"}, True)
 
 
 def test_a_ready_time_from_a_peer_whose_word_does_not_count_is_believed_for_one_grace_at_most():
-    mm = SimpleNamespace(settings=dataclasses.replace(SETTINGS, straggler_wait=5.0, max_wait=600.0), no_shows={},
-                         records=SimpleNamespace(clock=RunClock()))
-    began = 1000.0
-    assert Matchmaker._wait_until(mm, WorkerRecord("p", ready_at=1120.0), began, vouched=True) == 1125.0
-    assert Matchmaker._wait_until(mm, WorkerRecord("p", ready_at=1120.0), began, vouched=False) == 1010.0
-    assert Matchmaker._wait_until(mm, WorkerRecord("p", ready_at=1003.0), began, vouched=False) == 1008.0
-    assert Matchmaker._wait_until(mm, WorkerRecord("p"), began, vouched=False) == 1005.0
+    began, grace, most = 1000.0, 5.0, 600.0
+    assert wait_until(1120.0, began, grace, most, vouched=True) == 1125.0
+    assert wait_until(1120.0, began, grace, most, vouched=False) == 1010.0
+    assert wait_until(1003.0, began, grace, most, vouched=False) == 1008.0
+    assert wait_until(None, began, grace, most, vouched=False) == 1005.0

@@ -7,6 +7,8 @@ id closes the group and publishes its members; everyone adopts the group publish
 smallest id, so no two views split the run. A group never holds both a member and a peer that member
 avoids (it caught it sending malformed data, or could not dial it: ``exclusion.py``); who is left out
 is decided from the announcements, the same way on every member.
+That rule is ``match_rule.decide``, a pure function of what a worker has seen; ``Matchmaker`` reads the
+records, announces, asks it what to do at every look, and does it (publishes, adopts, waits, pings, fails).
 Announcements and groups are DHT records, and each is also pushed to the peers that need it
 (``pushed_records.py``): a DHT read costs about two round trips, a push half of one, so the
 matchmaker reads what was pushed and the DHT only when nothing came or now and then.
@@ -23,23 +25,15 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..comm.base import RoundKey
 from ..comm.group import Group, make_group_id
 from ..errors import AveragingError, BehindError, Interrupted
-from . import records
-from .exclusion import (
-    Breakers,
-    Offenders,
-    UnreachablePeers,
-    announced_avoid,
-    conflict_free,
-    conflicts,
-    part_of,
-    partition,
-)
+from . import match_rule, records
+from .exclusion import Breakers, Offenders, UnreachablePeers
 from .frozen import RELAYED_QUIET_S, Unanswered
+from .match_rule import Announcement, Close, Closing, Fail, Follow, MatchView, Notes, Peer, Wait, decide, next_attempt
 from .presence import Presence
 
 log = logging.getLogger(__name__)
@@ -109,14 +103,6 @@ class Doorbell:
             return rung
 
 
-def in_round(record, outer_step: int) -> bool:
-    """Whether a peer's record says its round ``outer_step`` is in flight: it has started that round (a
-    streamed round runs in the background) and heads for the next. Its announcement of the round may
-    not have reached the DHT yet, but it is in the round: it is waited for, for ``straggler_wait`` (its
-    published ready time is for the round after), and not held to that time if it does not come."""
-    return record.outer_step == outer_step and record.heading == outer_step + 1
-
-
 @dataclass(frozen=True)
 class LeftOut:
     """A group of this round and attempt, of these members, went ahead without this worker."""
@@ -126,36 +112,48 @@ class LeftOut:
     members: frozenset[str]
 
 
-class LeaderWentOn(Exception):
-    """The peer a worker waits for to publish the group of its attempt has announced a later attempt."""
 
-    def __init__(self, leader: str, attempt: int):
-        super().__init__(f"{leader[-8:]} went on to attempt {attempt}")
-        self.leader, self.attempt = leader, attempt
+class _LiveWorkers:
+    """The run's live workers as ``form_group`` reads them: a read under way is taken once it is in, or at once
+    when there is no earlier view to announce on; one overdue fails the round, as a read made in place would."""
 
+    def __init__(self, presence: Presence, me: str, workers, provisional: dict | None, check, ring: Callable):
+        self.presence, self.me, self.provisional, self.check = presence, me, provisional, check
+        reading = isinstance(workers, concurrent.futures.Future)
+        self.pending, self.workers = (workers, None) if reading else (None, workers)
+        if self.pending is not None:
+            self.pending.add_done_callback(lambda _: ring())
+        self.since = time.monotonic()
 
-def guarded_avoids(candidates: set[str], refusals: dict, unreachables: dict, broken: dict,
-                   min_group_size: int) -> dict[str, frozenset[str]]:
-    """What the candidates' announcements keep apart, the same on every member from the announcements alone.
+    def view(self, interrupted: threading.Event) -> dict:
+        """The workers to announce on: the latest read, or the recent view while the first read is under way."""
+        if self.pending is not None and time.monotonic() - self.since >= records.DHT_CALL_TIMEOUT:
+            self.pending.cancel()
+            raise AveragingError(f"the DHT did not answer a read of the run's workers within "
+                                 f"{records.DHT_CALL_TIMEOUT:.0f}s")
+        if self.pending is not None and (self.pending.done() or self.workers is None and self.provisional is None):
+            self.workers, self.pending = records.wait_dht(self.pending, "get", interrupted=interrupted), None
+            if self.check is not None:
+                self.check(self.workers)
+                self.check = None
+        if self.workers is None and self.pending is None:
+            self.workers = self.presence.live_workers()
+        return self.workers if self.workers is not None else self.provisional
 
-    ``avoid`` names (malformed data) always count. ``unreachable`` names count only where they leave some
-    part big enough for a group (two or more, and ``min_group_size``): else nobody averages, the outer step,
-    which lapses the names, never moves, and they bind for ever. ``broke`` names (``Breakers``) count only
-    where, on top of those, the largest part still holds more than half of the candidates: a member that
-    lost its own connections takes the others for the breakers (they gave up on it, blaming it), and
-    following its names would split the run into parts that each hold their rounds as the smaller side of a
-    partition would (the CI scenario, once); one insider among honest members is always a minority."""
-    none: frozenset[str] = frozenset()
-    kept = {p: refusals.get(p, none) for p in candidates}
-    big_enough = max(2, min_group_size)
-    with_unreachable = {p: kept[p] | unreachables.get(p, none) for p in candidates}
-    if max(map(len, partition(candidates, with_unreachable)), default=0) >= big_enough:
-        kept = with_unreachable
-    with_broken = {p: kept[p] | broken.get(p, none) for p in candidates}
-    largest = max(map(len, partition(candidates, with_broken)), default=0)
-    if largest >= big_enough and 2 * largest > len(candidates):
-        kept = with_broken
-    return kept
+    def settled(self, announced) -> bool:
+        """Whether anything may be decided: the read is in, or every other worker of the recent view has
+        announced (a fresh read can then only add a worker that appeared since, which a read made a moment
+        earlier would miss as well). Until then the next push, or the read under way, rings the doorbell."""
+        if self.workers is None:
+            others = set(self.provisional) - {self.me}
+            if not others or not others <= set(announced):
+                return False
+            self.workers = self.provisional
+        return True
+
+    def read_in_background(self) -> None:
+        if self.pending is None:
+            self.pending, self.since = self.presence.read_live_workers(), time.monotonic()
 
 
 class Matchmaker:
@@ -169,9 +167,9 @@ class Matchmaker:
         (they are on their way to its round, possibly before their progress record can be read).
         ``offenders``: the peers this worker caught sending malformed data; ``unreachable``: those it could
         not dial; ``breakers``: those that broke an attempt of its (all three named in its announcements,
-        the last two followed only where they leave a group big enough: ``_set_avoids``); ``liveness``:
-        the peers found frozen (``frozen.py``), neither waited for nor grouped with, and the pings that find
-        them."""
+        the last two followed only where they leave a group big enough: ``match_rule.guarded_avoids``);
+        ``liveness``: the peers found frozen (``frozen.py``), neither waited for nor grouped with, and the
+        pings that find them."""
         self.records, self.presence, self.settings = run_records, presence, settings
         self.liveness = liveness
         self.joiners = joiners or (lambda outer_step: set())
@@ -188,18 +186,6 @@ class Matchmaker:
         self.offenders = offenders if offenders is not None else Offenders()
         self.unreachable = unreachable if unreachable is not None else UnreachablePeers()
         self.breakers = breakers if breakers is not None else Breakers()
-        self.avoids: dict[str, frozenset[str]] = {}
-        """The peers each peer that announced the current attempt keeps out of its group (its
-        announcement's ``avoid`` and ``unreachable``)."""
-        self.refusals: dict[str, frozenset[str]] = {}
-        """Of those, the peers each one names for malformed data (its ``avoid``)..."""
-        self.unreachables: dict[str, frozenset[str]] = {}
-        """...and those it could not dial (its ``unreachable``)..."""
-        self.broken: dict[str, frozenset[str]] = {}
-        """...and those that broke an attempt of its (its ``broke``)."""
-        self.relayed: dict[str, bool] = {}
-        """Whether each peer that announced the current attempt is reached only through relays (its
-        announcement's ``relayed``): such a member owns an empty shard (``shard_bounds_for``)."""
         self._told = ""
         """The round key for which this worker was last told that members refuse it."""
         self.left_out: LeftOut | None = None
@@ -215,6 +201,7 @@ class Matchmaker:
                    check: Callable[[dict], None] | None = None) -> tuple[Group, int]:
         """Waits for the run's live workers to be ready for ``key``; returns (group, attempt).
 
+        Announces, reads, asks ``match_rule.decide`` what to do, and waits until something changes.
         ``suspects`` (peers that broke an earlier attempt) are not waited for, but may still join.
         ``workers``: the live workers if the caller has just read them (saves a DHT read), or a read of
         them under way: then this worker announces at once, on what ``provisional`` (a recent view of
@@ -225,179 +212,195 @@ class Matchmaker:
         s, me = self.settings, self.me
         self.left_out = None
         announce_key = self.records.round_key(key)
-        began, announced, polls = self.records.clock.now(), None, 0
-        rang, quiet, last_seen = False, 0, frozenset()
-        mine_avoid: frozenset[str] = frozenset()
-        mine_unreachable: frozenset[str] = frozenset()  # what we announced for this attempt, read back or not
-        mine_broke: frozenset[str] = frozenset()
-        gkey = self.records.group_key(key, attempt)
-        pending, workers = (workers, None) if isinstance(workers, concurrent.futures.Future) else (None, workers)
-        if pending is not None:
-            pending.add_done_callback(lambda _: self.doorbell.ring(str(key), attempt))
-        pending_since = time.monotonic()
+        began, announced, polls, rang, quiet, last_seen = self.records.clock.now(), None, 0, False, 0, frozenset()
+        live = _LiveWorkers(self.presence, me, workers, provisional, check,
+                            lambda: self.doorbell.ring(str(key), attempt))
         while True:
             self._raise_if_interrupted()  # a stopping worker neither announces nor publishes
-            # A read of the live workers under way is taken once it is in, or at once when there is no earlier
-            # view to announce on; one overdue fails the round, as a read made in place would.
-            if pending is not None and time.monotonic() - pending_since >= records.DHT_CALL_TIMEOUT:
-                pending.cancel()
-                raise AveragingError(f"the DHT did not answer a read of the run's workers within "
-                                     f"{records.DHT_CALL_TIMEOUT:.0f}s")
-            if pending is not None and (pending.done() or workers is None and provisional is None):
-                workers, pending = records.wait_dht(pending, "get", interrupted=self.interrupted), None
-                if check is not None:
-                    check(workers)
-                    check = None
-            if workers is None and pending is None:
-                workers = self.presence.live_workers()
-            view = workers if workers is not None else provisional
+            view = live.view(self.interrupted)
             self.presence.raise_if_behind(view, key.outer_step)
             # Peers push their announcements here (``pushed_records.py``); the DHT is read in the background
             # once this worker has announced, if nothing has come, and now and then (a push can be lost).
-            ready = self._announcements(announce_key)
+            ready = self._read_announcements(announce_key)
             if polls and not rang and polls % SLOW_READ_EVERY == 0:
                 self._refresh(announce_key, key, attempt)
-            # An attempt number only counts if a live worker of the run announced it (no peer can
-            # push the run to attempt 10**9 and out of its retries).
-            attempt = max([attempt] + [v["attempt"] for p, v in ready.items() if p in view
-                                       and v["attempt"] <= attempt + s.max_attempt_jump])
+            attempt = next_attempt(ready, view, attempt, s.max_attempt_jump)
             gkey = self.records.group_key(key, attempt)
             if announced != attempt:
-                value = {"attempt": attempt, "numel": numel, "codec": self.codec_name, "part": s.part_numel,
-                         "config": s.config, "since": began, "avoid": self.offenders.active(key.outer_step),
-                         "unreachable": self.unreachable.active(key.outer_step),
-                         "broke": self.breakers.active(key.outer_step),
-                         "relayed": self._behind_nat()}
-                record = self.records.store(announce_key, value, self.records.clock.now() + s.record_ttl, wait=False)
-                ready[me], announced, mine_avoid = value, attempt, announced_avoid(value)
-                mine_unreachable, mine_broke = announced_avoid(value, "unreachable"), announced_avoid(value, "broke")
-                # To every peer that may group with us: the one that closes groups, and members that check a
-                # group against its members' announcements.
-                to = (set(view) | set(ready) | self.joiners(key.outer_step)) - {me}
-                if self.push is not None and to:
-                    self.push(sorted(to), str(key), attempt, [record])
-                if not set(ready) - {me}:  # nothing pushed yet: peers may have announced (or grouped) before
-                    self._refresh(announce_key, key, attempt)  # we could hear
-                    self._refresh(self.records.group_key(key, attempt), key, attempt)
-            if workers is None:
-                # Once every other worker of the recent view has announced this round, a fresh read can only
-                # add a worker that appeared since, which a read made a moment earlier would miss as well.
-                # Until then nothing is decided: the next push, or the read under way, rings the doorbell.
-                others = set(provisional) - {me}
-                if not others or not others <= set(ready):
-                    rang = self.doorbell.wait(str(key), attempt, self._gap(0))
-                    continue
-                workers = provisional
+                mine, announced = self._announce(key, attempt, numel, began, set(view), set(ready)), attempt
+            ready[me] = mine
+            if not live.settled(ready):
+                rang = self.doorbell.wait(str(key), attempt, self._gap(0))
+                continue
+            workers = live.workers
             if gkey != self._taken_for:
                 self.taken, self._taken_for = set(), gkey
-            # An announcement outlives its round in the DHT: a peer that has applied this round
-            # has done it, and must not be grouped with by a worker that arrives late.
-            announced_ok = self._compatible(ready, attempt, numel) - self._moved_on(workers, key)
-            self.refusals = {p: announced_avoid(ready[p]) for p in announced_ok}
-            self.unreachables = {p: announced_avoid(ready[p], "unreachable") for p in announced_ok}
-            self.broken = {p: announced_avoid(ready[p], "broke") for p in announced_ok}
-            self.refusals[me], self.unreachables[me], self.broken[me] = mine_avoid, mine_unreachable, mine_broke
-            self._set_avoids(announced_ok | {me})
-            self.relayed = {p: ready[p].get("relayed") is True for p in announced_ok}
-            self.relayed[me] = self._behind_nat()
-            frozen = self._frozen(workers)
-            compatible = announced_ok - (self.taken - {me}) - self._gone(workers, ready, key) - frozen
-            mine = part_of(me, compatible, self.avoids)  # without peers that members of it avoid
-            self._tell_if_refused(key, compatible)
-            # Peers heading for this round: at its outer step, or one behind with a streamed round
-            # still in flight that they will apply before they come. Peers already in a group that
-            # leaves us out are not waited for. Peers that just downloaded our state of this step
-            # come too, whatever their record says yet.
-            joiners = self.joiners(key.outer_step)
-            in_flight = {p for p, r in workers.items() if in_round(r, key.outer_step)}
-            # Members of this worker's last round whose record has not caught up with it yet (it says they are
-            # one step behind, still heading there): they come as we did. Their ready time is stale too.
-            in_flight |= {p for p in self.presence.last_group - {me} if p in workers and
-                          workers[p].outer_step == key.outer_step - 1 and workers[p].heading < key.outer_step}
-            heading = {p for p, r in workers.items() if r.heading == key.outer_step} | in_flight
-            heading |= {p for p in joiners if p not in workers or workers[p].heading < key.outer_step}
-            expected = (heading - set(suspects) - self.taken - frozen) | {me}
-            # A peer that would be left out of our group even if it came now is not waited for.
-            missing = {p for p in expected - compatible if p in part_of(me, compatible | {p}, self.avoids)}
-            if self.liveness is not None:  # is what we wait for alive? (the frozen are asked again: back?)
-                asked = {p for p in missing | (frozen & heading) if p in workers}
-                relayed = {p for p in asked if workers[p].relays}
-                self.liveness.probe(asked - (relayed - self._quiet(workers, relayed)),
-                                    controls=[p for p in sorted(compatible - {me}) if not self.relayed.get(p)],
-                                    relayed=relayed)
-            enough = len(mine) >= s.min_group_size
-            now = self.records.clock.now()
-            # Everyone measures from the earliest announcement, so that the leader and the members
-            # give up on a straggler at the same moment.
-            shared = self._shared_start({p: ready[p] for p in compatible}, began, now)
-            # A ready time is believed in full only from a peer whose word counts here; from any other peer,
-            # a joiner that has just downloaded our state included, for one grace at most (``partners.py``):
-            # a fresh identity that asks for a state manifest would otherwise hold every round to max_wait.
-            believable = self.presence.partners.vouched(set(workers) | {me}) & missing
-            # A peer with the round in flight gets the grace only: its ready time is for the round after.
-            give_up_at = max((self._wait_until(None if p in in_flight else workers.get(p), shared, p in believable)
-                              for p in missing), default=shared)
-            if enough and now >= give_up_at:
-                for p in missing - in_flight:  # it promised a time and is not here: its next promise is not believed
-                    if p in workers and workers[p].ready_at is not None:
-                        self.no_shows[p] = key.outer_step
-                others = set(workers) - {me}
-                if mine == {me} and others:
-                    refusing = self._refusing(compatible)
-                    if refusing:
-                        raise AveragingError(f"round {key}: left out of the group: {len(refusing)} member(s) refuse to "
-                                             f"average with this worker, naming it for malformed data "
-                                             f"({', '.join(p[-8:] for p in refusing)}); not applied alone")
-                    # Alone while the run has other live workers: a round of one would fork θ_global
-                    # from theirs. If they are all past this round, this worker is the one behind;
-                    # else (joining, catching up, behind a slow link) the work is kept and goes into
-                    # the next round (under pace "swarm"), with whoever is there then.
-                    if all(workers[p].heading > key.outer_step for p in others):
-                        raise BehindError(f"alone in round {key}: every other worker is past it",
-                                          group_outer_step=key.outer_step + 1)
-                    apart = self._apart(compatible)
-                    if apart:  # its own names lapse now: left alone by them, it tries those peers again next time
-                        self.unreachable.forget(apart)
-                        raise AveragingError(f"round {key}: left out of the group: this worker and {len(apart)} "
-                                             f"member(s) could not dial each other "
-                                             f"({', '.join(p[-8:] for p in apart)}); not applied alone")
-                    raise AveragingError(f"round {key}: no other worker was ready in time ({len(others)} other "
-                                         "live worker(s) in the run); not applied alone")
-                isolated = (self.records.clock.isolated() or self.presence.cut_off()) if mine == {me} else None
-                if isolated:
-                    raise AveragingError(f"round {key}: not applied alone: {isolated}")
-                left = set(workers) - mine
-                if left:  # why a live worker is not in this group: what its record said
-                    log.info("round %s: a group of %d without %s", key, len(mine), ", ".join(
-                        f"{p[-8:]} (heading {workers[p].heading}, at {workers[p].outer_step}, "
-                        f"{'waited for until %+.2fs' % (give_up_at - now) if p in missing else 'not waited for'}"
-                        f"{', no-show' if p in self.no_shows else ''}{', frozen' if p in frozen else ''})"
-                        for p in sorted(left)))
-                try:
-                    return self._adopt_group(key, attempt, announced_ok, set(workers) | {me}, numel), attempt
-                except LeaderWentOn as went:  # its group of this attempt will never come: to the later one
-                    log.info("round %s: %s, which would close the group of attempt %d, went on to attempt %d: "
-                             "following it", key, went.leader[-8:], attempt, went.attempt)
-                    attempt = went.attempt
-                    continue
-            self._raise_if_interrupted()
-            if not enough and now >= max(shared + s.matchmaking_timeout, give_up_at):
-                raise AveragingError(f"matchmaking for round {key}: {len(compatible)} peer(s) ready "
-                                     f"after {now - shared:.0f}s, need {s.min_group_size}")
-            polls += 1
-            # A leader may have closed the group already (it gave up on a straggler we still wait
-            # for): its doorbell ring, or now and then the DHT, tells us.
-            if polls % 10 == 0:
+            # A leader may have closed the group already (it gave up on a straggler we still wait for): its
+            # doorbell ring, or now and then the DHT, tells us.
+            look = rang or self.doorbell.wait(str(key), attempt, 0) or (polls + 1) % 10 == 0
+            if (polls + 1) % 10 == 0:
                 self._refresh(gkey, key, attempt)
-            if rang or self.doorbell.wait(str(key), attempt, 0) or polls % 10 == 0:
-                members = self._published(key, attempt, gkey, set(workers) | {me}, announced_ok)
-                if members is not None:
-                    return self._group(key, attempt, members), attempt
-            seen = frozenset((p, v["attempt"]) for p, v in ready.items())
+            frozen = self._frozen(workers)
+            outcome = decide(self._view(
+                key, attempt, numel, began, workers, ready, suspects=frozenset(suspects), frozen=frozen,
+                joiners=frozenset(self.joiners(key.outer_step)), last_group=frozenset(self.presence.last_group),
+                published=self._groups(gkey) if look else None), s)
+            self._note(key, outcome.notes)
+            self._probe(outcome.notes, workers)
+            if isinstance(outcome, Close):
+                self._closing(key, outcome, workers, frozen)
+                went = self._adopt_group(key, attempt, numel, outcome.closing, workers, ready)
+                if isinstance(went, Group):
+                    return went, attempt
+                log.info("round %s: %s, which would close the group of attempt %d, went on to attempt %d: "
+                         "following it", key, went.leader[-8:], attempt, went.attempt)
+                attempt = went.attempt  # its group of this attempt will never come: to the later one
+                continue
+            self._raise_if_interrupted()
+            if not isinstance(outcome, Wait):
+                return self._outcome(key, attempt, outcome), attempt
+            polls += 1
+            seen = frozenset((p, a.attempt) for p, a in ready.items())
             quiet, last_seen = (quiet + 1 if seen == last_seen else 0), seen
-            if polls % SLOW_READ_EVERY == 0 and pending is None:  # read in the background, taken when in
-                pending, pending_since = self.presence.read_live_workers(), time.monotonic()
+            if polls % SLOW_READ_EVERY == 0:  # read in the background, taken when in
+                live.read_in_background()
             rang = self.doorbell.wait(str(key), attempt, self._gap(quiet))
+
+    def _adopt_group(self, key: RoundKey, attempt: int, numel: int, closing: Closing, workers: dict,
+                     ready: dict[str, Announcement]) -> Group | Follow:
+        """Publishes the group if this worker leads it, else waits for the leader's (``match_rule.decide`` says
+        which); or the later attempt that leader went on to."""
+        s, me = self.settings, self.me
+        gkey = self.records.group_key(key, attempt)
+        announce_key = self.records.round_key(key)
+        adopting = time.monotonic()
+        deadline = adopting + s.straggler_wait + s.matchmaking_timeout
+        polls, rang, fresh = 0, True, False
+        while True:
+            self._raise_if_interrupted()
+            # A group already closed for this round wins over our own view of who is ready. Its leader
+            # rings us when it publishes one; the DHT is read anyway now and then (a ring can be lost).
+            if polls % SLOW_READ_EVERY == 0 and not rang:
+                self._refresh(gkey, key, attempt)
+            # A read of this attempt's groups still under way (made when nothing had been pushed here: this
+            # worker came late, say) may bring a group that went ahead without it: publishing a group of the
+            # same peers before it is in would only break this worker's attempt. Waited for a little only: a
+            # DHT that does not answer must not stop a group that the pushes let form.
+            reading = self._reading.get(gkey)
+            closing = replace(closing, overdue=time.monotonic() > deadline, read_in=reading is None or
+                              reading.done() or time.monotonic() - adopting > GROUP_READ_GRACE)
+            look = rang or polls % SLOW_READ_EVERY == 0
+            outcome = decide(self._view(key, attempt, numel, self.records.clock.now(), workers, ready,
+                                        published=self._groups(gkey) if look else None, closing=closing,
+                                        fresh=fresh), s)
+            self._note(key, outcome.notes)
+            fresh = False
+            if isinstance(outcome, match_rule.Group) and outcome.publish:
+                self._publish(key, attempt, gkey, outcome.members, set(workers) | {me})
+                closing, rang = replace(closing, published_ours=True), True  # read it back: a smaller leader wins
+                continue
+            self._raise_if_interrupted()
+            if not isinstance(outcome, Wait):
+                return outcome if isinstance(outcome, Follow) else self._outcome(key, attempt, outcome)
+            closing, polls = outcome.closing, polls + 1
+            if polls % 10 == 0:  # now and then: has the run moved on, who is still alive, who announced?
+                workers = self.presence.live_workers()
+                self.presence.raise_if_behind(workers, key.outer_step)
+                self._refresh(announce_key, key, attempt)
+                ready, fresh = {**self._read_announcements(announce_key), me: ready[me]}, True
+            rang = self.doorbell.wait(str(key), attempt, s.poll_interval)
+
+    def _announce(self, key: RoundKey, attempt: int, numel: int, began: float, live: set[str],
+                  announced: set[str]) -> Announcement:
+        """Stores this worker's announcement of the attempt and pushes it to every peer that may group with it:
+        the one that closes groups, and members that check a group against its members' announcements."""
+        s, me = self.settings, self.me
+        announce_key = self.records.round_key(key)
+        value = {"attempt": attempt, "numel": numel, "codec": self.codec_name, "part": s.part_numel,
+                 "config": s.config, "since": began, "avoid": self.offenders.active(key.outer_step),
+                 "unreachable": self.unreachable.active(key.outer_step), "broke": self.breakers.active(key.outer_step),
+                 "relayed": self._behind_nat()}
+        record = self.records.store(announce_key, value, self.records.clock.now() + s.record_ttl, wait=False)
+        to = (live | announced | self.joiners(key.outer_step)) - {me}
+        if self.push is not None and to:
+            self.push(sorted(to), str(key), attempt, [record])
+        if not announced - {me}:  # nothing pushed yet: peers may have announced (or grouped) before we could hear
+            self._refresh(announce_key, key, attempt)
+            self._refresh(self.records.group_key(key, attempt), key, attempt)
+        return Announcement.of(value, self._since_here(me, value))
+
+    def _publish(self, key: RoundKey, attempt: int, gkey: str, members: Sequence[str], live: set[str]) -> None:
+        """Stores the group this worker leads, and pushes it, with the announcements it is checked against (for a
+        member that missed one), to the members and every other live worker: a group that leaves a worker out
+        is what keeps it from closing its own."""
+        s, me = self.settings, self.me
+        record = self.records.store(gkey, list(members), self.records.clock.now() + s.record_ttl, wait=False)
+        if self.push is not None:
+            self.push(sorted((live | set(members)) - {me}), str(key), attempt,
+                      [record] + self.records.records_of(self.records.round_key(key), list(members)))
+
+    def _view(self, key: RoundKey, attempt: int, numel: int, began: float, workers: dict,
+              ready: dict[str, Announcement], published: dict | None = None, **more) -> MatchView:
+        """What ``decide`` looks at: the records read, their times on this worker's clock."""
+        seen = set(workers) | set(ready) | {self.me}
+        for members in (published or {}).values():
+            seen |= {m for m in members if isinstance(m, str)} if isinstance(members, list) else set()
+        return MatchView(me=self.me, key=key, attempt=attempt, numel=numel, codec=self.codec_name,
+                         now=self.records.clock.now(), began=began, workers=peers_here(workers, self.records.clock),
+                         announcements=ready, trust=self.presence.partners.trust(seen), taken=frozenset(self.taken),
+                         no_shows=frozenset(self.no_shows), behind_nat=self._behind_nat(), published=published, **more)
+
+    def _note(self, key: RoundKey, notes: Notes) -> None:
+        """Records what ``decide`` noted, and tells once per round key why this worker is left out of the group,
+        when members refuse it."""
+        if notes.taken is not None:
+            self.taken = set(notes.taken)
+        for p in notes.no_shows:
+            self.no_shows[p] = key.outer_step
+        if notes.refused_by and self._told != str(key):
+            self._told = str(key)
+            log.warning("round %s: left out of the group: %d member(s) refuse to average with this worker (%s): "
+                        "their checks found data it sent malformed, they say (docs/trust.md)", key,
+                        len(notes.refused_by), ", ".join(p[-8:] for p in notes.refused_by))
+
+    def _probe(self, notes: Notes, workers: dict) -> None:
+        """Is what we wait for alive? (the frozen are asked again: back?) A peer behind NAT only once its record
+        missed a heartbeat: a ping through a relay may fail for a live peer."""
+        if self.liveness is not None:
+            relayed = {p for p in notes.probe if workers[p].relays}
+            self.liveness.probe(notes.probe - (relayed - self._quiet(workers, relayed)), controls=list(notes.controls),
+                                relayed=relayed)
+
+    def _closing(self, key: RoundKey, close: Close, workers: dict, frozen: frozenset[str]) -> None:
+        """Before a group closes: a group of one only where this worker is not cut off from the run; why each live
+        worker left out of it is (what its record said)."""
+        isolated = (self.records.clock.isolated() or self.presence.cut_off()) if close.alone else None
+        if isolated:
+            raise AveragingError(f"round {key}: not applied alone: {isolated}")
+        left = set(workers) - close.members
+        if left:
+            now = self.records.clock.now()
+            log.info("round %s: a group of %d without %s", key, len(close.members), ", ".join(
+                f"{p[-8:]} (heading {workers[p].heading}, at {workers[p].outer_step}, "
+                f"{'waited for until %+.2fs' % (close.until - now) if p in close.missing else 'not waited for'}"
+                f"{', no-show' if p in self.no_shows else ''}{', frozen' if p in frozen else ''})"
+                for p in sorted(left)))
+
+    def _outcome(self, key: RoundKey, attempt: int, outcome: match_rule.Group | Fail) -> Group:
+        """The group to adopt, or the error a failed attempt raises."""
+        if isinstance(outcome, match_rule.Group):
+            for m in outcome.members:  # it took part: its next ready time is believed again
+                self.no_shows.pop(m, None)
+            relayed = outcome.relayed
+            return Group(make_group_id(self.settings.run_id, key, attempt, outcome.members, relayed),
+                         outcome.members, key, relayed, attempt)
+        if outcome.forget_unreachable:  # its own names lapse: left alone by them, it tries those peers again
+            self.unreachable.forget(outcome.forget_unreachable)
+        if outcome.left_out is not None:
+            self.left_out = LeftOut(key, attempt, outcome.left_out)
+        if outcome.behind:
+            raise BehindError(outcome.message, group_outer_step=key.outer_step + 1)
+        raise AveragingError(outcome.message)
 
     def _gap(self, quiet: int) -> float:
         """Seconds to the next look after ``quiet`` looks that found the same announcements."""
@@ -421,47 +424,34 @@ class Matchmaker:
                                                             fresh=fresh).items()
                 if isinstance(v, dict) and type(v.get("attempt")) is int and v["attempt"] >= 0}
 
-    def _compatible(self, ready: dict[str, dict], attempt: int, numel: int) -> set[str]:
-        s = self.settings
-        return {p for p, v in ready.items() if v.get("attempt") == attempt and v.get("numel") == numel
-                and v.get("codec") == self.codec_name and v.get("part") == s.part_numel
-                and v.get("config", "") == s.config}
+    def _read_announcements(self, announce_key: str) -> dict[str, Announcement]:
+        """``_announcements`` as the rule reads them (their start on this worker's clock)."""
+        return {p: Announcement.of(v, self._since_here(p, v)) for p, v in self._announcements(announce_key).items()}
 
-    def _gone(self, workers: dict, announcements: dict[str, dict], key: RoundKey) -> set[str]:
-        """Peers that announced this round and are no longer in it: their record is gone (dead, or
-        left), or was written after their announcement and says they head for an earlier round (they
-        went back, to catch up or heal drift). Neither leads a group nor is waited for as if ready; a
-        record older than the announcement says nothing yet."""
-        out = set()
-        for p, v in announcements.items():
-            rec = workers.get(p)
-            since = v.get("since") if isinstance(v, dict) else None
-            if p != self.me and (rec is None or (rec.heading < key.outer_step and isinstance(since, (int, float))
-                                                 and rec.time > since)):
-                out.add(p)
-        return out
+    def _since_here(self, peer: str, value: dict) -> float | None:
+        since = value.get("since")
+        if not isinstance(since, (int, float)) or isinstance(since, bool):
+            return None
+        return self.records.clock.in_mine(peer, since)
 
-    def _moved_on(self, workers: dict, key: RoundKey) -> set[str]:
-        """Peers that have applied this round already (their announcement of it may still be read)."""
-        return {p for p, r in workers.items() if r.outer_step > key.outer_step} - {self.me}
+    def _groups(self, gkey: str) -> dict:
+        """The groups published for an attempt, by publisher: pushed here or read so far (``_refresh``)."""
+        return self.records.subkey_values(gkey, self.settings.record_ttl + 10, fresh=False)
 
-    def _wait_until(self, record, began: float, vouched: bool = True) -> float:
-        """Until when (DHT time) a live peer that is not ready yet is waited for.
-
-        Its own published ready time plus ``straggler_wait`` of grace (a 4x slower peer says it
-        comes 4x later, and is waited for); ``straggler_wait`` from the start of matchmaking for
-        a peer that published none or did not come when it promised; never more than ``max_wait``.
-        A peer whose word does not count here (``vouched`` False: ``partners.py``) is believed for
-        one ``straggler_wait`` at most, so however many identities a no-show uses, a round waits for
-        the unvouched ones ``2 * straggler_wait`` at most. A dead peer
-        stops being waited for when its record expires, a hung one when its ready time has passed.
-        """
-        s = self.settings
-        believed = record is not None and record.ready_at is not None and record.peer_id not in self.no_shows
-        expected = self.records.clock.in_mine(record.peer_id, record.ready_at) if believed else began
-        if not vouched:  # believed for one grace at most: an honest newcomer that joined through another member
-            expected = min(expected, began + s.straggler_wait)
-        return min(max(expected, began) + s.straggler_wait, began + s.max_wait)
+    def left_out_for_nothing(self, left: LeftOut) -> str | None:
+        """Why the round that left this worker out will not move the run on, or None while it may: its
+        members announced a later attempt at the same round (theirs failed) or have all gone. A worker
+        left out waits to catch up with the group's result; a group that failed has none to give, and
+        its members come back to matchmaking, where they would wait for this worker."""
+        workers = self.presence.live_workers()
+        if not left.members & set(workers):
+            return f"every member of the group of round {left.key} that left this worker out is gone"
+        ready = self._announcements(self.records.round_key(left.key), fresh=True)
+        again = sorted(p for p in left.members if p in ready and ready[p]["attempt"] > left.attempt)
+        if again:
+            return (f"the group of round {left.key} that left this worker out did not complete it "
+                    f"({len(again)} of its members try again)")
+        return None
 
     def _frozen(self, workers: dict) -> frozenset[str]:
         """The peers found frozen (``frozen.Unanswered``), less those behind NAT whose record is fresh: a
@@ -481,184 +471,16 @@ class Matchmaker:
         now = clock.now()
         return {p for p in peers if now - clock.in_mine(p, workers[p].time) >= RELAYED_QUIET_S}
 
-    def _shared_start(self, announcements: dict, began: float, now: float) -> float:
-        """The earliest plausible ``since`` among compatible announcements (ours if none is)."""
-        oldest = now - self.settings.max_wait - self.settings.matchmaking_timeout
-        clock = self.records.clock
-        times = [clock.in_mine(p, v["since"]) for p, v in announcements.items()
-                 if isinstance(v.get("since"), (int, float)) and not isinstance(v["since"], bool)]
-        return min([began] + [t for t in times if oldest <= t <= now])
-
-    def _published(self, key: RoundKey, attempt: int, gkey: str, live: set[str],
-                   announced: set[str]) -> tuple[str, ...] | None:
-        """The group published for this round and attempt that holds this worker, or None.
-
-        A group counts if its publisher leads it (the smallest member id), its members are
-        distinct, every one of them announced this attempt with our settings (``announced``), none
-        of them avoids another (``self.avoids``), and some of them are alive; of several holding us,
-        the smallest publisher's wins. Records are signed, so a publisher can only speak for itself.
-        Groups are those pushed here or read so far (``_refresh`` reads the DHT).
-
-        Groups that leave this worker out are other workers' business (``self.taken`` notes their
-        members, so nobody waits for them here), unless together they are at least half the run's
-        live workers whose word counts here (``partners.py``): then the run moves on without us
-        (``BehindError``: catch up to it).
-        """
-        published = {p: tuple(sorted(set(m))) for p, m in
-                     self.records.subkey_values(gkey, self.settings.record_ttl + 10, fresh=False).items()
-                     if isinstance(m, list) and m and all(isinstance(x, str) for x in m)
-                     and len(set(m)) == len(m) and p == min(m) and live & set(m) and set(m) <= announced
-                     and not conflicts(m, self.avoids)}
-        holding_me = {p: m for p, m in published.items() if self.me in m}
-        if holding_me:
-            members = holding_me[min(holding_me)]
-            self._took_part(members)
-            return members
-        self.taken = set().union(*published.values()) if published else set()
-        voters = self.presence.partners.vouched(live | self.taken)  # fresh identities do not count
-        if self.taken & voters and 2 * len(self.taken & voters) >= len(voters):
-            self.left_out = LeftOut(key, attempt, frozenset(self.taken))
-            raise BehindError(f"left out of the group for round {key}", group_outer_step=key.outer_step + 1)
-        return None
-
-    def left_out_for_nothing(self, left: LeftOut) -> str | None:
-        """Why the round that left this worker out will not move the run on, or None while it may: its
-        members announced a later attempt at the same round (theirs failed) or have all gone. A worker
-        left out waits to catch up with the group's result; a group that failed has none to give, and
-        its members come back to matchmaking, where they would wait for this worker."""
-        workers = self.presence.live_workers()
-        if not left.members & set(workers):
-            return f"every member of the group of round {left.key} that left this worker out is gone"
-        ready = self._announcements(self.records.round_key(left.key), fresh=True)
-        again = sorted(p for p in left.members if p in ready and ready[p]["attempt"] > left.attempt)
-        if again:
-            return (f"the group of round {left.key} that left this worker out did not complete it "
-                    f"({len(again)} of its members try again)")
-        return None
-
-    def _refusing(self, candidates: set[str]) -> list[str]:
-        """The candidates whose announcements avoid this worker."""
-        return sorted(p for p in candidates if self.me in self.refusals.get(p, ()))
-
-    def _set_avoids(self, candidates: set[str]) -> None:
-        """``avoids``: what the candidates' announcements keep apart. Names of unreachable peers count only
-        where they leave some part big enough for a group (two or more, and ``min_group_size``): else
-        nobody averages, the outer step, which lapses the names, never moves, and they bind for ever
-        (two workers whose link broke once; three behind one failed dial in a run that needs all
-        three). The same on every member, from the announcements alone."""
-        self.avoids = guarded_avoids(candidates, self.refusals, self.unreachables, self.broken,
-                                     self.settings.min_group_size)
-
-    def _apart(self, candidates: set[str]) -> list[str]:
-        """The candidates kept apart from this worker because one of the two could not dial the other."""
-        mine = self.unreachables.get(self.me, frozenset())
-        return sorted(p for p in candidates - {self.me} if self.me in self.unreachables.get(p, ()) or p in mine)
-
-    def _tell_if_refused(self, key: RoundKey, candidates: set[str]) -> None:
-        """Says once per round key why this worker is left out of the group, when members refuse it."""
-        refusing = self._refusing(candidates)
-        if refusing and self._told != str(key) and self.me not in conflict_free(candidates, self.avoids):
-            self._told = str(key)
-            log.warning("round %s: left out of the group: %d member(s) refuse to average with this worker (%s): "
-                        "their checks found data it sent malformed, they say (docs/trust.md)", key, len(refusing),
-                        ", ".join(p[-8:] for p in refusing))
-
-    def _took_part(self, members) -> None:
-        for m in members:
-            self.no_shows.pop(m, None)
-
     def _behind_nat(self) -> bool:
         """Whether this worker is reached only through relays (it holds slots on some: ``relays.py``)."""
         return bool(getattr(self.presence, "relays", ()))
 
-    def _group(self, key: RoundKey, attempt: int, members: tuple[str, ...]) -> Group:
-        relayed = frozenset(m for m in members if self.relayed.get(m))
-        return Group(make_group_id(self.settings.run_id, key, attempt, members, relayed), members, key, relayed,
-                     attempt)
-
-    def _adopt_group(self, key: RoundKey, attempt: int, compatible: set[str], live: set[str], numel: int) -> Group:
-        """Publishes the group if this worker leads it (the smallest id of those ready and not taken),
-        else waits for the leader's; ``compatible``: the peers that announced this attempt with our settings."""
-        s, me = self.settings, self.me
-        gkey = self.records.group_key(key, attempt)
-        announce_key = self.records.round_key(key)
-        adopting = time.monotonic()
-        deadline = adopting + s.straggler_wait + s.matchmaking_timeout
-        polls = 0
-        published_ours, rang = False, True
-        gone = compatible - live  # a leader that died or went back is not waited for (``_gone``)
-        while True:
-            self._raise_if_interrupted()
-            # A group already closed for this round wins over our own view of who is ready. Its leader
-            # rings us when it publishes one; the DHT is read anyway now and then (a ring can be lost).
-            if polls % SLOW_READ_EVERY == 0 and not rang:
-                self._refresh(gkey, key, attempt)
-            if rang or polls % SLOW_READ_EVERY == 0:
-                members = self._published(key, attempt, gkey, live, compatible)
-                if members is not None:
-                    return self._group(key, attempt, members)
-            candidates = part_of(me, compatible - (self.taken - {me}) - gone, self.avoids)
-            if len(candidates) < s.min_group_size:
-                raise AveragingError(f"round {key}: {len(candidates)} peer(s) left for a group, need "
-                                     f"{s.min_group_size}")
-            if candidates == {me} and compatible - {me}:
-                # It came here with others ready, and they are gone, grouped without it, or moved on. Whether it
-                # may average alone is for the next attempt's ``form_group`` to decide (a round of one while
-                # other workers live, or while cut off from the run, would fork θ_global).
-                raise AveragingError(f"round {key}: the {len(compatible - {me})} other peer(s) ready for the round "
-                                     "left it or were grouped without this worker before its group closed; "
-                                     "not applied alone")
-            # A read of this attempt's groups still under way (made when nothing had been pushed here: this
-            # worker came late, say) may bring a group that went ahead without it: publishing a group of the
-            # same peers before it is in would only break this worker's attempt. Waited for a little only: a
-            # DHT that does not answer must not stop a group that the pushes let form.
-            reading = self._reading.get(gkey)
-            read_in = reading is None or reading.done() or time.monotonic() - adopting > GROUP_READ_GRACE
-            if not published_ours and min(candidates) == me and read_in:
-                members = sorted(candidates)
-                record = self.records.store(gkey, members, self.records.clock.now() + s.record_ttl, wait=False)
-                # To the members, with the announcements it is checked against (for a member that missed one), and to
-                # every other live worker: a group that leaves a worker out is what keeps it from closing its own.
-                if self.push is not None:
-                    self.push(sorted((live | set(members)) - {me}), str(key), attempt,
-                              [record] + self.records.records_of(announce_key, members))
-                published_ours = rang = True  # read it back: a concurrent leader with a smaller id would win
-                continue
-            self._raise_if_interrupted()
-            if time.monotonic() > deadline:
-                raise AveragingError(f"no group was published for round {key}")
-            polls += 1
-            if polls % 10 == 0:  # now and then: has the run moved on, who is still alive, who announced?
-                workers = self.presence.live_workers()
-                self.presence.raise_if_behind(workers, key.outer_step)
-                live = set(workers) | {me}
-                self._refresh(announce_key, key, attempt)
-                announcements = self._announcements(announce_key)
-                compatible |= self._compatible(announcements, attempt, numel)
-                compatible -= self._moved_on(workers, key)
-                self.refusals.update({p: announced_avoid(announcements[p]) for p in compatible if p in announcements})
-                self.unreachables.update({p: announced_avoid(announcements[p], "unreachable") for p in compatible
-                                          if p in announcements})
-                self.broken.update({p: announced_avoid(announcements[p], "broke") for p in compatible
-                                    if p in announcements})
-                self._set_avoids(compatible | {me})
-                self.relayed.update({p: announcements[p].get("relayed") is True for p in compatible
-                                     if p in announcements and p != me})
-                gone = self._gone(workers, {p: announcements.get(p) for p in compatible}, key)
-                self._raise_if_leader_went_on(announcements, candidates, attempt)
-            rang = self.doorbell.wait(str(key), attempt, s.poll_interval)
-
-    def _raise_if_leader_went_on(self, announcements: dict[str, dict], candidates: set[str], attempt: int) -> None:
-        """``LeaderWentOn`` if the candidate that would publish this attempt's group (the smallest) announced a
-        later attempt: it took another leader's group of this attempt, or failed one, and publishes none here.
-        Where leaders disagree on who is ready (one took a peer for frozen that another grouped), its members
-        waited for a group that never came until the run moved on without them: 15 s of the whole run after a
-        new address in the long world scenario."""
-        leader = min(candidates)
-        later = announcements.get(leader, {}).get("attempt", attempt)
-        if leader != self.me and attempt < later <= attempt + self.settings.max_attempt_jump:
-            raise LeaderWentOn(leader, later)
-
     def _raise_if_interrupted(self) -> None:
         if self.interrupted.is_set():
             raise Interrupted("the worker is stopping: round abandoned")
+
+
+def peers_here(workers: dict, clock) -> dict[str, Peer]:
+    """Live workers' records as ``match_rule`` reads them: their ready times on this worker's ``clock``."""
+    return {p: Peer(r.outer_step, r.heading, None if r.ready_at is None else clock.in_mine(p, r.ready_at), r.time)
+            for p, r in workers.items()}

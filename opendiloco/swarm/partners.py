@@ -28,6 +28,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
 
@@ -105,22 +106,46 @@ class Partners:
             return len(self._peers)
 
     def vouched(self, peers: Iterable[str]) -> set[str]:
-        """The peers whose word counts: its partners (and itself) among ``peers``. Where none of its
-        partners is among them: itself alone for ``absent_grace`` since one was last seen (one may be
-        restarting), then all of them (they have all left the run: it is a newcomer again, or it could
-        never follow the run that went on without it); all of them at once if it never had a partner."""
+        """The peers whose word counts among ``peers`` (``Trust.vouched``)."""
+        peers = set(peers)
+        return self.trust(peers).vouched(peers)
+
+    def trust(self, peers: Iterable[str]) -> Trust:
+        """Whose word counts among ``peers``, as data (for ``Trust.vouched`` of ``peers`` or some of them). Its
+        partners among them mark them seen now."""
         with self._lock:
-            peers = set(peers)
-            mine = {p for p in peers if p in self._peers}
+            mine = frozenset(p for p in peers if p in self._peers)
             now = self._clock()
             if mine:
                 self._seen_at = now
-                return mine | ({self.me} & peers)
-            if self._peers and now - self._seen_at < self.absent_grace:
-                return {self.me} & peers
-            return peers
+            return Trust(self.me, mine, bool(self._peers) and now - self._seen_at < self.absent_grace)
 
     def voters(self, workers: Mapping) -> dict:
         """``workers`` (records by peer id) without the peers whose word does not count."""
         keep = self.vouched(workers)
         return {p: r for p, r in workers.items() if p in keep}
+
+
+@dataclass(frozen=True)
+class Trust:
+    """Whose word counts, at one moment, among the peers it was taken for (``Partners.trust``)."""
+
+    me: str
+    partners: frozenset[str]
+    """This worker's partners among those peers."""
+    alone: bool
+    """It has partners, and saw one within ``absent_grace``: while none is among the peers asked about, its
+    own word alone counts."""
+
+    def vouched(self, peers: Iterable[str]) -> set[str]:
+        """The peers whose word counts: its partners (and itself) among ``peers``. Where none of its partners is
+        among them: itself alone for ``absent_grace`` since one was last seen (one may be restarting), then all
+        of them (they have all left the run: it is a newcomer again, or it could never follow the run that went
+        on without it); all of them at once if it never had a partner."""
+        peers = set(peers)
+        mine = peers & self.partners
+        if mine:
+            return mine | ({self.me} & peers)
+        if self.alone:
+            return {self.me} & peers
+        return peers

@@ -113,7 +113,7 @@ def test_streaming_peers_still_applying_their_last_round_are_waited_for(swarm):
     names = ["w0", "w1", "w2"]
     # With the owners' audit on (the default), rounds last longer and peers spend longer with a round in flight
     # (a record at outer step k heading for k + 1): such a peer is in round k even before its announcement of it is
-    # read, and is waited for (``matchmaking.in_round``; without it, 2 to 4 runs in 10 left the slowest out).
+    # read, and is waited for (``match_rule.in_round``; without it, 2 to 4 runs in 10 left the slowest out).
     opts = dict(run_until_stopped=True, local_steps=8, fragments=2, overlap=3, min_group_size=1, straggler_wait=3)
     procs = [swarm.worker(n, seed=i + 1, step_delay=delay, **opts)
              for i, (n, delay) in enumerate(zip(names, (0.02, 0.02, 0.06)))]

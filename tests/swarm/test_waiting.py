@@ -1,9 +1,8 @@
 """How long a round waits for a peer follows from what the peer published; what status shows of it."""
 
-from types import SimpleNamespace
-
 from opendiloco.swarm.clock import RunClock
-from opendiloco.swarm.matchmaking import Matchmaker, MatchmakingSettings
+from opendiloco.swarm.match_rule import wait_until as rule_wait_until
+from opendiloco.swarm.matchmaking import MatchmakingSettings, peers_here
 from opendiloco.swarm.records import WorkerRecord
 from opendiloco.swarm.status import format_table
 
@@ -11,9 +10,10 @@ SETTINGS = MatchmakingSettings(run_id="r", straggler_wait=5.0, max_wait=600.0)
 
 
 def wait_until(record, began=1000.0, no_shows=(), clock=None):
-    mm = SimpleNamespace(settings=SETTINGS, no_shows=dict.fromkeys(no_shows, 0),
-                         records=SimpleNamespace(clock=clock or RunClock()))
-    return Matchmaker._wait_until(mm, record, began)
+    """As matchmaking reads a record: its ready time on this worker's clock, none from a no-show."""
+    ready_at = peers_here({record.peer_id: record}, clock or RunClock())[record.peer_id].ready_at
+    return rule_wait_until(None if record.peer_id in no_shows else ready_at, began, SETTINGS.straggler_wait,
+                           SETTINGS.max_wait)
 
 
 def test_a_ready_time_is_read_on_this_workers_clock():
