@@ -309,13 +309,21 @@ def test_a_worker_left_out_of_a_group_that_fails_goes_back_to_the_round(workers)
     the round again, and wait for this worker there. The catch-up used to wait for its whole timeout
     (60 s in the optimizer) while the others, needing it for a quorum of 2, gave up on their round
     (found in a loaded suite run, tests/swarm/test_heterogeneous.py)."""
-    w0, w1, late = workers(3, dataclasses.replace(SETTINGS, max_attempts=3, straggler_wait=2.0))
+    settings = dataclasses.replace(SETTINGS, max_attempts=3, straggler_wait=2.0)
+    w0, w1, late = workers(3, settings)
     hooks = [HeldThenBroken(), HeldThenBroken()]
     w0.hooks, w1.hooks = hooks
     key = RoundKey(0)
     rounds = [comm.start(torch.full((64,), float(i + 1)), weight=1.0, key=key) for i, comm in enumerate((w0, w1))]
     for h in hooks:  # the two went ahead without the late worker, and are in their exchange
         assert h.entered.wait(60), "the group of two never formed"
+    # The late worker has read their group (a loaded machine's DHT can take longer than the grace a closing
+    # worker gives a read under way, and a worker that has not seen the group closes one of its own).
+    pair, deadline = sorted([w0.peer_id, w1.peer_id]), time.monotonic() + 60
+    group_key, ttl = late.records.group_key(key, 0), settings.matchmaking_settings().record_ttl + 10
+    while pair not in [sorted(g) for g in late.records.subkey_values(group_key, ttl).values()]:
+        assert time.monotonic() < deadline, "the late worker never read the group of two"
+        time.sleep(0.2)
     with pytest.raises(BehindError, match="left out of the group"):
         late.start(torch.full((64,), 3.0), weight=1.0, key=key).wait(60)
 
