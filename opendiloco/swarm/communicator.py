@@ -18,10 +18,10 @@ failed this worker's checks: it is left out of the next groups, exclusion.py), u
 have completed it (they apply without every confirmation): then this worker asks them, and ends
 with the group's outcome (``outcome.resolve``): it applies the average it holds, adopts the group's
 state (``RoundCounted``), or retries when they all failed it. A worker that finds the group ahead
-of it raises ``BehindError`` so that its optimizer downloads state (state_download.py) instead.
+of it raises ``BehindError`` so that its optimizer downloads state (state/download.py) instead.
 What is not the round's lives beside it: the settings (settings.py), the start from a config
 (startup.py), the p2p protocols (protocols.py), matchmaking pushes (pushes.py), the run's records
-as last read (run_snapshot.py) and this worker's watch over its own connectivity (connectivity.py).
+as last read (run_snapshot.py) and this worker's watch over its own connectivity (connectivity/watch.py).
 """
 
 from __future__ import annotations
@@ -49,9 +49,10 @@ from ..comm.runner import RoundOutcome, RoundRunner
 from ..errors import AveragingError, InDoubt, Interrupted, PeerFailure, RoundCounted, SplitHold
 from ..pacing import Pace
 from . import records
-from .connectivity import ConnectivityWatch
+from .connectivity.frozen import Unanswered
+from .connectivity.relays import DIAL_TIMEOUT, RENEW_BEFORE_ROUND_S
+from .connectivity.watch import ConnectivityWatch
 from .exclusion import Breakers, Offenders, UnreachablePeers
-from .frozen import Unanswered
 from .hooks import RoundHooks
 from .majority import RecentMembers
 from .matchmaking import Doorbell, Matchmaker
@@ -60,13 +61,12 @@ from .membership import Membership, RunSecret
 from .presence import Presence
 from .protocols import open_protocols
 from .pushes import Pushes
-from .relays import DIAL_TIMEOUT, RENEW_BEFORE_ROUND_S
 from .run_snapshot import RunSnapshot
 from .settings import SwarmSettings
 from .signing import Identity
 from .startup import start_from_config
-from .state_download import StateDownload
-from .state_transfer import StateServer
+from .state.download import StateDownload
+from .state.transfer import StateServer
 
 log = logging.getLogger(__name__)
 
@@ -534,7 +534,7 @@ class SwarmCommunicator(Communicator):
                        max_bytes: int | None = None, majority_hash: str | None = None) -> dict | None:
         """The state the run confirms (``quorum``), from a live peer that holds it; None if the run has
         no other live worker. The returned state names that hash (``confirmed_hash``, set here, never
-        by the donor), and ``load_shareable_state`` adopts it only if θ_global matches (``state_download.py``)."""
+        by the donor), and ``load_shareable_state`` adopts it only if θ_global matches (``state/download.py``)."""
         return self.state_download.run(timeout, min_outer_step, max_bytes, majority_hash)
 
     # -- shutdown ----------------------------------------------------------------------------

@@ -31,8 +31,8 @@ from ..comm.base import RoundKey
 from ..comm.group import Group, make_group_id
 from ..errors import AveragingError, BehindError, Interrupted
 from . import match_rule, records
+from .connectivity.frozen import RELAYED_QUIET_S, Unanswered
 from .exclusion import Breakers, Offenders, UnreachablePeers
-from .frozen import RELAYED_QUIET_S, Unanswered
 from .match_rule import Announcement, Close, Closing, Fail, Follow, MatchView, Notes, Peer, Wait, decide, next_attempt
 from .presence import Presence
 

@@ -26,8 +26,8 @@ import logging
 
 from ..comm.group import Group
 from ..comm.runner import RoundRunner
-from .connectivity import ConnectivityWatch
-from .frozen import PING_TIMEOUT_S, FrozenProbe, Unanswered
+from .connectivity.frozen import PING_TIMEOUT_S, FrozenProbe, Unanswered
+from .connectivity.watch import ConnectivityWatch
 from .run_snapshot import RunSnapshot
 
 log = logging.getLogger(__name__)

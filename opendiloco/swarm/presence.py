@@ -15,11 +15,11 @@ from collections.abc import Awaitable, Callable
 from ..comm.base import Progress, check_progress
 from ..errors import BehindError, DriftError, SwarmError
 from . import records
-from .addresses import is_local, is_loopback, own_addrs, plain_addrs
+from .connectivity.addresses import is_local, is_loopback, own_addrs, plain_addrs
+from .connectivity.rejoin import REDIAL_TIMEOUT, redial
+from .connectivity.relays import MAX_RELAY_CHARS, MAX_RELAYS, checked_relays
 from .partners import Partners
 from .quorum import Claim, confirmed_ahead, drifted
-from .rejoin import REDIAL_TIMEOUT, redial
-from .relays import MAX_RELAY_CHARS, MAX_RELAYS, checked_relays
 
 log = logging.getLogger(__name__)
 

@@ -32,11 +32,11 @@ from opendiloco.errors import AveragingError, Interrupted
 from opendiloco.pacing import Pace
 
 from . import signing
-from .addresses import AddressBook, checked_addrs
 from .clock import RunClock
+from .connectivity.addresses import AddressBook, checked_addrs
+from .connectivity.relays import RelayBook, checked_relays
 from .membership import Membership
 from .pushed_records import ELIGIBLE, TRUSTED, UNKNOWN, PushedRecord, RecordView
-from .relays import RelayBook, checked_relays
 from .signing import Identity
 
 log = logging.getLogger(__name__)

@@ -19,10 +19,10 @@ from hivemind.p2p.p2p_daemon_bindings.utils import ControlFailure
 
 from ..comm.wire import ByteStream, Code
 from ..errors import Unreachable
-from .addresses import AddressBook, dial_addrs
+from .connectivity.addresses import AddressBook, dial_addrs
+from .connectivity.relays import RelayLinks
+from .connectivity.reversal import ConnectionReversal
 from .membership import Membership
-from .relays import RelayLinks
-from .reversal import ConnectionReversal
 
 log = logging.getLogger(__name__)
 

@@ -15,8 +15,8 @@ import asyncio
 
 from opendiloco.comm.wire import Code
 from opendiloco.errors import ProtocolError
-from opendiloco.swarm.multi_donor import fetch_manifest
-from opendiloco.swarm.state_transfer import PART_STREAMS_PER_PEER
+from opendiloco.swarm.state.multi_donor import fetch_manifest
+from opendiloco.swarm.state.transfer import PART_STREAMS_PER_PEER
 from opendiloco.swarm.streams import P2PStreams
 
 

@@ -49,9 +49,9 @@ from collections.abc import Awaitable, Callable, Sequence
 from hivemind.p2p import P2P, PeerID
 from hivemind.utils.multiaddr import Multiaddr
 
-from ..comm.wire import ByteStream
-from . import hivemind_privates
-from .dialing import dial_from_ephemeral_ports
+from ...comm.wire import ByteStream
+from ..daemon import hivemind_privates
+from ..daemon.dialing import dial_from_ephemeral_ports
 
 log = logging.getLogger(__name__)
 

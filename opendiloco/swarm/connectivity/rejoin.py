@@ -29,7 +29,7 @@ import logging
 from hivemind.p2p import PeerID
 from hivemind.utils.multiaddr import Multiaddr
 
-from . import hivemind_privates
+from ..daemon import hivemind_privates
 from .relays import close_connections
 
 log = logging.getLogger(__name__)

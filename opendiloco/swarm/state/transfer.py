@@ -31,13 +31,13 @@ from collections.abc import Callable
 
 import torch
 
-from ..comm.base import SharedState, StateProvider
-from ..comm.wire import ByteStream, Code
-from ..comm.wire import field as meta_field
-from ..errors import ProtocolError
-from ..fingerprint import new_hasher
-from .state_layout import Snapshot, snapshot
-from .streams import P2PStreams
+from ...comm.base import SharedState, StateProvider
+from ...comm.wire import ByteStream, Code
+from ...comm.wire import field as meta_field
+from ...errors import ProtocolError
+from ...fingerprint import new_hasher
+from ..streams import P2PStreams
+from .layout import Snapshot, snapshot
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """A joiner's download from several donors at once: one manifest each, then parts from whoever has them.
 
-1. Every donor is asked for its manifest at the same outer step (``state_layout.py``): its parts'
+1. Every donor is asked for its manifest at the same outer step (``layout.py``): its parts'
    digests and its skeleton, checked whole before anything is downloaded. The download starts once
    one manifest has passed and the others had a short grace (``MANIFEST_GRACE``: one stalled donor
    must not hold it for ``MANIFEST_TIMEOUT``); a manifest that comes later adds its donor to the
@@ -28,12 +28,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..comm.wire import Code
-from ..errors import ProtocolError
-from . import state_layout
-from .state_layout import Manifest, assemble, part_digest, read_manifest
-from .state_transfer import CHUNK_BYTES, STALL_TIMEOUT, checked_state, connect_to, within
-from .streams import P2PStreams
+from ...comm.wire import Code
+from ...errors import ProtocolError
+from ..streams import P2PStreams
+from . import layout as state_layout
+from .layout import Manifest, assemble, part_digest, read_manifest
+from .transfer import CHUNK_BYTES, STALL_TIMEOUT, checked_state, connect_to, within
 
 log = logging.getLogger(__name__)
 

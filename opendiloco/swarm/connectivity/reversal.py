@@ -35,7 +35,7 @@ import time
 
 from hivemind.p2p import P2P
 
-from ..comm.wire import ByteStream, Code
+from ...comm.wire import ByteStream, Code
 from .addresses import AddressBook, dial_addrs
 from .relays import RelayBook, close_connections, dial_via
 

@@ -27,9 +27,9 @@ from dataclasses import dataclass, field
 from hivemind.p2p import P2P, PeerID
 from hivemind.utils.multiaddr import Multiaddr
 
-from ..comm.wire import ByteStream, Code
-from ..comm.wire import field as meta_field
-from . import hivemind_privates
+from ...comm.wire import ByteStream, Code
+from ...comm.wire import field as meta_field
+from ..daemon import hivemind_privates
 
 log = logging.getLogger(__name__)
 

@@ -35,7 +35,7 @@ from collections.abc import Iterable, Sequence
 from hivemind.p2p import P2P, PeerID
 from hivemind.utils.multiaddr import Multiaddr
 
-from . import hivemind_privates
+from ..daemon import hivemind_privates
 
 log = logging.getLogger(__name__)
 

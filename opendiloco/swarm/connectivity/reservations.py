@@ -36,7 +36,7 @@ from collections.abc import Callable, Sequence
 
 from hivemind.p2p import P2P, PeerID
 
-from . import hivemind_privates
+from ..daemon import hivemind_privates
 from .addresses import dial_addrs
 from .relays import MAX_RELAYS, checked_relays, uvarint
 
