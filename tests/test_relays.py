@@ -8,7 +8,7 @@ import pytest
 from hivemind.p2p import P2P, PeerID
 from hivemind.utils.multiaddr import Multiaddr
 
-from opendiloco.swarm.connectivity.watch import relays
+from opendiloco.swarm.connectivity import relays
 from opendiloco.swarm.records import WorkerRecord
 
 RELAY_ID = "12D3KooWDP4cZTWaMqpXBYJBXSpnWUTwcJX76gA9HqczfujpXRqb"

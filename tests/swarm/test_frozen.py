@@ -13,7 +13,7 @@ import time
 import pytest
 
 from opendiloco.swarm.connectivity.frozen import FrozenProbe
-from opendiloco.swarm.connectivity.watch import frozen
+from opendiloco.swarm.connectivity import frozen
 
 pytestmark = [pytest.mark.fast, pytest.mark.timeout(30)]
 
