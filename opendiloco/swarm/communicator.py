@@ -48,9 +48,10 @@ from ..comm.rounds_taken import Rounds
 from ..comm.runner import RoundOutcome, RoundRunner
 from ..errors import AveragingError, InDoubt, Interrupted, PeerFailure, RoundCounted, SplitHold
 from ..pacing import Pace
+from ..timeouts import CLOSE_STEP_TIMEOUT, DHT_CALL_TIMEOUT, LEAVE_TIMEOUT, RENEW_BEFORE_ROUND_S
+from ..timeouts import RELAY_DIAL_TIMEOUT as DIAL_TIMEOUT
 from . import records
 from .connectivity.frozen import Unanswered
-from .connectivity.relays import DIAL_TIMEOUT, RENEW_BEFORE_ROUND_S
 from .connectivity.watch import ConnectivityWatch
 from .exclusion import Breakers, Offenders, UnreachablePeers
 from .hooks import RoundHooks
@@ -71,14 +72,6 @@ from .state.transfer import StateServer
 log = logging.getLogger(__name__)
 
 
-LEAVE_TIMEOUT = 1.0
-"""How long ``close`` waits, at most, for the record that tells the run this worker left (its peers stop
-waiting for it at once). It goes out as soon as the worker is asked to stop, while the checkpoint is
-written; on a working network it takes milliseconds. A DHT whose peers do not answer would keep it
-for seconds (hivemind's 3 s per request): not waited for. Unannounced, a worker drops out of the run
-when its record expires (``record_ttl``)."""
-CLOSE_STEP_TIMEOUT = 1.0
-"""How long ``close`` waits for each of its other steps (cancelling tasks, the p2p replica, the loop)."""
 ATTEMPT_KEYS = 1024
 """Round keys whose used attempt numbers a worker remembers (the least recently used are forgotten)."""
 
@@ -404,7 +397,7 @@ class SwarmCommunicator(Communicator):
         peers' records always a step behind. Such a worker does not apply the round: ``DriftError``
         makes it take the run's state (which holds the round) from a peer."""
         try:
-            fresh = read.result(timeout=records.DHT_CALL_TIMEOUT)
+            fresh = read.result(timeout=DHT_CALL_TIMEOUT)
         except Exception as e:  # no read, no verdict: the next round's check is made
             log.debug("round %s: the late drift check had no read of the workers: %s", key, e)
             return

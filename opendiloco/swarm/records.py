@@ -30,6 +30,7 @@ import msgpack
 from opendiloco.comm.base import Progress
 from opendiloco.errors import AveragingError, Interrupted
 from opendiloco.pacing import Pace
+from opendiloco.timeouts import DHT_CALL_TIMEOUT
 
 from . import signing
 from .clock import RunClock
@@ -139,7 +140,6 @@ class WorkerRecord(Progress):
             return None
 
 
-DHT_CALL_TIMEOUT = 30.0
 DEPARTED_KEPT = 4096
 """Peers remembered as having left the run cleanly, at most (the oldest forgotten first)."""
 

@@ -19,6 +19,7 @@ from hivemind.p2p.p2p_daemon_bindings.utils import ControlFailure
 
 from ..comm.wire import ByteStream, Code
 from ..errors import Unreachable
+from ..timeouts import STREAM_HELLO_TIMEOUT as HELLO_TIMEOUT
 from .connectivity.addresses import AddressBook, dial_addrs
 from .connectivity.relays import RelayLinks
 from .connectivity.reversal import ConnectionReversal
@@ -26,7 +27,6 @@ from .membership import Membership
 
 log = logging.getLogger(__name__)
 
-HELLO_TIMEOUT = 10.0
 NOT_REACHED = ("failed to dial", "routing: not found", "failed to find any peer in table")
 """What the daemon says when it could not connect to a peer at all: no address of it answered, or it
 knows none (nothing was exchanged)."""

@@ -12,8 +12,8 @@ import time
 
 import pytest
 
-from opendiloco.swarm.connectivity.frozen import FrozenProbe
 from opendiloco.swarm.connectivity import frozen
+from opendiloco.swarm.connectivity.frozen import FrozenProbe
 
 pytestmark = [pytest.mark.fast, pytest.mark.timeout(30)]
 

@@ -35,6 +35,7 @@ from collections.abc import Iterable, Sequence
 from hivemind.p2p import P2P, PeerID
 from hivemind.utils.multiaddr import Multiaddr
 
+from ...timeouts import ADDRESS_DIAL_TIMEOUT as DIAL_TIMEOUT
 from ..daemon import hivemind_privates
 
 log = logging.getLogger(__name__)
@@ -42,8 +43,6 @@ log = logging.getLogger(__name__)
 MAX_ADDRS = 4
 """The most addresses a record may name (a reader drops a record with more)."""
 MAX_ADDR_CHARS = 128
-DIAL_TIMEOUT = 10.0
-"""Seconds a dial to a record's addresses may take."""
 MAX_REMEMBERED = 4096
 """Workers whose addresses a worker remembers (the least recently read are forgotten first)."""
 _HOSTS = {"ip4", "ip6", "dns", "dns4", "dns6"}

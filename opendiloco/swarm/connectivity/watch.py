@@ -20,14 +20,16 @@ from collections.abc import Callable
 from hivemind.p2p import P2P
 
 from ...comm.runner import RoundRunner
+from ...timeouts import FROZEN_PING_TIMEOUT_S as PING_TIMEOUT_S
+from ...timeouts import RELAY_DIAL_TIMEOUT as DIAL_TIMEOUT
+from ...timeouts import WIDEN_EVERY_S
 from ..exclusion import UnreachablePeers
 from ..presence import Presence
 from ..records import RunRecords
 from ..run_snapshot import RunSnapshot
 from .addresses import dial_addrs
-from .frozen import PING_TIMEOUT_S
-from .relays import DIAL_TIMEOUT, close_connections
-from .reservations import WIDEN_EVERY_S, RelaySlots, ping, widen
+from .relays import close_connections
+from .reservations import RelaySlots, ping, widen
 
 log = logging.getLogger(__name__)
 

@@ -30,10 +30,12 @@ from dataclasses import dataclass
 
 from ...comm.wire import Code
 from ...errors import ProtocolError
+from ...timeouts import MANIFEST_GRACE, MANIFEST_TIMEOUT
+from ...timeouts import STATE_STALL_TIMEOUT as STALL_TIMEOUT
 from ..streams import P2PStreams
 from . import layout as state_layout
 from .layout import Manifest, assemble, part_digest, read_manifest
-from .transfer import CHUNK_BYTES, STALL_TIMEOUT, checked_state, connect_to, within
+from .transfer import CHUNK_BYTES, checked_state, connect_to, within
 
 log = logging.getLogger(__name__)
 
@@ -41,10 +43,6 @@ MAX_DONORS = 4
 """Donors one download asks at once: enough to fill a joiner's link from peers of like links."""
 PARTS_IN_FLIGHT_PER_DONOR = 2
 DONOR_FAILURES = 2
-MANIFEST_TIMEOUT = 30.0
-"""A donor cuts its state before it answers (a copy and a digest of it): seconds for a large model."""
-MANIFEST_GRACE = 1.0
-"""Once one manifest is in, the others get this long, or as long again as it took, before parts start."""
 MAX_MANIFEST_BYTES = 16 << 20
 
 
