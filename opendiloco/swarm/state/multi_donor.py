@@ -15,7 +15,7 @@
    empty, an idle donor also asks for a part that has been in flight elsewhere for longer than its
    own parts take (a slow or dying donor at the tail), and the first copy to arrive wins.
 3. The whole state then goes through the same checks as a download from one donor
-   (``state_transfer.checked_state``), and the caller checks θ_global against the run's hash, then
+   (``transfer.checked_state``), and the caller checks θ_global against the run's hash, then
    tells the donors it has it (``tell_done``): they count it as coming from then on too.
 """
 
@@ -33,7 +33,7 @@ from ...errors import ProtocolError
 from ...timeouts import MANIFEST_GRACE, MANIFEST_TIMEOUT
 from ...timeouts import STATE_STALL_TIMEOUT as STALL_TIMEOUT
 from ..streams import P2PStreams
-from . import layout as state_layout
+from . import layout
 from .layout import Manifest, assemble, part_digest, read_manifest
 from .transfer import CHUNK_BYTES, checked_state, connect_to, within
 
@@ -67,9 +67,9 @@ class DonorsAhead(ProtocolError):
 
 
 def part_bytes_for(max_bytes: int) -> int:
-    """What a joiner still asks for (a donor of an older version cuts so): ``state_layout.part_bytes_for``
+    """What a joiner still asks for (a donor of an older version cuts so): ``layout.part_bytes_for``
     of its bound. A donor of this version chooses its own and says so in its manifest."""
-    return state_layout.part_bytes_for(max_bytes)
+    return layout.part_bytes_for(max_bytes)
 
 
 async def fetch_manifest(streams: P2PStreams, donor: str, outer_step: int, part_bytes: int,

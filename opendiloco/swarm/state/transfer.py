@@ -13,7 +13,7 @@ The state returned names its donor (``donor``, set here, never by the donor).
 
 A joiner may instead take the state in parts from several donors (``multi_donor.py``): it asks each
 for a manifest at one outer step (a turn, as a download is), and the donor keeps that cut
-(``state_layout.Snapshot``; the last ``KEPT_CUTS``) to serve parts of it, named by their digest, at
+(``layout.Snapshot``; the last ``KEPT_CUTS``) to serve parts of it, named by their digest, at
 most ``PART_STREAMS_PER_PEER`` at a time to one peer (more wait for one of
 ``MAX_CONCURRENT_PART_SERVES`` sends) and ``PART_BYTES_PER_WINDOW`` times the state's size per peer
 per window. A part request never makes a donor cut its state; cuts nobody used for
