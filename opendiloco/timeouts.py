@@ -162,42 +162,39 @@ PACE_RETRY_MAX_S = 8.0
 
 @dataclass(frozen=True)
 class Relation:
-    """``times`` × ``below`` must stay under ``above``, because of ``why``."""
+    """The sum of the bounds ``below`` (a name twice counts twice) must stay under ``above``, because of ``why``."""
 
-    below: str
+    below: tuple[str, ...]
     above: str
     why: str
-    times: float = 1.0
 
 
 RELATIONS = (
-    Relation("RESERVE_EVERY_S", "RELAY_SLOT_TTL_S", "a slot is asked for again long before the relay lets it lapse"),
-    Relation("RESERVE_RETRY_S", "RESERVE_EVERY_S", "a worker that a relay gives no slot asks more often, not less"),
-    Relation("RESERVE_TIMEOUT", "RESERVE_EVERY_S", "one ask for a slot ends before the next one is due"),
-    Relation("RENEW_BEFORE_ROUND_S", "RELAYED_CONNECTION_LIMIT_S",
+    Relation(("RESERVE_EVERY_S",), "RELAY_SLOT_TTL_S", "a slot is asked for again long before the relay lets it lapse"),
+    Relation(("RESERVE_RETRY_S",), "RESERVE_EVERY_S", "a worker that a relay gives no slot asks more often, not less"),
+    Relation(("RENEW_BEFORE_ROUND_S",), "RELAYED_CONNECTION_LIMIT_S",
              "a round never starts on a relayed connection the relay is about to end"),
-    Relation("RELAY_PING_TIMEOUT", "SILENT_RELAY_S",
-             "a ping the relay left unanswered is known within the window that excuses its broken connection"),
-    Relation("RELAY_WATCH_EVERY_S", "OWN_CLOSE_GRACE_S",
+    Relation(("RELAY_WATCH_EVERY_S", "RELAY_PING_TIMEOUT", "RELAY_PING_TIMEOUT"), "SILENT_RELAY_S",
+             "a relay that left a ping unanswered is still excused when its broken connection shows at the next look "
+             "(a pause, the daemon's list of peers and the pings, each bounded)"),
+    Relation(("RELAY_WATCH_EVERY_S",), "OWN_CLOSE_GRACE_S",
              "the watch's next look at its relays falls within the grace after it closed their connections itself"),
-    Relation("HIVEMIND_REQUEST_TIMEOUT_S", "REDIAL_TIMEOUT",
-             "a redial has room for hivemind's ping twice (again on a new connection)", times=2.0),
-    Relation("LEAVE_TIMEOUT", "HIVEMIND_REQUEST_TIMEOUT_S",
+    Relation(("HIVEMIND_REQUEST_TIMEOUT_S", "HIVEMIND_REQUEST_TIMEOUT_S"), "REDIAL_TIMEOUT",
+             "a redial has room for hivemind's ping twice (again on a new connection)"),
+    Relation(("LEAVE_TIMEOUT",), "HIVEMIND_REQUEST_TIMEOUT_S",
              "closing does not wait out a DHT whose peers do not answer a request"),
-    Relation("GROUP_READ_GRACE", "DHT_CALL_TIMEOUT",
+    Relation(("GROUP_READ_GRACE",), "DHT_CALL_TIMEOUT",
              "a worker waits a read's round trips for the groups, not the whole bound of a DHT call"),
-    Relation("DIAL_BACK_TIMEOUT", "DIAL_BACK_PER_PEER_S",
-             "a dial-back ends before the same asker may ask again: at most one per asker in flight"),
-    Relation("STATE_CONNECT_TIMEOUT", "STATE_HEAD_TIMEOUT",
-             "a donor that cannot be reached is given up on before a reachable one's start would be"),
-    Relation("MANIFEST_GRACE", "MANIFEST_TIMEOUT", "late manifests get a grace, not a manifest's whole bound"),
-    Relation("SNAPSHOT_FRESH_S", "SNAPSHOT_KEEP_S", "a cut recent enough to serve again is still kept"),
-    Relation("FROZEN_PING_EVERY_S", "FROZEN_FOUND_FOR_S",
+    Relation(("DIAL_BACK_TIMEOUT",), "DIAL_BACK_PER_PEER_S",
+             "a dial-back (its ports at once) ends before the same asker may ask again: one per asker in flight"),
+    Relation(("MANIFEST_GRACE",), "MANIFEST_TIMEOUT", "late manifests get a short grace, not a manifest's whole bound"),
+    Relation(("SNAPSHOT_FRESH_S",), "SNAPSHOT_KEEP_S", "a cut recent enough to serve again is still kept"),
+    Relation(("FROZEN_PING_EVERY_S",), "FROZEN_FOUND_FOR_S",
              "a peer's last ping is remembered longer than the spacing it sets (both are forgotten after the finding)"),
-    Relation("GONE_POLL_S", "UNDIALLED_GONE_S", "the asker looks more often than the span that makes a member gone"),
-    Relation("PACE_RETRY_S", "PACE_RETRY_MAX_S", "a retry's wait grows from its first value to its cap"),
+    Relation(("GONE_POLL_S",), "UNDIALLED_GONE_S", "the asker looks more often than the span that makes a member gone"),
+    Relation(("PACE_RETRY_S",), "PACE_RETRY_MAX_S", "a retry's wait grows from its first value to its cap"),
 )
-"""Which bound must stay below which, and why: ``check`` names those a table breaks."""
+"""Which bounds must stay below which, and why: ``check`` names those a table breaks."""
 
 
 def table() -> dict[str, float]:
@@ -208,4 +205,5 @@ def table() -> dict[str, float]:
 def check(bounds: Mapping[str, float], relations: tuple[Relation, ...] = RELATIONS) -> list[Relation]:
     """The relations ``bounds`` breaks (a relation that names a bound ``bounds`` lacks is broken too)."""
     return [r for r in relations
-            if r.below not in bounds or r.above not in bounds or not r.times * bounds[r.below] < bounds[r.above]]
+            if any(name not in bounds for name in (*r.below, r.above))
+            or not sum(bounds[name] for name in r.below) < bounds[r.above]]
