@@ -71,9 +71,9 @@ VOLUME ["/data/runs", "/data/identity"]
 # The p2p port: listen with --swarm.host-maddrs /ip4/0.0.0.0/tcp/31337 (TCP; add /udp/31337/quic-v1 to use QUIC).
 EXPOSE 31337/tcp 31337/udp
 
-# Healthy while the node's p2p port listens (python -m opendiloco.swarm.health --help).
+# Healthy while the node's p2p port listens (python -m opendiloco.swarm.ops.health --help).
 HEALTHCHECK --interval=30s --timeout=20s --start-period=120s --retries=3 \
-    CMD ["python", "-m", "opendiloco.swarm.health"]
+    CMD ["python", "-m", "opendiloco.swarm.ops.health"]
 
 ENTRYPOINT ["opendiloco"]
 CMD ["--help"]

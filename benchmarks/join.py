@@ -61,7 +61,7 @@ def bench_state(params: int) -> dict:
 async def donor(ip: str, params: int, out: Path) -> None:
     from hivemind.p2p import P2P
 
-    from opendiloco.swarm import state_transfer
+    from opendiloco.swarm.state import transfer as state_transfer
     from opendiloco.swarm.streams import P2PStreams
 
     state_transfer.SERVES_PER_PEER = 10 ** 6  # the benchmark asks the same donors again and again
@@ -78,8 +78,8 @@ async def donor(ip: str, params: int, out: Path) -> None:
 async def joiner(ip: str, donors: list[dict], params: int, repeats: int, out: Path) -> None:
     from hivemind.p2p import P2P
 
-    from opendiloco.swarm import state_transfer
-    from opendiloco.swarm.multi_donor import fetch_from_donors
+    from opendiloco.swarm.state import transfer as state_transfer
+    from opendiloco.swarm.state.multi_donor import fetch_from_donors
     from opendiloco.swarm.streams import P2PStreams
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")

@@ -100,7 +100,7 @@ def scrape_cost(steps: int, block: int, interval: float) -> dict:
 
 
 def synthetic_run(workers: int, points: int = 500, rounds: int = 30):
-    from opendiloco.swarm.status_page import RunHistory
+    from opendiloco.swarm.ops.status_page import RunHistory
 
     h = RunHistory("bench", closed=True, max_points=points, max_rounds=rounds)
     peers = [f"12D3KooW{'x' * 38}Bench{i:02d}" for i in range(workers)]
@@ -118,7 +118,7 @@ def synthetic_run(workers: int, points: int = 500, rounds: int = 30):
 
 def page_render(trials: int, workers: int, screenshot: Path | None) -> dict:
     from benchmarks.headless import Browser
-    from opendiloco.swarm.status_page import RunHistory, StatusServer
+    from opendiloco.swarm.ops.status_page import RunHistory, StatusServer
 
     def measure(history, shot=None):
         server = StatusServer(history).start()

@@ -123,8 +123,8 @@ def _add_dht(sub) -> None:
 
 
 def cmd_dht(args) -> int:
-    from .swarm.bootstrap import run_bootstrap
-    from .swarm.node import SwarmError
+    from .swarm.daemon.bootstrap import run_bootstrap
+    from .swarm.daemon.node import SwarmError
 
     _freeze_imports()
     try:
@@ -178,9 +178,9 @@ def cmd_status(args) -> int:
               "[swarm] initial_peers", file=sys.stderr)
         return EXIT_CONFIG
     args.run_id = args.run_id or "opendiloco"
+    from .swarm.daemon.node import SwarmError
     from .swarm.membership import RunSecret
-    from .swarm.node import SwarmError
-    from .swarm.status import fetch_workers, format_table, serve_status
+    from .swarm.ops.status import fetch_workers, format_table, serve_status
     from .train.config import ConfigError, check_run_id
 
     try:
@@ -248,7 +248,7 @@ def cmd_doctor(args, overrides: list[str]) -> int:
         print("opendiloco doctor: --timeout and --startup-timeout must be positive", file=sys.stderr)
         return EXIT_CONFIG
     from .errors import SwarmError
-    from .swarm.doctor import examine
+    from .swarm.ops.doctor import examine
 
     s = cfg.swarm
     try:

@@ -82,7 +82,7 @@ class InDoubt(PeerFailure):
         self.gone: frozenset[str] = frozenset()
         """Members taken for gone when asked (left the run's records, said they abandoned the attempt, or no
         dial reached them): not waited for in the retry, which would otherwise wait for a frozen one's
-        record to expire or a ping to find it (``swarm/frozen.py``); they may still join it."""
+        record to expire or a ping to find it (``swarm/connectivity/frozen.py``); they may still join it."""
 
 
 class RoundCounted(BehindError):

@@ -21,12 +21,12 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from .timeouts import PACE_RETRY_MAX_S as RETRY_MAX_S
+from .timeouts import PACE_RETRY_S as RETRY_S
+
 PACES = ("fixed", "swarm")
 EXTRAPOLATE_S = 10.0
 """How far ahead of a peer's last published figures its work is extrapolated (several heartbeats)."""
-RETRY_S = 0.5
-RETRY_MAX_S = 8.0
-"""Under pace "swarm", a round that failed is tried again no sooner than ``retry_delay`` later."""
 
 
 @dataclass(frozen=True)

@@ -129,8 +129,8 @@ def run_peer(args) -> int:
 
     from opendiloco.comm.base import RoundKey
     from opendiloco.swarm.communicator import SwarmCommunicator
+    from opendiloco.swarm.daemon.node import start_dht
     from opendiloco.swarm.hooks import RoundHooks
-    from opendiloco.swarm.node import start_dht
     from opendiloco.swarm.settings import SwarmSettings
 
     torch.set_num_threads(args.threads)

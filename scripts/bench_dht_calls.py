@@ -4,7 +4,7 @@
 
 Calls: ``n`` calls of a trivial coroutine in the DHT process, through hivemind's ``DHT`` (an
 ``MPFuture`` per call, which carries a pipe end rebuilt by a socket handshake in the DHT process)
-and through ``WorkerBoundDHT`` (``swarm/dht_calls.py``: answered by number on one pipe); CPU of the
+and through ``WorkerBoundDHT`` (``swarm/daemon/dht_calls.py``: answered by number on one pipe); CPU of the
 caller and its DHT process per call, and wall time per call. Waiting: a run of two workers and a
 bootstrap on 127.0.0.1 in which one worker waits in matchmaking for the other, which never comes;
 the cores all their processes (Python, DHT processes, p2pd) use, with the matchmaker looking every
@@ -24,7 +24,7 @@ import torch
 
 from opendiloco.comm.base import RoundKey
 from opendiloco.swarm.communicator import SwarmCommunicator
-from opendiloco.swarm.node import start_dht
+from opendiloco.swarm.daemon.node import start_dht
 from opendiloco.swarm.settings import SwarmSettings
 
 LOCAL = ["/ip4/127.0.0.1/tcp/0"]

@@ -20,8 +20,8 @@ import hivemind
 from hivemind.utils.timed_storage import get_dht_time
 
 from opendiloco.comm.wire import Code
+from opendiloco.swarm.daemon.node import start_dht, visible_maddrs
 from opendiloco.swarm.membership import Membership, RunSecret
-from opendiloco.swarm.node import start_dht, visible_maddrs
 from opendiloco.swarm.records import RunRecords, WorkerRecord
 from opendiloco.swarm.signing import Identity
 from opendiloco.swarm.streams import P2PStreams

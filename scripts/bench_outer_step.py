@@ -56,7 +56,7 @@ def run_worker(args) -> int:
 
     from opendiloco import DiLoCoOptimizer
     from opendiloco.swarm.communicator import SwarmCommunicator
-    from opendiloco.swarm.node import start_dht
+    from opendiloco.swarm.daemon.node import start_dht
     from opendiloco.swarm.settings import SwarmSettings
     from opendiloco.train.allocator import release_freed_tensors
 

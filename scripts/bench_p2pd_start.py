@@ -21,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from opendiloco.swarm.p2pd_binary import daemon_path, is_packed, unpack
+from opendiloco.swarm.daemon.p2pd_binary import daemon_path, is_packed, unpack
 
 HZ = os.sysconf("SC_CLK_TCK")
 FLAGS = ["-autoRelay=0", "-autonat=1", "-b=0", "-connManager=1", "-idleTimeout=30s", "-natPortMap=1", "-relay=1",

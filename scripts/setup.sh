@@ -29,6 +29,6 @@ fi
 .venv/bin/python -m pip install -q -e '.[dev]'
 # hivemind's p2p daemon comes UPX-packed: an unpacked copy in this project's cache directory costs a
 # third less CPU per daemon start (hivemind's own files are left as pip installed them).
-.venv/bin/python -m opendiloco.swarm.p2pd_binary
+.venv/bin/python -m opendiloco.swarm.daemon.p2pd_binary
 .venv/bin/python -m pip check
 .venv/bin/python -c "import torch, hivemind, opendiloco; print('installed: torch', torch.__version__, '| hivemind', hivemind.__version__, '| opendiloco', opendiloco.__version__)"

@@ -29,7 +29,7 @@ import torch  # noqa: E402
 def _prefork(tmp_path_factory):
     """Worker processes of the swarm tests are forked from one interpreter that has imported torch
     and hivemind already (``opendiloco/testing/prefork.py``): each saves some 2.4 s of CPU."""
-    from opendiloco.swarm.p2pd_binary import use_unpacked
+    from opendiloco.swarm.daemon.p2pd_binary import use_unpacked
     from opendiloco.testing.prefork import PreforkServer
     from opendiloco.testing.proctree import ProcessGroup
 

@@ -12,7 +12,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "opendiloco"
 CORE = ["optimizer.py", "fragment.py", "optimizer_state.py", "outer.py", "pacing.py", "streaming.py", "staging.py",
         "state_check.py", "fingerprint.py", "errors.py", "comm/base.py", "comm/buffers.py", "comm/codec.py",
         "comm/compression.py", "comm/formats.py", "comm/subset.py", "comm/topk.py", "comm/local.py", "comm/ranks.py",
-        "comm/aggregation.py"]
+        "comm/aggregation.py", "timeouts.py"]
 
 
 def imports(path: Path) -> set[str]:
@@ -62,7 +62,8 @@ def test_the_library_never_imports_its_test_tools():
 
 
 # Every layer of docs/architecture.md and the layers it may import: arrows point one way.
-CORE_MODULES = {"outer", "inner", "pacing", "streaming", "staging", "state_check", "fingerprint", "errors", "extras"}
+CORE_MODULES = {"outer", "inner", "pacing", "streaming", "staging", "state_check", "fingerprint", "errors", "extras",
+                "timeouts"}
 OPTIMIZER_MODULES = {"optimizer", "fragment", "optimizer_state"}
 MAY_IMPORT = {
     "core": {"core"},
@@ -75,7 +76,8 @@ MAY_IMPORT = {
 LOADED_ON_FIRST_USE = {("opendiloco/__init__.py", "opendiloco.train.worker")}
 """The package's ``connect`` is the trainer's worker setup, imported when it is first used (never by
 ``import opendiloco``: ``test_importing_the_package_loads_neither_the_swarm_nor_the_trainer``)."""
-STANDARD_LIBRARY_ONLY = ["pacing.py", "errors.py", "extras.py", "swarm/partners.py", "swarm/quorum.py"]
+STANDARD_LIBRARY_ONLY = ["pacing.py", "errors.py", "extras.py", "timeouts.py", "swarm/partners.py", "swarm/quorum.py"]
+"""Modules that import nothing but the standard library and each other."""
 
 
 def layer(module: str) -> str | None:
@@ -124,7 +126,8 @@ def test_importing_the_package_loads_neither_the_swarm_nor_the_trainer():
 def test_pure_modules_import_nothing_but_the_standard_library(name):
     import sys
 
-    outside = {m for m in imports(PACKAGE / name) if m.split(".")[0] not in sys.stdlib_module_names}
+    pure = {"opendiloco." + other.removesuffix(".py").replace("/", ".") for other in STANDARD_LIBRARY_ONLY}
+    outside = {m for m in imports(PACKAGE / name) if m.split(".")[0] not in sys.stdlib_module_names and m not in pure}
     assert not outside, f"{name} imports {sorted(outside)}"
 
 
@@ -137,7 +140,7 @@ def test_the_layer_rules_catch_a_wrong_arrow():
         assert layer(module) not in MAY_IMPORT[importer], (importer, module)
 
 
-HIVEMIND_PRIVATES_MODULE = PACKAGE / "swarm" / "hivemind_privates.py"
+HIVEMIND_PRIVATES_MODULE = PACKAGE / "swarm" / "daemon" / "hivemind_privates.py"
 OWN_NAMES = {"_peer_id", "_run", "_node"}
 """Private names of hivemind's ``DHT`` or ``P2P`` that this project's own classes also use, for themselves."""
 
@@ -179,3 +182,100 @@ def test_the_privates_check_catches_a_daemon_call():
     assert private_accesses("async def f(p2p, peer):\n    await p2p._client.disconnect(peer)\n", names) == [
         "2: p2p._client"]
     assert private_accesses("dht._outer_pipe.close()\nself._peer_id = 1\n", names) == ["1: dht._outer_pipe"]
+
+
+# swarm/'s wings (docs/architecture.md): the round's core modules sit at the top of swarm/ and may import
+# every wing; a wing imports the wings below it and, of the core, only what WING_REACHES_UP names.
+WINGS = {"daemon", "connectivity", "state", "ops"}
+WING_MAY_IMPORT = {
+    "daemon": {"daemon"},
+    "connectivity": {"daemon", "connectivity"},
+    "state": {"daemon", "state"},
+    "ops": {"daemon", "connectivity", "ops"},
+}
+WING_REACHES_UP = {
+    ("daemon/node.py", "opendiloco.swarm.connectivity.relays"): "the daemon flags that make a node relay or reserve",
+    ("daemon/node.py", "opendiloco.swarm.connectivity.reachability"): "every node serves the dial-back check",
+    ("daemon/node.py", "opendiloco.swarm.signing"): "a node's identity and the DHT's validator of signed records",
+    ("connectivity/watch.py", "opendiloco.swarm.presence"): "the watch hooks onto the heartbeat's news",
+    ("connectivity/watch.py", "opendiloco.swarm.records"): "a peer's record says it moved",
+    ("connectivity/watch.py", "opendiloco.swarm.run_snapshot"): "public workers to widen the relay slots on",
+    ("connectivity/watch.py", "opendiloco.swarm.exclusion"): "a relay back: peers behind it are tried again",
+    ("state/transfer.py", "opendiloco.swarm.streams"): "the p2p streams a state is served on",
+    ("state/multi_donor.py", "opendiloco.swarm.streams"): "the p2p streams parts are fetched on",
+    ("state/download.py", "opendiloco.swarm.streams"): "the p2p streams a download opens",
+    ("state/download.py", "opendiloco.swarm.presence"): "the live workers that may donate",
+    ("state/download.py", "opendiloco.swarm.quorum"): "which state the run confirms",
+    ("state/download.py", "opendiloco.swarm.matchmaking"): "whether the run left this worker out of a round",
+    ("ops/status.py", "opendiloco.swarm.records"): "the run's records, read for the operator",
+    ("ops/status.py", "opendiloco.swarm.membership"): "the run secret that opens a closed run's records",
+}
+
+
+def imported_modules(path: Path) -> set[str]:
+    """``imports(path)``, with ``from package import module`` resolved to the module."""
+    found = imports(path)
+    tree = ast.parse(path.read_text())
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            base = ".".join(parts[: len(parts) - node.level] + ((node.module,) if node.module else ())) \
+                if node.level else node.module
+            for alias in node.names:
+                target = PACKAGE.parent.joinpath(*f"{base}.{alias.name}".split("."))
+                if target.with_suffix(".py").exists() or (target / "__init__.py").exists():
+                    found.add(f"{base}.{alias.name}")
+    return found
+
+
+def is_package(module: str) -> bool:
+    """Whether an ``opendiloco`` module name is a package (its modules imported by name are checked)."""
+    return (PACKAGE.parent.joinpath(*module.split(".")) / "__init__.py").exists()
+
+
+def swarm_part(module: str) -> str | None:
+    """The wing of an ``opendiloco.swarm`` module, "core" for the modules at the top of swarm/, None
+    for the package itself and for what is not in swarm/."""
+    parts = module.split(".")
+    if parts[:2] != ["opendiloco", "swarm"] or len(parts) < 3:
+        return None
+    return parts[2] if parts[2] in WINGS else "core"
+
+
+def wing_arrows_refused(importer: str, module: str) -> bool:
+    """Whether a wing's file (``importer``, relative to swarm/) may not import ``module``."""
+    own, target = importer.split("/")[0], swarm_part(module)
+    if own not in WINGS or target is None:
+        return False
+    if target in WINGS:
+        refused = target not in WING_MAY_IMPORT[own]
+    else:
+        refused = True
+    return refused and (importer, module) not in WING_REACHES_UP
+
+
+def test_the_wings_import_only_the_wings_below_them_and_what_they_name_of_the_core():
+    swarm = PACKAGE / "swarm"
+    wrong = [f"{path.relative_to(swarm)} imports {module}" for path in swarm.rglob("*.py")
+             for module in sorted(imported_modules(path))
+             if not is_package(module) and wing_arrows_refused(str(path.relative_to(swarm)), module)]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_every_named_arrow_up_is_still_there():
+    """An exception for an import that is gone is dropped from WING_REACHES_UP."""
+    swarm = PACKAGE / "swarm"
+    for importer, module in WING_REACHES_UP:
+        assert module in imported_modules(swarm / importer), (importer, module)
+
+
+def test_the_wing_rules_catch_a_wrong_arrow():
+    for importer, module in [("daemon/dht_calls.py", "opendiloco.swarm.connectivity.relays"),
+                             ("daemon/node.py", "opendiloco.swarm.records"),
+                             ("connectivity/relays.py", "opendiloco.swarm.presence"),
+                             ("connectivity/frozen.py", "opendiloco.swarm.ops.doctor"),
+                             ("state/layout.py", "opendiloco.swarm.connectivity.relays"),
+                             ("ops/health.py", "opendiloco.swarm.state.transfer")]:
+        assert wing_arrows_refused(importer, module), (importer, module)
+    assert not wing_arrows_refused("connectivity/relays.py", "opendiloco.swarm.daemon.hivemind_privates")
+    assert not wing_arrows_refused("ops/doctor.py", "opendiloco.swarm.connectivity.reachability")

@@ -1,4 +1,4 @@
-"""``opendiloco doctor`` and the reachability check under it (opendiloco/swarm/doctor.py, reachability.py).
+"""``opendiloco doctor`` and the reachability check under it (opendiloco/swarm/ops/doctor.py, reachability.py).
 
 The findings are judged from what peers answer (unit tests on hand-made answers); the real command
 runs against a real bootstrap on 127.0.0.1 (slow); the NAT'd case runs in an emulated world
@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from opendiloco.swarm.doctor import Finding, judge_addresses, judge_probe, judge_reach
-from opendiloco.swarm.reachability import MAX_PORTS, Probe, address_kind, ip_and_port
+from opendiloco.swarm.connectivity.reachability import MAX_PORTS, Probe, address_kind, ip_and_port
+from opendiloco.swarm.ops.doctor import Finding, judge_addresses, judge_probe, judge_reach
 from opendiloco.testing.proctree import run_captured
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -42,7 +42,7 @@ def test_addresses_are_told_apart():
 
 
 def test_a_relayed_asker_is_not_dialled_back():
-    from opendiloco.swarm.reachability import direct
+    from opendiloco.swarm.connectivity.reachability import direct
 
     assert direct("/ip4/1.2.3.4/tcp/5") and direct("/ip4/1.2.3.4/tcp/5/p2p/12D3KooWAbc")
     # Through a circuit relay the observed address is the relay's: dialling it would scan the relay's host.
@@ -91,7 +91,7 @@ def test_a_peer_that_does_not_answer_and_loopback_only_addresses_fail_with_what_
 
 @pytest.fixture(scope="module")
 def bootstrap():
-    from opendiloco.swarm.node import start_dht, visible_maddrs
+    from opendiloco.swarm.daemon.node import start_dht, visible_maddrs
 
     dht = start_dht(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
     try:
@@ -148,7 +148,7 @@ async def _attack(dht, node, target: str, ports: list[int]) -> list[dict]:
     from hivemind.p2p import PeerID
 
     from opendiloco.comm.wire import ByteStream, Code
-    from opendiloco.swarm.reachability import PROTOCOL
+    from opendiloco.swarm.connectivity.reachability import PROTOCOL
 
     peer = target.rsplit("/p2p/", 1)[1]
     answers = []
@@ -165,7 +165,7 @@ async def _attack(dht, node, target: str, ports: list[int]) -> list[dict]:
 def test_the_reach_service_dials_only_the_asker_few_ports_and_rarely(bootstrap):
     import functools
 
-    from opendiloco.swarm.node import start_dht
+    from opendiloco.swarm.daemon.node import start_dht
 
     _, addr = bootstrap
     attacker = start_dht(initial_peers=[addr], host_maddrs=["/ip4/127.0.0.1/tcp/0"])

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from opendiloco.swarm import health
+from opendiloco.swarm.ops import health
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -96,13 +96,13 @@ def test_main_exit_status_and_env_port(listener, monkeypatch, capsys):
 
 
 def test_module_runs_as_the_image_runs_it(listener):
-    """The HEALTHCHECK command, as a process: `python -m opendiloco.swarm.health`."""
+    """The HEALTHCHECK command, as a process: `python -m opendiloco.swarm.ops.health`."""
     env = dict(os.environ, **{health.PORT_ENV: str(listener)})
-    proc = subprocess.run([sys.executable, "-m", "opendiloco.swarm.health"], env=env, capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "opendiloco.swarm.ops.health"], env=env, capture_output=True,
                           text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     env[health.PORT_ENV] = str(closed_port())
-    proc = subprocess.run([sys.executable, "-m", "opendiloco.swarm.health"], env=env, capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "opendiloco.swarm.ops.health"], env=env, capture_output=True,
                           text=True, timeout=60)
     assert proc.returncode == 1 and "unhealthy" in proc.stderr
 
@@ -117,7 +117,7 @@ def test_dockerfile_runs_the_cli_the_health_check_and_exposes_the_default_port()
     text = dockerfile()
     assert 'ENTRYPOINT ["opendiloco"]' in text
     healthcheck = re.search(r"^HEALTHCHECK .*?CMD (\[.*\])$", text, re.M | re.S)
-    assert healthcheck and "opendiloco.swarm.health" in healthcheck.group(1)
+    assert healthcheck and "opendiloco.swarm.ops.health" in healthcheck.group(1)
     assert re.search(rf"^EXPOSE {health.DEFAULT_PORT}/tcp", text, re.M)
     assert f"OPENDILOCO_P2P_PORT={health.DEFAULT_PORT}" in text
     assert re.search(r"^USER (?!0|root)", text, re.M), "the image must not run as root"
@@ -162,7 +162,7 @@ def option(args: list[str], name: str) -> list[str]:
 
 
 def test_compose_workers_join_the_bootstrap_by_service_name():
-    from opendiloco.swarm.node import parse_maddrs
+    from opendiloco.swarm.daemon.node import parse_maddrs
     from opendiloco.train.config import SwarmConfig
 
     spec = compose()
@@ -196,7 +196,7 @@ def test_compose_workers_join_the_bootstrap_by_service_name():
     assert SwarmConfig(initial_peers=[example]).enabled
 
     for svc in (boot, worker):
-        assert "opendiloco.swarm.health" in " ".join(svc["healthcheck"]["test"])
+        assert "opendiloco.swarm.ops.health" in " ".join(svc["healthcheck"]["test"])
 
 
 def test_compose_runs_are_closed_by_a_secret_every_worker_and_status_read():

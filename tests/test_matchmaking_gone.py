@@ -286,7 +286,7 @@ def _pinged_liveness(answers: dict[str, bool | None], sent: list[str]):
     for an echo, False for a failed dial, None for none in time)."""
     import asyncio
 
-    from opendiloco.swarm.frozen import Unanswered
+    from opendiloco.swarm.connectivity.frozen import Unanswered
 
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)

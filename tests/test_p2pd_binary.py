@@ -1,4 +1,4 @@
-"""hivemind's p2p daemon, unpacked into this project's cache (``opendiloco/swarm/p2pd_binary.py``, run by setup).
+"""hivemind's p2p daemon, unpacked into this project's cache (``opendiloco/swarm/daemon/p2pd_binary.py``, run by setup).
 
 hivemind's installed files stay exactly as pip recorded them. The unpacked copy must be the very
 program the packed one runs: the same bytes every time it is made, answering as the packed one does,
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from opendiloco.swarm.p2pd_binary import (
+from opendiloco.swarm.daemon.p2pd_binary import (
     PACKED_SUFFIX,
     UnpackError,
     _usage,
@@ -106,7 +106,7 @@ def test_a_daemon_left_unpacked_in_place_by_an_earlier_version_is_put_back(tmp_p
 def test_the_project_starts_its_daemon_from_the_cache_and_peers_reach_it():
     from hivemind.utils import get_dht_time
 
-    from opendiloco.swarm.node import WorkerBoundDHT, _children
+    from opendiloco.swarm.daemon.node import WorkerBoundDHT, _children
 
     cached = cached_path()
     if cached is None or not cached.exists():

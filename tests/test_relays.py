@@ -1,4 +1,4 @@
-"""Relays for workers behind NAT (``opendiloco.swarm.relays``): what a record may name, how a circuit
+"""Relays for workers behind NAT (``opendiloco.swarm.connectivity.relays``): what a record may name, how a circuit
 address is written for the p2p daemon, and the daemon flags each kind of node gets."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import pytest
 from hivemind.p2p import P2P, PeerID
 from hivemind.utils.multiaddr import Multiaddr
 
-from opendiloco.swarm import relays
+from opendiloco.swarm.connectivity import relays
 from opendiloco.swarm.records import WorkerRecord
 
 RELAY_ID = "12D3KooWDP4cZTWaMqpXBYJBXSpnWUTwcJX76gA9HqczfujpXRqb"

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from opendiloco.errors import ProtocolError
-from opendiloco.swarm.state_layout import (
+from opendiloco.swarm.state.layout import (
     DIGEST_BYTES,
     MIN_PART_BYTES,
     assemble,

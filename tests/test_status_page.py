@@ -11,8 +11,8 @@ import urllib.request
 import pytest
 
 from opendiloco.cli import main
+from opendiloco.swarm.ops.status_page import RunHistory, StatusServer, page_html
 from opendiloco.swarm.records import WorkerRecord
-from opendiloco.swarm.status_page import RunHistory, StatusServer, page_html
 
 PEERS = ["12D3KooWaaa", "12D3KooWbbb", "12D3KooWccc"]
 

@@ -43,6 +43,7 @@ from blake3 import blake3
 
 from ..errors import AveragingError, Malformed, PeerFailure, ProtocolError
 from ..fingerprint import tensor_bytes
+from ..timeouts import MIN_AUDIT_ANSWER_S
 from .aggregation import Aggregation
 from .buffers import all_finite
 from .codec import Codec, Rounding
@@ -291,11 +292,6 @@ def check_chunk(aggregation: Aggregation, declared: Sequence[float], norms: Sequ
     if bool(((result < lo) | (result > hi)).any()):
         return "its result lies outside what its members sent"
     return None
-
-
-MIN_AUDIT_ANSWER_S = 5.0
-"""The least time a member is given to answer an audit (``AuditingMember.answer_bound``): the chunks are
-small and it has every part by then, but a loaded machine's event loop may lag."""
 
 
 class AuditingMember:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..errors import InDoubt, ProtocolError, RoundCounted, Unreachable
+from ..timeouts import GONE_POLL_S, UNDIALLED_GONE_S
 from .base import RoundKey
 from .blame import MAX_BLAMED
 from .wire import ByteStream, Code, Connect
@@ -135,14 +136,6 @@ async def ask_outcome(connect: Connect, peer: str, group_id: str, members: Seque
     if len(sent_to) > len(members) or not all(isinstance(m, str) and m in members for m in sent_to):
         raise ProtocolError(f"{peer[-8:]} named non-members")
     return Answer(state, digest if state == "done" else "", frozenset(sent_to))
-
-
-GONE_POLL_S = 0.5
-"""While a member is asked whether it completed a round, how often the asker looks whether it has left the run."""
-UNDIALLED_GONE_S = 3.0
-"""A member asked whether it completed a round that no dial has reached for this long, every dial failing
-(a killed worker's address refuses at once), is taken for gone: had it completed the round, its state is
-out of reach, and its record would only say so once it expires (``record_ttl``, 8 s in the long scenario)."""
 
 
 class _Inquiry:

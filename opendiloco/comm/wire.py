@@ -58,12 +58,12 @@ class Code(enum.IntEnum):
     """A member whose attempt failed asks another member of it: did you complete round ``group_id``?"""
     OUTCOME = 11
     """The answer: ``state`` (done, failed, running or unknown) and, when done, the average's ``digest``."""
-    # state transfer to joiners (swarm/state_transfer.py)
+    # state transfer to joiners (swarm/state/transfer.py)
     STATE_REQUEST = 16
     STATE = 17
     STATE_PART = 18
     STATE_MANIFEST_REQUEST = 21
-    """A joiner asks for a donor's state at ``outer_step``, cut in parts of ``part_bytes`` (state_layout.py)."""
+    """A joiner asks for a donor's state at ``outer_step``, cut in parts of ``part_bytes`` (swarm/state/layout.py)."""
     STATE_MANIFEST = 22
     """The donor's answer: ``outer_step`` and flat ``size``; payload: the parts' digests, then the skeleton."""
     STATE_PART_REQUEST = 23
@@ -72,12 +72,12 @@ class Code(enum.IntEnum):
     STATE_DONE = 24
     """A joiner has taken (and checked) the state of ``outer_step`` it asked this donor for: it is on its
     way to that round now. No answer."""
-    # reachability (swarm/reachability.py)
+    # reachability (swarm/connectivity/reachability.py)
     REACH = 19
     """A node asks a peer to dial it back on its listening ports (meta: ``ports``)."""
     REACH_ANSWER = 20
     """The address the peer sees the asker at, and which of its ports it could dial there."""
-    # connection reversal (swarm/reversal.py)
+    # connection reversal (swarm/connectivity/reversal.py)
     REVERSE = 25
     """A public worker asks one behind NAT, through its relay, to dial it back; the same code answers."""
 

@@ -18,10 +18,10 @@ failed this worker's checks: it is left out of the next groups, exclusion.py), u
 have completed it (they apply without every confirmation): then this worker asks them, and ends
 with the group's outcome (``outcome.resolve``): it applies the average it holds, adopts the group's
 state (``RoundCounted``), or retries when they all failed it. A worker that finds the group ahead
-of it raises ``BehindError`` so that its optimizer downloads state (state_download.py) instead.
+of it raises ``BehindError`` so that its optimizer downloads state (state/download.py) instead.
 What is not the round's lives beside it: the settings (settings.py), the start from a config
 (startup.py), the p2p protocols (protocols.py), matchmaking pushes (pushes.py), the run's records
-as last read (run_snapshot.py) and this worker's watch over its own connectivity (connectivity.py).
+as last read (run_snapshot.py) and this worker's watch over its own connectivity (connectivity/watch.py).
 """
 
 from __future__ import annotations
@@ -48,10 +48,12 @@ from ..comm.rounds_taken import Rounds
 from ..comm.runner import RoundOutcome, RoundRunner
 from ..errors import AveragingError, InDoubt, Interrupted, PeerFailure, RoundCounted, SplitHold
 from ..pacing import Pace
+from ..timeouts import CLOSE_STEP_TIMEOUT, DHT_CALL_TIMEOUT, LEAVE_TIMEOUT, RENEW_BEFORE_ROUND_S
+from ..timeouts import RELAY_DIAL_TIMEOUT as DIAL_TIMEOUT
 from . import records
-from .connectivity import ConnectivityWatch
+from .connectivity.frozen import Unanswered
+from .connectivity.watch import ConnectivityWatch
 from .exclusion import Breakers, Offenders, UnreachablePeers
-from .frozen import Unanswered
 from .hooks import RoundHooks
 from .majority import RecentMembers
 from .matchmaking import Doorbell, Matchmaker
@@ -60,25 +62,16 @@ from .membership import Membership, RunSecret
 from .presence import Presence
 from .protocols import open_protocols
 from .pushes import Pushes
-from .relays import DIAL_TIMEOUT, RENEW_BEFORE_ROUND_S
 from .run_snapshot import RunSnapshot
 from .settings import SwarmSettings
 from .signing import Identity
 from .startup import start_from_config
-from .state_download import StateDownload
-from .state_transfer import StateServer
+from .state.download import StateDownload
+from .state.transfer import StateServer
 
 log = logging.getLogger(__name__)
 
 
-LEAVE_TIMEOUT = 1.0
-"""How long ``close`` waits, at most, for the record that tells the run this worker left (its peers stop
-waiting for it at once). It goes out as soon as the worker is asked to stop, while the checkpoint is
-written; on a working network it takes milliseconds. A DHT whose peers do not answer would keep it
-for seconds (hivemind's 3 s per request): not waited for. Unannounced, a worker drops out of the run
-when its record expires (``record_ttl``)."""
-CLOSE_STEP_TIMEOUT = 1.0
-"""How long ``close`` waits for each of its other steps (cancelling tasks, the p2p replica, the loop)."""
 ATTEMPT_KEYS = 1024
 """Round keys whose used attempt numbers a worker remembers (the least recently used are forgotten)."""
 
@@ -404,7 +397,7 @@ class SwarmCommunicator(Communicator):
         peers' records always a step behind. Such a worker does not apply the round: ``DriftError``
         makes it take the run's state (which holds the round) from a peer."""
         try:
-            fresh = read.result(timeout=records.DHT_CALL_TIMEOUT)
+            fresh = read.result(timeout=DHT_CALL_TIMEOUT)
         except Exception as e:  # no read, no verdict: the next round's check is made
             log.debug("round %s: the late drift check had no read of the workers: %s", key, e)
             return
@@ -534,7 +527,7 @@ class SwarmCommunicator(Communicator):
                        max_bytes: int | None = None, majority_hash: str | None = None) -> dict | None:
         """The state the run confirms (``quorum``), from a live peer that holds it; None if the run has
         no other live worker. The returned state names that hash (``confirmed_hash``, set here, never
-        by the donor), and ``load_shareable_state`` adopts it only if θ_global matches (``state_download.py``)."""
+        by the donor), and ``load_shareable_state`` adopts it only if θ_global matches (``state/download.py``)."""
         return self.state_download.run(timeout, min_outer_step, max_bytes, majority_hash)
 
     # -- shutdown ----------------------------------------------------------------------------

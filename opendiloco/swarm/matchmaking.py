@@ -30,9 +30,10 @@ from dataclasses import dataclass, replace
 from ..comm.base import RoundKey
 from ..comm.group import Group, make_group_id
 from ..errors import AveragingError, BehindError, Interrupted
+from ..timeouts import DHT_CALL_TIMEOUT, GROUP_READ_GRACE, RELAYED_QUIET_S
 from . import match_rule, records
+from .connectivity.frozen import Unanswered
 from .exclusion import Breakers, Offenders, UnreachablePeers
-from .frozen import RELAYED_QUIET_S, Unanswered
 from .match_rule import Announcement, Close, Closing, Fail, Follow, MatchView, Notes, Peer, Wait, decide, next_attempt
 from .presence import Presence
 
@@ -61,10 +62,6 @@ class MatchmakingSettings:
     max_attempt_jump: int = 8
     """An announced attempt number more than this ahead of ours is ignored."""
 
-
-GROUP_READ_GRACE = 2.0
-"""Seconds a worker about to publish a group waits for a read of the attempt's groups still under way
-(about two round trips, where the DHT answers)."""
 
 SLOW_READ_EVERY = 5
 """While a worker waits, the announcements are read every poll, but what changes slowly or rings a
@@ -112,7 +109,6 @@ class LeftOut:
     members: frozenset[str]
 
 
-
 class _LiveWorkers:
     """The run's live workers as ``form_group`` reads them: a read under way is taken once it is in, or at once
     when there is no earlier view to announce on; one overdue fails the round, as a read made in place would."""
@@ -127,10 +123,10 @@ class _LiveWorkers:
 
     def view(self, interrupted: threading.Event) -> dict:
         """The workers to announce on: the latest read, or the recent view while the first read is under way."""
-        if self.pending is not None and time.monotonic() - self.since >= records.DHT_CALL_TIMEOUT:
+        if self.pending is not None and time.monotonic() - self.since >= DHT_CALL_TIMEOUT:
             self.pending.cancel()
             raise AveragingError(f"the DHT did not answer a read of the run's workers within "
-                                 f"{records.DHT_CALL_TIMEOUT:.0f}s")
+                                 f"{DHT_CALL_TIMEOUT:.0f}s")
         if self.pending is not None and (self.pending.done() or self.workers is None and self.provisional is None):
             self.workers, self.pending = records.wait_dht(self.pending, "get", interrupted=interrupted), None
             if self.check is not None:
@@ -466,7 +462,7 @@ class Matchmaker:
         return found - alive
 
     def _quiet(self, workers: dict, peers: set[str]) -> set[str]:
-        """Those of ``peers`` whose record has missed a heartbeat (``frozen.RELAYED_QUIET_S``)."""
+        """Those of ``peers`` whose record has missed a heartbeat (``RELAYED_QUIET_S``)."""
         clock = self.records.clock
         now = clock.now()
         return {p for p in peers if now - clock.in_mine(p, workers[p].time) >= RELAYED_QUIET_S}

@@ -26,15 +26,13 @@ import logging
 
 from ..comm.group import Group
 from ..comm.runner import RoundRunner
-from .connectivity import ConnectivityWatch
-from .frozen import PING_TIMEOUT_S, FrozenProbe, Unanswered
+from ..timeouts import FROZEN_PING_TIMEOUT_S as PING_TIMEOUT_S
+from ..timeouts import MEMBER_VANISHED_S as VANISHED_S
+from .connectivity.frozen import FrozenProbe, Unanswered
+from .connectivity.watch import ConnectivityWatch
 from .run_snapshot import RunSnapshot
 
 log = logging.getLogger(__name__)
-
-VANISHED_S = 3.0
-"""A member the exchange still waits on whose record has been gone from the run this long (and from two
-reads of it) is given up on."""
 
 
 class MemberWatch:

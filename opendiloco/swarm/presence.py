@@ -14,12 +14,13 @@ from collections.abc import Awaitable, Callable
 
 from ..comm.base import Progress, check_progress
 from ..errors import BehindError, DriftError, SwarmError
+from ..timeouts import ADDRS_EVERY_S, ADDRS_TIMEOUT, REDIAL_TIMEOUT
 from . import records
-from .addresses import is_local, is_loopback, own_addrs, plain_addrs
+from .connectivity.addresses import is_local, is_loopback, own_addrs, plain_addrs
+from .connectivity.rejoin import redial
+from .connectivity.relays import MAX_RELAY_CHARS, MAX_RELAYS, checked_relays
 from .partners import Partners
 from .quorum import Claim, confirmed_ahead, drifted
-from .rejoin import REDIAL_TIMEOUT, redial
-from .relays import MAX_RELAY_CHARS, MAX_RELAYS, checked_relays
 
 log = logging.getLogger(__name__)
 
@@ -40,12 +41,6 @@ def named(peers) -> str:
 
 """Heartbeats between two looks at which secrets the run id's workers hold (``RunRecords.secret_key``)."""
 
-ADDRS_TIMEOUT = 5.0
-"""Seconds the daemon gets to say where it listens (before each heartbeat, and every ``ADDRS_EVERY_S``)."""
-ADDRS_EVERY_S = 1.0
-"""How often this worker looks where its daemon listens, beside the heartbeat: a heartbeat's DHT store
-hangs on the dead connections of a worker whose address just changed (for 20 s in the long scenario),
-and the move must be seen at once."""
 
 CLOCK_SLACK = 10.0
 """Seconds a record may claim to live beyond its kind's TTL (peers' clocks differ a little)."""

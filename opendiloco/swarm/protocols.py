@@ -10,11 +10,11 @@ from dataclasses import dataclass
 
 from hivemind.p2p import P2P
 
+from .connectivity.relays import RelayLinks
+from .connectivity.reservations import RelaySlots
+from .connectivity.reversal import ConnectionReversal
 from .membership import Membership
 from .records import RunRecords
-from .relays import RelayLinks
-from .reservations import RelaySlots
-from .reversal import ConnectionReversal
 from .streams import P2PStreams
 
 

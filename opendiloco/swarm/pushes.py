@@ -11,15 +11,13 @@ from collections.abc import Callable, Iterable
 
 from ..comm.wire import ByteStream, Code
 from ..comm.wire import field as meta_field
+from ..timeouts import PUSH_TIMEOUT_S
 from .matchmaking import Doorbell
 from .pushed_records import MAX_PUSH_BYTES, PushedRecord, decode_push, encode_push
 from .records import RunRecords
 from .streams import P2PStreams
 
 log = logging.getLogger(__name__)
-
-PUSH_TIMEOUT_S = 5.0
-"""How long a push's stream may take to open, and a served push to arrive."""
 
 
 class Pushes:

@@ -30,13 +30,14 @@ import msgpack
 from opendiloco.comm.base import Progress
 from opendiloco.errors import AveragingError, Interrupted
 from opendiloco.pacing import Pace
+from opendiloco.timeouts import DHT_CALL_TIMEOUT
 
 from . import signing
-from .addresses import AddressBook, checked_addrs
 from .clock import RunClock
+from .connectivity.addresses import AddressBook, checked_addrs
+from .connectivity.relays import RelayBook, checked_relays
 from .membership import Membership
 from .pushed_records import ELIGIBLE, TRUSTED, UNKNOWN, PushedRecord, RecordView
-from .relays import RelayBook, checked_relays
 from .signing import Identity
 
 log = logging.getLogger(__name__)
@@ -139,7 +140,6 @@ class WorkerRecord(Progress):
             return None
 
 
-DHT_CALL_TIMEOUT = 30.0
 DEPARTED_KEPT = 4096
 """Peers remembered as having left the run cleanly, at most (the oldest forgotten first)."""
 

@@ -10,9 +10,9 @@ import os
 import threading
 
 from ..errors import AveragingError
-from .doctor import startup_warnings
+from .daemon.node import start_dht, visible_maddrs, worker_identity
 from .membership import SECRET_FILE_ENV, RunSecret
-from .node import start_dht, visible_maddrs, worker_identity
+from .ops.doctor import startup_warnings
 from .partners import PARTNERS_FILE
 from .presence import OtherSettings, Presence
 from .settings import SwarmSettings

@@ -19,14 +19,14 @@ from hivemind.p2p.p2p_daemon_bindings.utils import ControlFailure
 
 from ..comm.wire import ByteStream, Code
 from ..errors import Unreachable
-from .addresses import AddressBook, dial_addrs
+from ..timeouts import STREAM_HELLO_TIMEOUT as HELLO_TIMEOUT
+from .connectivity.addresses import AddressBook, dial_addrs
+from .connectivity.relays import RelayLinks
+from .connectivity.reversal import ConnectionReversal
 from .membership import Membership
-from .relays import RelayLinks
-from .reversal import ConnectionReversal
 
 log = logging.getLogger(__name__)
 
-HELLO_TIMEOUT = 10.0
 NOT_REACHED = ("failed to dial", "routing: not found", "failed to find any peer in table")
 """What the daemon says when it could not connect to a peer at all: no address of it answered, or it
 knows none (nothing was exchanged)."""

@@ -34,7 +34,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-PRELOAD = ("torch", "hivemind", "opendiloco.swarm.communicator", "opendiloco.swarm.bootstrap",
+PRELOAD = ("torch", "hivemind", "opendiloco.swarm.communicator", "opendiloco.swarm.daemon.bootstrap",
            "opendiloco.train.trainer", "opendiloco.cli")
 """What the server imports once, for all its children."""
 

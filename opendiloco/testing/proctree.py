@@ -261,7 +261,7 @@ def spawn_bootstrap(group: ProcessGroup, addrs_file: Path, name: str = "bootstra
     import warnings
 
     Path(addrs_file).unlink(missing_ok=True)  # a stale file would name a bootstrap that is gone
-    code = ("import sys; from opendiloco.swarm.bootstrap import run_bootstrap; "
+    code = ("import sys; from opendiloco.swarm.daemon.bootstrap import run_bootstrap; "
             f"sys.exit(run_bootstrap(host_maddrs=['/ip4/127.0.0.1/tcp/0'], addrs_file={str(addrs_file)!r}))")
     proc = group.spawn([sys.executable, "-c", code], name)
     deadline = time.monotonic() + timeout

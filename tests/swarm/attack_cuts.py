@@ -1,6 +1,6 @@
 """A member (or several identities of one) that makes a state donor hold many copies of its state.
 
-A donor cuts its state (a full copy, ``state_layout.Snapshot``) to serve a manifest, and keeps the
+A donor cuts its state (a full copy, ``state/layout.py``: ``Snapshot``) to serve a manifest, and keeps the
 cut while parts of it are sent. This attacker asks ``--target`` for manifests, each with another part
 size (``--part-sizes``, MiB), and after each one asks for parts of that cut that it never reads,
 holding their streams open for ``--hold`` seconds (a slow reader). Writes to ``--out`` (JSON) how
@@ -15,8 +15,8 @@ import asyncio
 
 from opendiloco.comm.wire import Code
 from opendiloco.errors import ProtocolError
-from opendiloco.swarm.multi_donor import fetch_manifest
-from opendiloco.swarm.state_transfer import PART_STREAMS_PER_PEER
+from opendiloco.swarm.state.multi_donor import fetch_manifest
+from opendiloco.swarm.state.transfer import PART_STREAMS_PER_PEER
 from opendiloco.swarm.streams import P2PStreams
 
 

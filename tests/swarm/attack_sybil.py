@@ -24,10 +24,10 @@ from hivemind.utils.timed_storage import get_dht_time
 
 from opendiloco.outer import tensors_hash
 from opendiloco.swarm import records
+from opendiloco.swarm.daemon.node import start_dht
 from opendiloco.swarm.membership import Membership, RunSecret
-from opendiloco.swarm.node import start_dht
 from opendiloco.swarm.signing import Identity
-from opendiloco.swarm.state_transfer import StateServer, fetch_state
+from opendiloco.swarm.state.transfer import StateServer, fetch_state
 from opendiloco.swarm.streams import P2PStreams
 
 

@@ -29,7 +29,7 @@ def insider_arguments() -> argparse.ArgumentParser:
 async def join(peers_file: str):
     """The attacker's own DHT node, joined through the run's peers (one per line in ``peers_file``), and
     its p2p daemon."""
-    from opendiloco.swarm.node import start_dht
+    from opendiloco.swarm.daemon.node import start_dht
 
     with open(peers_file) as f:
         peers = f.read().split()

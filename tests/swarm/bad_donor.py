@@ -21,10 +21,10 @@ from hivemind.utils.timed_storage import get_dht_time
 
 from opendiloco.comm.wire import Code
 from opendiloco.swarm import records
+from opendiloco.swarm.daemon.node import start_dht
 from opendiloco.swarm.membership import Membership
-from opendiloco.swarm.node import start_dht
-from opendiloco.swarm.state_layout import snapshot
-from opendiloco.swarm.state_transfer import StateServer, fetch_state
+from opendiloco.swarm.state.layout import snapshot
+from opendiloco.swarm.state.transfer import StateServer, fetch_state
 from opendiloco.swarm.streams import P2PStreams
 
 RECORD_TTL = 4.0

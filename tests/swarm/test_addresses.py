@@ -1,5 +1,5 @@
 """A public worker's record names where it listens, and a stream whose dial failed tries there
-(``swarm/addresses.py``): a worker re-addressed mid-run is reached again at once, also by a worker
+(``swarm/connectivity/addresses.py``): a worker re-addressed mid-run is reached again at once, also by a worker
 behind NAT, which learns the new address from nothing else."""
 
 from __future__ import annotations
@@ -11,9 +11,16 @@ import pytest
 
 from opendiloco.errors import Unreachable
 from opendiloco.swarm import presence
-from opendiloco.swarm.addresses import MAX_ADDRS, AddressBook, checked_addrs, is_local, own_addrs, plain_address
 from opendiloco.swarm.communicator import SwarmCommunicator
-from opendiloco.swarm.node import start_dht
+from opendiloco.swarm.connectivity.addresses import (
+    MAX_ADDRS,
+    AddressBook,
+    checked_addrs,
+    is_local,
+    own_addrs,
+    plain_address,
+)
+from opendiloco.swarm.daemon.node import start_dht
 from opendiloco.swarm.presence import ADDRS_EVERY_S
 from opendiloco.swarm.records import WorkerRecord
 from opendiloco.swarm.settings import SwarmSettings

@@ -15,8 +15,8 @@ import time
 import pytest
 from hivemind.utils.timed_storage import get_dht_time
 
+from opendiloco.swarm.daemon.node import SwarmError, start_dht, visible_maddrs
 from opendiloco.swarm.membership import Membership
-from opendiloco.swarm.node import SwarmError, start_dht, visible_maddrs
 from opendiloco.swarm.records import RunRecords
 from opendiloco.testing.ports import free_port
 from opendiloco.testing.proctree import alive, descendants

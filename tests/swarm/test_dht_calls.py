@@ -1,4 +1,4 @@
-"""A worker's calls to its DHT process, answered by number through one pipe (``swarm/dht_calls.py``)."""
+"""A worker's calls to its DHT process, answered by number through one pipe (``swarm/daemon/dht_calls.py``)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import time
 import pytest
 import torch.multiprocessing
 
-from opendiloco.swarm.node import start_dht
+from opendiloco.swarm.daemon.node import start_dht
 from tests.conftest import run_in_threads
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(120)]

@@ -1,4 +1,4 @@
-"""The p2p daemons dial from ephemeral ports (``swarm/dialing.py``): two workers that dial each other
+"""The p2p daemons dial from ephemeral ports (``swarm/daemon/dialing.py``): two workers that dial each other
 at once must not meet in TCP's simultaneous open on their listen ports.
 
 Checked from the kernel's table of TCP connections: between two nodes on 127.0.0.1, no connection
@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from opendiloco.swarm.node import start_dht
+from opendiloco.swarm.daemon.node import start_dht
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(120)]
 

@@ -19,8 +19,8 @@ from hivemind.dht.validation import DHTRecord
 
 from opendiloco.comm.base import RoundKey
 from opendiloco.swarm import signing
+from opendiloco.swarm.daemon.node import start_dht
 from opendiloco.swarm.membership import Membership, RunSecret
-from opendiloco.swarm.node import start_dht
 from opendiloco.swarm.presence import NAMED_AT_MOST, named
 from opendiloco.swarm.pushed_records import MAX_PUSH_RECORDS, MAX_SUBKEYS, MAX_UNKNOWN, PushedRecord
 from opendiloco.swarm.records import RunRecords, WorkerRecord, wait_dht

@@ -1,4 +1,4 @@
-"""The rule that takes a round's member for frozen (``swarm/frozen.py``), on the round's view of it.
+"""The rule that takes a round's member for frozen (``swarm/connectivity/frozen.py``), on the round's view of it.
 
 The swarm itself is tested in test_resilience.py (a worker and its daemon frozen by SIGSTOP, in a
 round and on its way to one); here, the cases that a loopback swarm cannot make: this worker cut off
@@ -12,8 +12,8 @@ import time
 
 import pytest
 
-from opendiloco.swarm import frozen
-from opendiloco.swarm.frozen import FrozenProbe
+from opendiloco.swarm.connectivity import frozen
+from opendiloco.swarm.connectivity.frozen import FrozenProbe
 
 pytestmark = [pytest.mark.fast, pytest.mark.timeout(30)]
 

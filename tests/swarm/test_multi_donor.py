@@ -15,10 +15,10 @@ from hivemind.p2p import P2P
 
 from opendiloco.comm.wire import Code
 from opendiloco.errors import ProtocolError
-from opendiloco.swarm import multi_donor
-from opendiloco.swarm.multi_donor import fetch_from_donors, fetch_manifest, part_bytes_for
-from opendiloco.swarm.state_layout import Snapshot
-from opendiloco.swarm.state_transfer import CHUNK_BYTES, StateServer, fetch_state
+from opendiloco.swarm.state import multi_donor
+from opendiloco.swarm.state.layout import Snapshot
+from opendiloco.swarm.state.multi_donor import fetch_from_donors, fetch_manifest, part_bytes_for
+from opendiloco.swarm.state.transfer import CHUNK_BYTES, StateServer, fetch_state
 from opendiloco.swarm.streams import P2PStreams
 from tests.nested import same
 
@@ -104,7 +104,7 @@ def with_bad_donor(count: int, bad: int, behaviour, caplog):
         servers[bad]._serve_part = part
         return await fetch_from_donors(streams, ids(donors), 4, MAX_BYTES), ids(donors)[bad]
 
-    with caplog.at_level(logging.WARNING, logger="opendiloco.swarm.multi_donor"):
+    with caplog.at_level(logging.WARNING, logger="opendiloco.swarm.state.multi_donor"):
         download, peer = with_donors(count, scenario)
     assert same({k: v for k, v in download.state.items() if k != "donor"}, state)
     return download, peer
@@ -289,7 +289,7 @@ def test_parts_are_served_only_of_a_cut_a_manifest_made_and_within_a_peers_budge
 def test_a_later_joiner_gets_a_fresh_cut_and_an_earlier_ones_parts_are_still_served(monkeypatch):
     """The donor moves on within the outer step (its position in the round, its Adam moments): a manifest
     asked for later is of the state as it is then, and a download of the cut before goes on."""
-    from opendiloco.swarm import state_transfer
+    from opendiloco.swarm.state import transfer as state_transfer
 
     monkeypatch.setattr(state_transfer, "SNAPSHOT_FRESH_S", 0.0)
     states = [make_state(tail=0), make_state(tail=1)]
@@ -392,7 +392,7 @@ def test_identities_that_ask_manifests_and_read_slowly_make_a_donor_hold_at_most
     the donor cuts its state once per fresh manifest whatever part size is asked, and holds at most
     ``MAX_CUTS_HELD`` cuts however many slow readers hold parts (with ``fresh_s`` 0 each manifest
     would be a fresh cut)."""
-    from opendiloco.swarm import state_transfer
+    from opendiloco.swarm.state import transfer as state_transfer
 
     monkeypatch.setattr(state_transfer, "SNAPSHOT_FRESH_S", fresh_s)
     state = make_state()

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from opendiloco.swarm.status import fetch_workers
+from opendiloco.swarm.ops.status import fetch_workers
 from opendiloco.testing.proctree import children_table, descendants
 from tests.test_train_loop import SMALL
 

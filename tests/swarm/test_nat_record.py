@@ -17,10 +17,10 @@ import hivemind
 import pytest
 
 from opendiloco.swarm import records
+from opendiloco.swarm.connectivity.relays import MAX_RELAYS
+from opendiloco.swarm.daemon.node import start_dht
 from opendiloco.swarm.membership import Membership
-from opendiloco.swarm.node import start_dht
 from opendiloco.swarm.presence import Presence
-from opendiloco.swarm.relays import MAX_RELAYS
 from opendiloco.swarm.signing import Identity
 from opendiloco.testing.ports import free_port
 
@@ -97,7 +97,7 @@ def test_a_client_mode_node_whose_first_bootstrap_failed_is_started_again(tmp_pa
                 started.append(start_dht(host_maddrs=[f"/ip4/127.0.0.1/tcp/{port}"], identity_path=key))
 
     handler = StartPeerOnRetry(logging.INFO)
-    node_log = logging.getLogger("opendiloco.swarm.node")
+    node_log = logging.getLogger("opendiloco.swarm.daemon.node")
     node_log.addHandler(handler)
     level = node_log.level
     node_log.setLevel(logging.INFO)

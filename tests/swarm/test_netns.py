@@ -51,7 +51,7 @@ sys.exit(worker.main())
 
 BOOTSTRAP = """
 import sys
-from opendiloco.swarm.bootstrap import run_bootstrap
+from opendiloco.swarm.daemon.bootstrap import run_bootstrap
 sys.exit(run_bootstrap(host_maddrs=[sys.argv[1]], announce_maddrs=[sys.argv[2]], addrs_file=sys.argv[3]))
 """
 

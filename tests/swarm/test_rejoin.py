@@ -1,4 +1,4 @@
-"""A DHT node that lost every peer dials its initial peers again (``swarm/rejoin.py``), over real
+"""A DHT node that lost every peer dials its initial peers again (``swarm/connectivity/rejoin.py``), over real
 DHT nodes on 127.0.0.1. hivemind drops a peer from the routing table when a request to it fails and
 never dials its initial peers again: the test empties the table as a broken link would."""
 
@@ -12,7 +12,7 @@ import hivemind
 import pytest
 from hivemind.utils import get_dht_time
 
-from opendiloco.swarm.rejoin import count_known_peers, redial
+from opendiloco.swarm.connectivity.rejoin import count_known_peers, redial
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(120)]
 

@@ -15,8 +15,8 @@ import asyncio
 import pytest
 
 from opendiloco.comm.wire import Code
-from opendiloco.swarm.node import start_dht
-from opendiloco.swarm.relays import RelayBook, RelayLinks
+from opendiloco.swarm.connectivity.relays import RelayBook, RelayLinks
+from opendiloco.swarm.daemon.node import start_dht
 from opendiloco.swarm.streams import P2PStreams
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(180)]

@@ -1,4 +1,4 @@
-"""A worker behind NAT keeps its relay slots itself (``swarm/reservations.py``), over real p2p daemons
+"""A worker behind NAT keeps its relay slots itself (``swarm/connectivity/reservations.py``), over real p2p daemons
 on 127.0.0.1: a relay that restarts, a node behind NAT (listening nowhere) and a public node that reaches
 it only through the relay.
 
@@ -15,9 +15,8 @@ import time
 import pytest
 from hivemind.p2p import P2P
 
-from opendiloco.swarm.records import WorkerRecord
-from opendiloco.swarm.relays import close_connections, daemon_options, dial_via, uvarint
-from opendiloco.swarm.reservations import (
+from opendiloco.swarm.connectivity.relays import close_connections, daemon_options, dial_via, uvarint
+from opendiloco.swarm.connectivity.reservations import (
     RESERVE,
     STATUS_OK,
     RelaySlots,
@@ -28,6 +27,7 @@ from opendiloco.swarm.reservations import (
     reserve,
     widen,
 )
+from opendiloco.swarm.records import WorkerRecord
 from opendiloco.testing.ports import free_port
 from tests.swarm.test_reversal import _joined, _reserved
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
+from opendiloco.swarm.daemon.node import start_dht
 from opendiloco.swarm.membership import Membership, RunSecret
-from opendiloco.swarm.node import start_dht
 from opendiloco.swarm.partners import Partners
 from opendiloco.swarm.presence import PARTNERS_GRACE_TTLS
 from opendiloco.swarm.quorum import Claim, confirmed_ahead

@@ -29,9 +29,9 @@ from opendiloco.comm.group import Group
 from opendiloco.comm.runner import RoundRunner
 from opendiloco.errors import AveragingError, BehindError, Unreachable
 from opendiloco.swarm.communicator import SwarmCommunicator
+from opendiloco.swarm.connectivity.reservations import RelaySlots
+from opendiloco.swarm.daemon.node import start_dht
 from opendiloco.swarm.hooks import RoundHooks
-from opendiloco.swarm.node import start_dht
-from opendiloco.swarm.reservations import RelaySlots
 from opendiloco.swarm.settings import SwarmSettings
 from opendiloco.swarm.streams import P2PStreams
 from tests.conftest import run_in_threads

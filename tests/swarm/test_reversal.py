@@ -4,7 +4,7 @@ behind NAT (listening nowhere) that has no way of its own to dial the public one
 In the long world scenario a worker behind NAT could not dial a public peer for 30 s to 2 minutes
 after that peer came back from a freeze, a partition or a restart (libp2p's dial backoff), and the
 public peer could not dial it either: every round that held both failed. The public worker now asks
-it through its relay to dial back (``swarm/reversal.py``).
+it through its relay to dial back (``swarm/connectivity/reversal.py``).
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ from hivemind.utils.multiaddr import Multiaddr
 
 from opendiloco.comm.wire import Code, Refused, StreamClosed
 from opendiloco.errors import Unreachable
-from opendiloco.swarm import hivemind_privates
-from opendiloco.swarm.addresses import AddressBook
-from opendiloco.swarm.relays import RelayBook, close_connections, daemon_options, dial_via
-from opendiloco.swarm.reversal import MIN_INTERVAL_S, ConnectionReversal, direct_connection
+from opendiloco.swarm.connectivity.addresses import AddressBook
+from opendiloco.swarm.connectivity.relays import RelayBook, close_connections, daemon_options, dial_via
+from opendiloco.swarm.connectivity.reversal import MIN_INTERVAL_S, ConnectionReversal, direct_connection
+from opendiloco.swarm.daemon import hivemind_privates
 from opendiloco.swarm.streams import P2PStreams
 from opendiloco.testing.ports import free_port
 

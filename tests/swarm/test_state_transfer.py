@@ -11,8 +11,8 @@ from hivemind.p2p import P2P
 from opendiloco import DiLoCoOptimizer, SingleWorker
 from opendiloco.comm.wire import Code
 from opendiloco.errors import ProtocolError
-from opendiloco.swarm import state_transfer
-from opendiloco.swarm.state_transfer import StateServer, download_bound, fetch_state, own_check
+from opendiloco.swarm.state import transfer as state_transfer
+from opendiloco.swarm.state.transfer import StateServer, download_bound, fetch_state, own_check
 from opendiloco.swarm.streams import P2PStreams
 from tests.swarm.bad_donor import poison
 

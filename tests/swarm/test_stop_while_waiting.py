@@ -20,8 +20,8 @@ import time
 import pytest
 
 from opendiloco.comm.base import RoundKey
+from opendiloco.swarm.daemon.node import ensure_identity, start_dht
 from opendiloco.swarm.membership import Membership
-from opendiloco.swarm.node import ensure_identity, start_dht
 from opendiloco.swarm.records import RunRecords
 from opendiloco.swarm.signing import Identity
 from opendiloco.testing.proctree import descendants

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from opendiloco.swarm.membership import Membership, RunSecret
-from opendiloco.swarm.state_transfer import SERVES_PER_PEER
+from opendiloco.swarm.state.transfer import SERVES_PER_PEER
 from tests.swarm.conftest import WORKER
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(420)]

@@ -3,8 +3,8 @@
 from opendiloco.swarm.clock import RunClock
 from opendiloco.swarm.match_rule import wait_until as rule_wait_until
 from opendiloco.swarm.matchmaking import MatchmakingSettings, peers_here
+from opendiloco.swarm.ops.status import format_table
 from opendiloco.swarm.records import WorkerRecord
-from opendiloco.swarm.status import format_table
 
 SETTINGS = MatchmakingSettings(run_id="r", straggler_wait=5.0, max_wait=600.0)
 

@@ -18,8 +18,8 @@ import torch
 from opendiloco import DiLoCoOptimizer
 from opendiloco.comm.aggregation import Aggregation
 from opendiloco.swarm.communicator import SwarmCommunicator
+from opendiloco.swarm.daemon.node import start_dht
 from opendiloco.swarm.membership import RunSecret
-from opendiloco.swarm.node import start_dht
 from opendiloco.swarm.settings import SwarmSettings
 from opendiloco.testing.faults import RoundRecorder
 

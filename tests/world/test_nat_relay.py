@@ -3,7 +3,7 @@
 ``benchmarks/scenarios/natmix.toml``: a public worker and two workers behind two different
 masquerading routers, in client mode; every round must hold all three (min group 3). The two
 behind NAT accept no connection: what they send each other goes through the bootstrap's relay,
-which carries at most 128 KiB per connection each way (``opendiloco.swarm.relays``), and the model
+which carries at most 128 KiB per connection each way (``opendiloco.swarm.connectivity.relays``), and the model
 (~0.4M parameters, ~260 kB of fp16 per third) is too large for a third of it to cross there. So
 they own no shard (``shard_bounds_for``): their bulk goes to the public worker, and only small frames
 cross the relay. Both contribute to every round the run applies, on one θ_global, and all end cleanly.

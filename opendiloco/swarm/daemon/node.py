@@ -22,11 +22,12 @@ from hivemind.utils.multiaddr import Multiaddr
 
 from opendiloco.errors import SwarmError
 
-from . import hivemind_privates, reachability, relays
+from ..connectivity import reachability, relays
+from ..signing import Identity, SignedRecordValidator
+from . import hivemind_privates
 from .dht_calls import DhtCalls
 from .dialing import dial_from_ephemeral_ports
 from .p2pd_binary import use_unpacked
-from .signing import Identity, SignedRecordValidator
 
 log = logging.getLogger(__name__)
 

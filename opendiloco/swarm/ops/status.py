@@ -12,9 +12,9 @@ from hivemind.utils.timed_storage import get_dht_time
 from opendiloco.comm.base import RoundKey
 from opendiloco.errors import AveragingError
 
-from . import records
-from .membership import Membership, RunSecret
-from .node import SwarmError, start_dht
+from .. import records
+from ..daemon.node import SwarmError, start_dht
+from ..membership import Membership, RunSecret
 from .status_page import RunHistory, StatusServer, keep_reading
 
 

@@ -35,20 +35,16 @@ import time
 
 from hivemind.p2p import P2P
 
-from ..comm.wire import ByteStream, Code
+from ...comm.wire import ByteStream, Code
+from ...timeouts import REVERSAL_ANSWER_TIMEOUT as ANSWER_TIMEOUT
+from ...timeouts import REVERSAL_DIRECT_WAIT_S as DIRECT_WAIT_S
+from ...timeouts import REVERSAL_MIN_INTERVAL_S as MIN_INTERVAL_S
+from ...timeouts import REVERSAL_RELAY_DIAL_TIMEOUT as RELAY_DIAL_TIMEOUT
 from .addresses import AddressBook, dial_addrs
 from .relays import RelayBook, close_connections, dial_via
 
 log = logging.getLogger(__name__)
 
-RELAY_DIAL_TIMEOUT = 5.0
-"""Seconds the connection through the NAT'd worker's relay may take to open."""
-ANSWER_TIMEOUT = 5.0
-"""Seconds the request and its answer may take, each."""
-DIRECT_WAIT_S = 5.0
-"""Seconds the asker waits for the direct connection after the answer."""
-MIN_INTERVAL_S = 5.0
-"""The least time between two reversals with one peer (asked or served)."""
 MAX_PER_MINUTE = 30
 """The most requests a NAT'd worker serves in a minute, from all askers together."""
 MAX_PEERS = 1024

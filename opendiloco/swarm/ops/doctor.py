@@ -15,9 +15,10 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..errors import SwarmError
-from .node import start_dht, visible_maddrs
-from .reachability import DIAL_TIMEOUT, Probe, address_kind, ip_and_port, probe
+from ...errors import SwarmError
+from ...timeouts import DIAL_BACK_TIMEOUT as DIAL_TIMEOUT
+from ..connectivity.reachability import Probe, address_kind, ip_and_port, probe
+from ..daemon.node import start_dht, visible_maddrs
 
 log = logging.getLogger(__name__)
 

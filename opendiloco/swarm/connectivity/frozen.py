@@ -26,18 +26,9 @@ import threading
 import time
 from collections.abc import Awaitable, Callable, Iterable
 
-SILENT_S = 2.0
-"""A member the round waits on that sent nothing for this long is pinged."""
-PING_TIMEOUT_S = 3.0
-"""The longest an echo takes from a live daemon: many round trips of the slowest link, and a loaded machine."""
-
-PING_EVERY_S = 1.0
-"""The least time between two pings matchmaking sends one peer."""
-FOUND_FOR_S = 10.0
-"""How long a peer found frozen is neither waited for nor grouped with by matchmaking (pinged again then)."""
-RELAYED_QUIET_S = 3.0
-"""A peer behind NAT whose record is this old (a heartbeat and a half at the default 2 s) is asked by a ping
-in matchmaking; one whose record is fresher is alive, whatever a ping through a relay says."""
+from ...timeouts import FROZEN_FOUND_FOR_S as FOUND_FOR_S
+from ...timeouts import FROZEN_PING_EVERY_S as PING_EVERY_S
+from ...timeouts import FROZEN_SILENT_S as SILENT_S
 
 Ping = Callable[[str], Awaitable["bool | None"]]
 """libp2p's ping to a peer: True if it echoed, False if the stream failed, None if no echo came in time."""

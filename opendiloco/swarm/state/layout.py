@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..errors import ProtocolError
-from ..fingerprint import new_hasher
+from ...errors import ProtocolError
+from ...fingerprint import new_hasher
 
 MIN_PART_BYTES = 1 << 20
 MAX_PART_BYTES = 64 << 20

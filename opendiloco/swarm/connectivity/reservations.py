@@ -36,7 +36,12 @@ from collections.abc import Callable, Sequence
 
 from hivemind.p2p import P2P, PeerID
 
-from . import hivemind_privates
+from ...timeouts import OWN_CLOSE_GRACE_S, RESERVE_EVERY_S, RESERVE_TIMEOUT, SILENT_RELAY_S
+from ...timeouts import RELAY_PING_TIMEOUT as PING_TIMEOUT
+from ...timeouts import RELAY_WATCH_EVERY_S as WATCH_EVERY_S
+from ...timeouts import RESERVE_AGAIN_S as AGAIN_S
+from ...timeouts import RESERVE_RETRY_S as RETRY_S
+from ..daemon import hivemind_privates
 from .addresses import dial_addrs
 from .relays import MAX_RELAYS, checked_relays, uvarint
 
@@ -48,26 +53,8 @@ RESERVE = b"\x08\x00"
 STATUS_FIELD, STATUS_OK = 5, 100
 MAX_ANSWER_BYTES = 4096
 """The most a relay's answer may hold (a status, a reservation with a few addresses, a voucher)."""
-RESERVE_TIMEOUT = 10.0
-RESERVE_EVERY_S = 30.0
-"""How often a worker behind NAT asks its relays for its slot (a relay keeps one an hour)."""
-RETRY_S = 5.0
-"""How often it asks while a relay gives it none (down or restarting): the other workers behind NAT
-cannot reach it there until it has one."""
 PING_PROTOCOL = "/ipfs/ping/1.0.0"
 PING_BYTES = 32
-PING_TIMEOUT = 5.0
-WATCH_EVERY_S = 1.0
-"""How often a worker behind NAT pings its relays (``RelaySlots.watch``)."""
-SILENT_RELAY_S = 30.0
-"""A relay whose connection broke within this long of a ping it left unanswered froze and thawed (or its
-link was down): no sign of this node's move. A router's move breaks connections that echoed just before."""
-AGAIN_S = 0.5
-"""After a lost connection, the pause before a second ask for the slot when the first failed."""
-WIDEN_EVERY_S = 5.0
-"""How often a worker behind NAT looks for public workers of the run to hold more slots on (``widen``)."""
-OWN_CLOSE_GRACE_S = 10.0
-"""After the worker closed its connections itself (``renew_soon``), a lost connection is no sign of a move."""
 
 
 async def _read_varint(reader: asyncio.StreamReader) -> int:

@@ -1,6 +1,6 @@
 """A joiner's download from several donors at once: one manifest each, then parts from whoever has them.
 
-1. Every donor is asked for its manifest at the same outer step (``state_layout.py``): its parts'
+1. Every donor is asked for its manifest at the same outer step (``layout.py``): its parts'
    digests and its skeleton, checked whole before anything is downloaded. The download starts once
    one manifest has passed and the others had a short grace (``MANIFEST_GRACE``: one stalled donor
    must not hold it for ``MANIFEST_TIMEOUT``); a manifest that comes later adds its donor to the
@@ -15,7 +15,7 @@
    empty, an idle donor also asks for a part that has been in flight elsewhere for longer than its
    own parts take (a slow or dying donor at the tail), and the first copy to arrive wins.
 3. The whole state then goes through the same checks as a download from one donor
-   (``state_transfer.checked_state``), and the caller checks θ_global against the run's hash, then
+   (``transfer.checked_state``), and the caller checks θ_global against the run's hash, then
    tells the donors it has it (``tell_done``): they count it as coming from then on too.
 """
 
@@ -28,12 +28,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..comm.wire import Code
-from ..errors import ProtocolError
-from . import state_layout
-from .state_layout import Manifest, assemble, part_digest, read_manifest
-from .state_transfer import CHUNK_BYTES, STALL_TIMEOUT, checked_state, connect_to, within
-from .streams import P2PStreams
+from ...comm.wire import Code
+from ...errors import ProtocolError
+from ...timeouts import MANIFEST_GRACE, MANIFEST_TIMEOUT
+from ...timeouts import STATE_STALL_TIMEOUT as STALL_TIMEOUT
+from ..streams import P2PStreams
+from . import layout
+from .layout import Manifest, assemble, part_digest, read_manifest
+from .transfer import CHUNK_BYTES, checked_state, connect_to, within
 
 log = logging.getLogger(__name__)
 
@@ -41,10 +43,6 @@ MAX_DONORS = 4
 """Donors one download asks at once: enough to fill a joiner's link from peers of like links."""
 PARTS_IN_FLIGHT_PER_DONOR = 2
 DONOR_FAILURES = 2
-MANIFEST_TIMEOUT = 30.0
-"""A donor cuts its state before it answers (a copy and a digest of it): seconds for a large model."""
-MANIFEST_GRACE = 1.0
-"""Once one manifest is in, the others get this long, or as long again as it took, before parts start."""
 MAX_MANIFEST_BYTES = 16 << 20
 
 
@@ -69,9 +67,9 @@ class DonorsAhead(ProtocolError):
 
 
 def part_bytes_for(max_bytes: int) -> int:
-    """What a joiner still asks for (a donor of an older version cuts so): ``state_layout.part_bytes_for``
+    """What a joiner still asks for (a donor of an older version cuts so): ``layout.part_bytes_for``
     of its bound. A donor of this version chooses its own and says so in its manifest."""
-    return state_layout.part_bytes_for(max_bytes)
+    return layout.part_bytes_for(max_bytes)
 
 
 async def fetch_manifest(streams: P2PStreams, donor: str, outer_step: int, part_bytes: int,

@@ -12,7 +12,7 @@ The same lookup is this worker's surest sign that its own address changed: an ad
 listened on is gone (``Presence.on_new_address``). Its connections through it are dead, and every
 stream on them would hang until a transport timeout: it closes them at once, and abandons an attempt
 in flight, which its record then says, so that the members stop waiting on it
-(``connectivity.ConnectivityWatch.readdressed``). Its peers see it in its next record: an address it named is
+(``watch.ConnectivityWatch.readdressed``). Its peers see it in its next record: an address it named is
 gone. Their connections to it are as dead, and their streams to it (the round's parts, the settle's
 question) hung there: they close them, so the next stream dials its new address; a worker behind NAT
 dials it at once, as the moved worker cannot dial it back (``ConnectivityWatch.peers_moved``).
@@ -35,15 +35,14 @@ from collections.abc import Iterable, Sequence
 from hivemind.p2p import P2P, PeerID
 from hivemind.utils.multiaddr import Multiaddr
 
-from . import hivemind_privates
+from ...timeouts import ADDRESS_DIAL_TIMEOUT as DIAL_TIMEOUT
+from ..daemon import hivemind_privates
 
 log = logging.getLogger(__name__)
 
 MAX_ADDRS = 4
 """The most addresses a record may name (a reader drops a record with more)."""
 MAX_ADDR_CHARS = 128
-DIAL_TIMEOUT = 10.0
-"""Seconds a dial to a record's addresses may take."""
 MAX_REMEMBERED = 4096
 """Workers whose addresses a worker remembers (the least recently read are forgotten first)."""
 _HOSTS = {"ip4", "ip6", "dns", "dns4", "dns6"}

@@ -1,7 +1,7 @@
 """A health check for containers and process supervisors: is this node's p2p port listening?
 
-    python -m opendiloco.swarm.health                      # port from $OPENDILOCO_P2P_PORT, else 31337
-    python -m opendiloco.swarm.health --port 31337 --file runs/x/metrics.jsonl --max-age 900
+    python -m opendiloco.swarm.ops.health                      # port from $OPENDILOCO_P2P_PORT, else 31337
+    python -m opendiloco.swarm.ops.health --port 31337 --file runs/x/metrics.jsonl --max-age 900
 
 Exit status 0 when healthy, 1 when not, with one line saying why. It reads the kernel's socket
 tables (``/proc/net/tcp`` and ``tcp6``, i.e. the current network namespace: inside a container,
@@ -98,7 +98,7 @@ def _port_from_env() -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m opendiloco.swarm.health", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m opendiloco.swarm.ops.health", description=__doc__.split("\n\n")[0])
     p.add_argument("--port", type=int, default=None,
                    help=f"TCP port the p2p daemon listens on (default ${PORT_ENV}, else {DEFAULT_PORT})")
     p.add_argument("--no-port", action="store_true", help="skip the port check (e.g. only check --file)")

@@ -49,22 +49,18 @@ from collections.abc import Awaitable, Callable, Sequence
 from hivemind.p2p import P2P, PeerID
 from hivemind.utils.multiaddr import Multiaddr
 
-from ..comm.wire import ByteStream
-from . import hivemind_privates
-from .dialing import dial_from_ephemeral_ports
+from ...comm.wire import ByteStream
+from ...timeouts import RELAY_DIAL_TIMEOUT as DIAL_TIMEOUT
+from ..daemon import hivemind_privates
+from ..daemon.dialing import dial_from_ephemeral_ports
 
 log = logging.getLogger(__name__)
 
 MAX_RELAYS = 4
 """The most relays a record may name (a reader takes no more)."""
 MAX_RELAY_CHARS = 256
-DIAL_TIMEOUT = 10.0
-"""Seconds a connection through a relay may take to open."""
 MAX_HELD = 64
 """Relayed connections one worker keeps open (the oldest is let go beyond that)."""
-RENEW_BEFORE_ROUND_S = 60.0
-"""A held relayed connection older than this is replaced before a round begins (a relay ends one after 2
-minutes: a round must not start on one about to end)."""
 MAX_HOLDS_PER_PEER = 2
 MAX_HOLDS = 256
 """Hold streams a worker accepts from one peer, and in all (more are closed at once)."""

@@ -13,7 +13,7 @@ The state returned names its donor (``donor``, set here, never by the donor).
 
 A joiner may instead take the state in parts from several donors (``multi_donor.py``): it asks each
 for a manifest at one outer step (a turn, as a download is), and the donor keeps that cut
-(``state_layout.Snapshot``; the last ``KEPT_CUTS``) to serve parts of it, named by their digest, at
+(``layout.Snapshot``; the last ``KEPT_CUTS``) to serve parts of it, named by their digest, at
 most ``PART_STREAMS_PER_PEER`` at a time to one peer (more wait for one of
 ``MAX_CONCURRENT_PART_SERVES`` sends) and ``PART_BYTES_PER_WINDOW`` times the state's size per peer
 per window. A part request never makes a donor cut its state; cuts nobody used for
@@ -31,39 +31,31 @@ from collections.abc import Callable
 
 import torch
 
-from ..comm.base import SharedState, StateProvider
-from ..comm.wire import ByteStream, Code
-from ..comm.wire import field as meta_field
-from ..errors import ProtocolError
-from ..fingerprint import new_hasher
-from .state_layout import Snapshot, snapshot
-from .streams import P2PStreams
+from ...comm.base import SharedState, StateProvider
+from ...comm.wire import ByteStream, Code
+from ...comm.wire import field as meta_field
+from ...errors import ProtocolError
+from ...fingerprint import new_hasher
+from ...timeouts import SNAPSHOT_FRESH_S, SNAPSHOT_KEEP_S
+from ...timeouts import STATE_CONNECT_TIMEOUT as CONNECT_TIMEOUT
+from ...timeouts import STATE_HEAD_TIMEOUT as HEAD_TIMEOUT
+from ...timeouts import STATE_SERVE_WINDOW_S as SERVE_WINDOW_S
+from ...timeouts import STATE_STALL_TIMEOUT as STALL_TIMEOUT
+from ..streams import P2PStreams
+from .layout import Snapshot, snapshot
 
 log = logging.getLogger(__name__)
 
 CHUNK_BYTES = 1 << 20
 MAX_CONCURRENT_SERVES = 2
 SERVES_PER_PEER = 4
-SERVE_WINDOW_S = 60.0
 SEND_TIMEOUT_BASE = 30.0
 MIN_RATE_BYTES_PER_S = 1 << 20
 """A requester reading slower than 1 MiB/s (plus 30 s) is dropped."""
-CONNECT_TIMEOUT = 10.0
-"""A donor that cannot be reached (behind NAT, gone, partitioned) within this is given up on, so the
-next candidate gets its turn instead of one silent donor taking the whole download's deadline."""
-STALL_TIMEOUT = 20.0
-"""A donor whose next part does not come within this, once it started sending, is given up on
-(frozen, or its link died)."""
-HEAD_TIMEOUT = 120.0
-"""A whole download's request may queue while the donor serves others (its slots are few, each send
-bounded): a donor that does not start within this, plus the time its busy slots may take for a state
-of the asked bound (``head_timeout``), is given up on, and the next one asked."""
 PART_STREAMS_PER_PEER = 2
 MAX_CONCURRENT_PART_SERVES = 8
 PART_BYTES_PER_WINDOW = 3
 """A peer may take at most this many times the state's size in parts per ``SERVE_WINDOW_S``."""
-SNAPSHOT_KEEP_S = 120.0
-SNAPSHOT_FRESH_S = 2.0
 KEPT_CUTS = 2
 """A new cut does not end downloads of the one before it: their parts are still served."""
 MAX_CUTS_HELD = KEPT_CUTS

@@ -29,14 +29,11 @@ import logging
 from hivemind.p2p import PeerID
 from hivemind.utils.multiaddr import Multiaddr
 
-from . import hivemind_privates
+from ...timeouts import REDIAL_TIMEOUT
+from ..daemon import hivemind_privates
 from .relays import close_connections
 
 log = logging.getLogger(__name__)
-
-REDIAL_TIMEOUT = 10.0
-"""Seconds one initial peer gets to answer a redial (connect and ping; again on a new connection if the
-first ping, of hivemind's 3 s, found none)."""
 
 
 def known_peers(node) -> int:

@@ -19,15 +19,17 @@ from collections.abc import Callable
 
 from hivemind.p2p import P2P
 
-from ..comm.runner import RoundRunner
+from ...comm.runner import RoundRunner
+from ...timeouts import FROZEN_PING_TIMEOUT_S as PING_TIMEOUT_S
+from ...timeouts import RELAY_DIAL_TIMEOUT as DIAL_TIMEOUT
+from ...timeouts import WIDEN_EVERY_S
+from ..exclusion import UnreachablePeers
+from ..presence import Presence
+from ..records import RunRecords
+from ..run_snapshot import RunSnapshot
 from .addresses import dial_addrs
-from .exclusion import UnreachablePeers
-from .frozen import PING_TIMEOUT_S
-from .presence import Presence
-from .records import RunRecords
-from .relays import DIAL_TIMEOUT, close_connections
-from .reservations import WIDEN_EVERY_S, RelaySlots, ping, widen
-from .run_snapshot import RunSnapshot
+from .relays import close_connections
+from .reservations import RelaySlots, ping, widen
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +79,7 @@ class ConnectivityWatch:
                 log.debug("holding slots on the run's workers: %s: %s", type(e).__name__, e)
 
     async def ping(self, peer: str) -> bool | None:
-        """libp2p's ping, as ``swarm/frozen.py`` reads it (this node's daemon is up once the loop runs)."""
+        """libp2p's ping, as ``swarm/connectivity/frozen.py`` reads it (this node's daemon is up once the loop runs)."""
         return await ping(self.p2p, peer, timeout=PING_TIMEOUT_S)
 
     def on_new_address(self, gone: list[str], now: list[str]) -> None:

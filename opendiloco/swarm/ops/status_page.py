@@ -131,7 +131,7 @@ def _address(addrs) -> str | None:
 
 
 def page_html() -> bytes:
-    return resources.files("opendiloco.swarm").joinpath("status_page.html").read_bytes()
+    return resources.files(__package__).joinpath("status_page.html").read_bytes()
 
 
 class _Handler(BaseHTTPRequestHandler):

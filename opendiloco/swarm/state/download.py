@@ -4,7 +4,7 @@ Which state: the run's confirmed θ_global hash and outer step (a majority the c
 live workers' records confirm now). From whom: the live peers whose records hold it, first in parts
 from several of them at once (``multi_donor.py``, the donors fast last time first), then from one at a
 time. Each state is checked by the worker's own ``state_check`` against the confirmed hash before it is
-handed over, so that a refused donor is followed by the next (``state_transfer.py``).
+handed over, so that a refused donor is followed by the next (``transfer.py``).
 """
 
 from __future__ import annotations
@@ -15,13 +15,13 @@ import threading
 import time
 from collections.abc import Callable
 
-from ..errors import AveragingError, Interrupted
-from .matchmaking import Matchmaker
+from ...errors import AveragingError, Interrupted
+from ..matchmaking import Matchmaker
+from ..presence import Presence
+from ..quorum import confirmed
+from ..streams import P2PStreams
 from .multi_donor import MAX_DONORS, DonorsAhead, Download, fetch_from_donors, tell_done
-from .presence import Presence
-from .quorum import confirmed
-from .state_transfer import StateServer, download_bound, fetch_state, own_check
-from .streams import P2PStreams
+from .transfer import StateServer, download_bound, fetch_state, own_check
 
 log = logging.getLogger(__name__)
 

@@ -27,16 +27,16 @@ from dataclasses import dataclass, field
 from hivemind.p2p import P2P, PeerID
 from hivemind.utils.multiaddr import Multiaddr
 
-from ..comm.wire import ByteStream, Code
-from ..comm.wire import field as meta_field
-from . import hivemind_privates
+from ...comm.wire import ByteStream, Code
+from ...comm.wire import field as meta_field
+from ...timeouts import DIAL_BACK_PER_PEER_S as PER_PEER_S
+from ...timeouts import DIAL_BACK_TIMEOUT as DIAL_TIMEOUT
+from ..daemon import hivemind_privates
 
 log = logging.getLogger(__name__)
 
 PROTOCOL = "opendiloco.reach"
 MAX_PORTS = 4
-PER_PEER_S = 10.0
-DIAL_TIMEOUT = 3.0
 MAX_ASKERS = 4096
 MAX_DIALLING = 8
 

@@ -6,7 +6,7 @@ into private memory: 0.25-0.3 s of CPU of the 0.9 s a start costs, and 28 MB no 
 Unpacked, a start costs about 0.6 CPU-s and the program's pages are shared. One worker's one start
 hardly notices; a test suite that starts hundreds of daemons does.
 
-hivemind's installed files are never changed: ``python -m opendiloco.swarm.p2pd_binary`` (run by
+hivemind's installed files are never changed: ``python -m opendiloco.swarm.daemon.p2pd_binary`` (run by
 ``scripts/setup.sh``) writes the unpacked program into this project's cache directory
 (``$OPENDILOCO_CACHE_DIR``, else ``$XDG_CACHE_HOME/opendiloco``, else ``~/.cache/opendiloco``), under
 a name taken from the hash that pip recorded for hivemind's daemon, so a copy made from another
@@ -281,7 +281,7 @@ def install(dest: Path | None = None) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m opendiloco.swarm.p2pd_binary",
+    parser = argparse.ArgumentParser(prog="python -m opendiloco.swarm.daemon.p2pd_binary",
                                      description="Unpack hivemind's UPX-packed p2p daemon once into this project's "
                                                  "cache, so that each start costs less CPU and memory. hivemind's "
                                                  "own files are left as pip installed them.")

@@ -1,0 +1,1 @@
+"""What an operator runs: `opendiloco status` and its page, `opendiloco doctor`, the container health check."""
