@@ -64,6 +64,41 @@ def params(model) -> list[torch.Tensor]:
     return [p.detach().clone() for p in model.parameters()]
 
 
+def assert_resume_is_bit_exact(make, total: int, cut: int, look_into=lambda opt_state: None) -> None:
+    """Training ``make()`` for ``total`` steps, and training it ``cut`` steps, then a checkpoint (through
+    torch.save and torch.load) into ``make(seed=5)`` and the rest, give the same losses, weights and θ_global
+    hash. ``look_into`` sees the checkpoint's optimizer state before it is loaded."""
+    model, opt = make()
+    ref_losses = [train_step(model, opt, *batch(0, s)) for s in range(total)]
+    ref = (params(model), opt.global_hash())
+
+    model, opt = make()
+    losses = [train_step(model, opt, *batch(0, s)) for s in range(cut)]
+    buf = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
+    buf.seek(0)
+    ckpt = torch.load(buf, weights_only=True)
+    look_into(ckpt["opt"])
+    model, opt = make(seed=5)
+    model.load_state_dict(ckpt["model"])
+    opt.load_state_dict(ckpt["opt"])
+    losses += [train_step(model, opt, *batch(0, s)) for s in range(cut, total)]
+    assert losses == ref_losses
+    assert all(torch.equal(a, b) for a, b in zip(ref[0], model.parameters())) and opt.global_hash() == ref[1]
+
+
+def round_hashes(model, opt, rank: int, steps: int, group_size: int) -> list[str]:
+    """Trains replica ``rank`` for ``steps`` inner steps on its own data; the θ_global hash after each
+    outer step, every one of which must have averaged with the whole group of ``group_size``."""
+    hashes = []
+    for step in range(steps):
+        train_step(model, opt, *batch(rank, step))
+        if opt.last_sync is not None and len(hashes) < opt.outer_step:
+            assert opt.last_sync.ok and opt.last_sync.group_size == group_size
+            hashes.append(opt.global_hash())
+    return hashes
+
+
 def snapshot_before_sync(opt: DiLoCoOptimizer, into: dict, key=lambda opt: opt.outer_step):
     """Records the local weights after each inner step that will trigger an outer step."""
 
