@@ -45,7 +45,7 @@ import time
 from pathlib import Path
 
 from opendiloco.testing.ports import free_port
-from opendiloco.testing.proctree import ProcessGroup, descendants, spawn_bootstrap
+from opendiloco.testing.proctree import ProcessGroup, command_line, descendants, spawn_bootstrap
 
 ROOT = Path(__file__).resolve().parents[1]
 CODECS = {"none": ("float32", 4), "fp16": ("float16", 2)}  # codec -> (gloo dtype, wire bytes per element)
@@ -155,7 +155,7 @@ def run_peer(args) -> int:
 
     peers = Path(args.peers_file).read_text().split()
     dht = start_dht(initial_peers=peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-    p2pd_pids = [p for p in descendants(os.getpid()) if "p2pd" in _cmdline(p)]
+    p2pd_pids = [p for p in descendants(os.getpid()) if "p2pd" in command_line(p)]
     variant = args.codecs[0]  # one communicator per DHT node (see measure_swarm)
     codec, audit = split_variant(variant)
     audited = {} if audit is None else {"audit_chunks": audit}
@@ -209,14 +209,6 @@ def run_peer(args) -> int:
         dht.shutdown()
         out.close()
     return 0
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return ""
 
 
 # -- the gloo rank -------------------------------------------------------------------------------------
