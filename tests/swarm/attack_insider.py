@@ -130,8 +130,7 @@ async def main_async(args) -> dict:
     await book.store_async(book.workers_key(), farewell.to_value(), now + 3600)
     report["served_poisoned"] = len(server._served.get(victim, ())) + sum(
         len(v) for p, v in server._served.items() if p != victim)
-    await p2p.shutdown()
-    dht.shutdown()
+    await attacker.leave(dht, p2p)
     return report
 
 

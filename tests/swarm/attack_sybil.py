@@ -114,8 +114,7 @@ async def main_async(args) -> dict:
             await asyncio.sleep(1.0 if kind == "stall" else 0.3)
         report[kind][1] = time.time()
     report["served"] = sum(len(v) for v in server._served.values())
-    await p2p.shutdown()
-    dht.shutdown()
+    await attacker.leave(dht, p2p)
     return report
 
 

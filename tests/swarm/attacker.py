@@ -37,6 +37,12 @@ async def join(peers_file: str):
     return dht, await dht.replicate_p2p()
 
 
+async def leave(dht, p2p) -> None:
+    """Stops what ``join`` started: the p2p daemon, then the DHT node."""
+    await p2p.shutdown()
+    dht.shutdown()
+
+
 def run(main_async, parser: argparse.ArgumentParser) -> None:
     args = parser.parse_args()
     report = asyncio.run(main_async(args))
