@@ -14,7 +14,7 @@ import torch
 from opendiloco import AverageResult, DiLoCoOptimizer, InProcessGroup, SingleWorker
 from opendiloco.comm.base import CompletedWork
 from opendiloco.errors import AveragingError
-from tests.test_optimizer import ADAMW, assert_resume_is_bit_exact, batch, mlp, round_hashes, train_step
+from tests.toy_training import ADAMW, assert_resume_is_bit_exact, batch, mlp, round_hashes, train_step
 
 SGD1 = functools.partial(torch.optim.SGD, lr=1.0)  # θ_global := θ_global − average: the sum is observable
 

@@ -24,14 +24,14 @@ from opendiloco.comm.subset import BLOCK, Subset, start_subset
 from opendiloco.errors import AveragingError
 from opendiloco.testing.memory import MemoryNetwork
 from opendiloco.train.config import ConfigError, load_config
-from tests.test_optimizer import _INIT_LOCK, ADAMW, assert_resume_is_bit_exact, batch, round_hashes, train_step
+from tests.toy_training import ADAMW, INIT_LOCK, assert_resume_is_bit_exact, batch, round_hashes, train_step
 
 SGD1 = functools.partial(torch.optim.SGD, lr=1.0)
 
 
 def wide(seed: int = 0, bn: bool = False) -> nn.Module:
     """3073 trainable values (13 blocks, the last of one value); with ``bn``, 4097 and 1024 buffer values."""
-    with _INIT_LOCK:
+    with INIT_LOCK:
         torch.manual_seed(seed)
         layers = [nn.Linear(4, 512), nn.Tanh()] + ([nn.BatchNorm1d(512)] if bn else []) + [nn.Linear(512, 1)]
         return nn.Sequential(*layers)
