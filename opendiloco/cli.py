@@ -15,17 +15,25 @@ from pathlib import Path
 EXIT_CONFIG = 2
 
 
+def _add_config_command(sub, name: str, func, *, help: str, description: str, config_help: str):
+    """A subcommand that reads ``--config`` and takes any config key as an override after its options
+    (``--section.key value``: whole option names only, so that an override is never read as an abbreviation)."""
+    p = sub.add_parser(name, allow_abbrev=False, help=help, description=description)
+    p.add_argument("--config", "-c", type=Path, help=config_help)
+    p.set_defaults(func=func, takes_overrides=True)
+    return p
+
+
 def _add_train(sub) -> None:
-    p = sub.add_parser(
-        "train", allow_abbrev=False, help="train a model with DiLoCo (alone, or in a swarm)",
+    p = _add_config_command(
+        sub, "train", cmd_train, help="train a model with DiLoCo (alone, or in a swarm)",
         description="Train with DiLoCo. Any config key can be overridden after the options, e.g. "
                     "--optim.local-steps 50 --data.seq-len 256 --swarm.initial-peers ADDR1 ADDR2 "
                     "(see docs/config.md). A swarm worker needs the run's secret (OPENDILOCO_RUN_SECRET_FILE=FILE, "
-                    "FILE made once with `opendiloco secret FILE`), or --swarm.open for an open run (docs/trust.md).")
-    p.add_argument("--config", "-c", type=Path, help="TOML config (e.g. configs/tiny.toml)")
+                    "FILE made once with `opendiloco secret FILE`), or --swarm.open for an open run (docs/trust.md).",
+        config_help="TOML config (e.g. configs/tiny.toml)")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in the run dir")
     p.add_argument("--print-config", action="store_true", help="print the resolved config as TOML and exit")
-    p.set_defaults(func=cmd_train, takes_overrides=True)
 
 
 def _config(args, overrides: list[str]):
@@ -227,17 +235,16 @@ def cmd_secret(args) -> int:
 
 
 def _add_doctor(sub) -> None:
-    p = sub.add_parser(
-        "doctor", allow_abbrev=False, help="check that this machine can join a swarm, and say what to do if not",
+    p = _add_config_command(
+        sub, "doctor", cmd_doctor, help="check that this machine can join a swarm, and say what to do if not",
         description="Starts a p2p daemon as a worker would (the [swarm] section of --config and its overrides: "
                     "initial_peers, host_maddrs, announce_maddrs, client_mode) and asks each initial peer: does it "
                     "answer, how far is it, how far off is this clock, can it dial this node back. One line per "
-                    "finding; exit status 1 if any failed.")
-    p.add_argument("--config", "-c", type=Path, help="TOML config (the worker's)")
+                    "finding; exit status 1 if any failed.",
+        config_help="TOML config (the worker's)")
     p.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for each peer (default 10)")
     p.add_argument("--startup-timeout", type=float, default=30.0,
                    help="seconds the p2p daemon may take to start (default 30, as a worker)")
-    p.set_defaults(func=cmd_doctor, takes_overrides=True)
 
 
 def cmd_doctor(args, overrides: list[str]) -> int:

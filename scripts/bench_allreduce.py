@@ -45,7 +45,7 @@ import time
 from pathlib import Path
 
 from opendiloco.testing.ports import free_port
-from opendiloco.testing.proctree import ProcessGroup, descendants, spawn_bootstrap
+from opendiloco.testing.proctree import ProcessGroup, command_line, descendants, spawn_bootstrap
 
 ROOT = Path(__file__).resolve().parents[1]
 CODECS = {"none": ("float32", 4), "fp16": ("float16", 2)}  # codec -> (gloo dtype, wire bytes per element)
@@ -124,6 +124,16 @@ def _reset_peak_rss() -> bool:
         return False
 
 
+def _correctness(got, sent, factor: float, world: int, codec: str) -> tuple[bool, float]:
+    """Whether ``got`` is the average of what the peers sent (this one ``sent``, ``factor`` x the base vector;
+    peer r sends (r+1) x the base), within the codec's tolerance, and the largest error."""
+    import torch
+
+    expected = sent * ((world + 1) / 2 / factor)
+    tol = dict(rtol=1e-5, atol=1e-6) if codec == "none" else dict(rtol=3e-3, atol=2e-3)
+    return bool(torch.allclose(got, expected, **tol)), float((got - expected).abs().max())
+
+
 def run_peer(args) -> int:
     import torch
 
@@ -155,7 +165,7 @@ def run_peer(args) -> int:
 
     peers = Path(args.peers_file).read_text().split()
     dht = start_dht(initial_peers=peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-    p2pd_pids = [p for p in descendants(os.getpid()) if "p2pd" in _cmdline(p)]
+    p2pd_pids = [p for p in descendants(os.getpid()) if "p2pd" in command_line(p)]
     variant = args.codecs[0]  # one communicator per DHT node (see measure_swarm)
     codec, audit = split_variant(variant)
     audited = {} if audit is None else {"audit_chunks": audit}
@@ -186,14 +196,8 @@ def run_peer(args) -> int:
                 step += 1
                 enter, leave, py_cpu, p2pd_cpu = timer.marks[-1]
                 got, digest, group = result.flat, result.extra.get("digest"), len(result.peers)
-                if rnd == 0:  # correctness, outside the timed window
-                    expected = vec * ((args.world + 1) / 2 / factor)
-                    tol = dict(rtol=1e-5, atol=1e-6) if codec == "none" else dict(rtol=3e-3, atol=2e-3)
-                    ok = bool(torch.allclose(got, expected, **tol))
-                    err = float((got - expected).abs().max())
-                    del expected
-                else:
-                    ok, err = None, None
+                # correctness, outside the timed window
+                ok, err = _correctness(got, vec, factor, args.world, codec) if rnd == 0 else (None, None)
                 del got, result
                 out.write(json.dumps({
                     "rank": args.rank, "size": size, "codec": variant, "round": rnd, "warmup": rnd < args.warmup,
@@ -209,14 +213,6 @@ def run_peer(args) -> int:
         dht.shutdown()
         out.close()
     return 0
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return ""
 
 
 # -- the gloo rank -------------------------------------------------------------------------------------
@@ -352,7 +348,7 @@ def human(n: int) -> str:
     return f"{n / 1e6:g}M" if n >= 1e6 else f"{n / 1e3:g}k"
 
 
-def main() -> int:
+def _arguments() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--role", choices=["main", "peer", "gloo"], default="main", help=argparse.SUPPRESS)
     p.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
@@ -380,17 +376,11 @@ def main() -> int:
     args.sizes = sorted(int(s) for s in args.sizes)
     if args.repeats < 3 and args.role == "main":
         print("note: fewer than 3 repeats; medians are noisy", file=sys.stderr)
-    if args.role == "peer":
-        return run_peer(args)
-    if args.role == "gloo":
-        return run_gloo(args)
+    return args
 
-    import hivemind
-    import torch
 
-    print(f"# {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
-          f"{mem_available() / 2**30:.1f} GiB available; torch {torch.__version__}, hivemind {hivemind.__version__}; "
-          f"127.0.0.1; {args.threads} torch thread(s) per process", flush=True)
+def _measure(args) -> list[dict]:
+    """Every configuration of ``args``: gloo, then each swarm variant, per peer count (those the memory allows)."""
     results = []
     variants = [c if args.audit_chunks is None else f"{c}@audit{a}" for c in args.codecs
                 for a in (args.audit_chunks or [None])]
@@ -430,7 +420,10 @@ def main() -> int:
                     g32 = summarize(gloo, world, size, "none")
                     results.append({"peers": world, "params": size, "codec": codec, "opendiloco": s, "gloo": g,
                                     "gloo_fp32": g32, "wire_bytes_per_peer": wire, "peak_rss_group": peaks[codec]})
+    return results
 
+
+def _print_table(results: list[dict]) -> None:
     header = ("| peers | params | codec | round s (start..wait) | transfer s | gloo s | round / gloo "
               "| transfer / gloo | round / gloo fp32 | MB/s/peer (round) | py CPU s | p2pd CPU s "
               "| extra memory / vector | ok |")
@@ -451,14 +444,36 @@ def main() -> int:
           "(\"gloo fp32\": in fp32).")
     print("MB/s/peer: 2(N-1)/N x encoded vector bytes sent by each peer / round seconds. py/p2pd CPU: per peer per "
           "data plane. extra memory: peak RSS during a round minus RSS before it, / fp32 vector bytes (worst peer).")
+
+
+def _print_audit_cost(results: list[dict]) -> None:
+    """Each audited swarm against the one without the audit, measured in the same run."""
     off = {(r["peers"], r["params"], split_variant(r["codec"])[0]): r["opendiloco"] for r in results
            if split_variant(r["codec"])[1] == 0}
-    for r in results:  # each audited swarm against the one without the audit, measured in this run
+    for r in results:
         base = off.get((r["peers"], r["params"], split_variant(r["codec"])[0]))
         if base is not None and split_variant(r["codec"])[1]:
             mine = r["opendiloco"]
             print(f"{r['peers']} peers, {human(r['params'])}, {r['codec']}: round {mine['round'] / base['round']:.2f}x "
                   f"and py CPU {mine['py_cpu'] / base['py_cpu']:.2f}x the swarm without the audit")
+
+
+def main() -> int:
+    args = _arguments()
+    if args.role == "peer":
+        return run_peer(args)
+    if args.role == "gloo":
+        return run_gloo(args)
+
+    import hivemind
+    import torch
+
+    print(f"# {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
+          f"{mem_available() / 2**30:.1f} GiB available; torch {torch.__version__}, hivemind {hivemind.__version__}; "
+          f"127.0.0.1; {args.threads} torch thread(s) per process", flush=True)
+    results = _measure(args)
+    _print_table(results)
+    _print_audit_cost(results)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     bad = [r for r in results if not (r["opendiloco"]["ok"] and r["gloo"]["ok"])]

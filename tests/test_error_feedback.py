@@ -7,7 +7,6 @@ read from the inner optimizer's step hook, independently of the optimizer's own 
 from __future__ import annotations
 
 import functools
-import io
 
 import pytest
 import torch
@@ -15,7 +14,7 @@ import torch
 from opendiloco import AverageResult, DiLoCoOptimizer, InProcessGroup, SingleWorker
 from opendiloco.comm.base import CompletedWork
 from opendiloco.errors import AveragingError
-from tests.test_optimizer import ADAMW, batch, mlp, params, train_step
+from tests.toy_training import ADAMW, assert_resume_is_bit_exact, batch, mlp, round_hashes, train_step
 
 SGD1 = functools.partial(torch.optim.SGD, lr=1.0)  # θ_global := θ_global − average: the sum is observable
 
@@ -106,26 +105,12 @@ def _make(seed=0, H=3, fragments=1):
 
 @pytest.mark.parametrize("fragments", [1, 3])
 def test_the_residual_is_checkpointed_and_resume_is_bit_exact(fragments):
-    total, cut = 13, 7
-    model, opt = _make(fragments=fragments)
-    ref_losses = [train_step(model, opt, *batch(0, s)) for s in range(total)]
-    ref = (params(model), opt.global_hash())
+    def residual_saved(opt_state):
+        assert set(opt_state["error_feedback"]) == set(range(fragments))
+        assert all(r.abs().max() > 0 for r in opt_state["error_feedback"].values())
 
-    model, opt = _make(fragments=fragments)
-    losses = [train_step(model, opt, *batch(0, s)) for s in range(cut)]
-    saved = opt.state_dict()
-    assert set(saved["error_feedback"]) == set(range(fragments))
-    assert all(r.abs().max() > 0 for r in saved["error_feedback"].values())
-    buf = io.BytesIO()
-    torch.save({"model": model.state_dict(), "opt": saved}, buf)
-    buf.seek(0)
-    ckpt = torch.load(buf, weights_only=True)
-    model, opt = _make(seed=5, fragments=fragments)
-    model.load_state_dict(ckpt["model"])
-    opt.load_state_dict(ckpt["opt"])
-    losses += [train_step(model, opt, *batch(0, s)) for s in range(cut, total)]
-    assert losses == ref_losses
-    assert all(torch.equal(a, b) for a, b in zip(ref[0], model.parameters())) and opt.global_hash() == ref[1]
+    assert_resume_is_bit_exact(functools.partial(_make, fragments=fragments), total=13, cut=7,
+                               look_into=residual_saved)
 
 
 def test_the_residual_is_never_shared_and_is_reset_by_a_download():
@@ -179,12 +164,7 @@ def test_replicas_with_feedback_stay_bit_identical(run_replicas, compression, re
         model = mlp()
         opt = DiLoCoOptimizer(model.parameters(), local_steps=H, inner_optimizer=ADAMW,
                               communicator=group.members[rank], error_feedback=True, fragments=fragments)
-        hashes = []
-        for step in range(H * rounds):
-            train_step(model, opt, *batch(rank, step))
-            if opt.last_sync is not None and len(hashes) < opt.outer_step:
-                assert opt.last_sync.ok and opt.last_sync.group_size == 3
-                hashes.append(opt.global_hash())
+        hashes = round_hashes(model, opt, rank, H * rounds, group_size=3)
         out[rank] = (hashes, [opt.error_residual(f).clone() for f in range(fragments)])
 
     run_replicas(worker, 3)

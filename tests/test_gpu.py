@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 from opendiloco import DiLoCoOptimizer, SingleWorker
-from tests.test_optimizer import batch, mlp
 from tests.test_train_loop import small_config
+from tests.toy_training import batch, mlp
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

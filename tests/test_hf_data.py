@@ -10,7 +10,7 @@ from opendiloco.train import data as data_mod
 from opendiloco.train.config import load_config
 from opendiloco.train.data import make_streams
 from opendiloco.train.tokenizer import ByteTokenizer
-from opendiloco.train.trainer import train
+from tests.test_train_loop import assert_resumes_bit_exactly
 
 datasets = pytest.importorskip("datasets")
 
@@ -83,9 +83,4 @@ def test_training_on_a_streamed_dataset_resumes_bit_exactly(local_dataset, tmp_p
             "--data.seq-len", "32", "--data.eval-fraction", "0.1", "--train.batch-size", "4",
             "--train.eval-batches", "2", "--train.threads", "1", "--optim.local-steps", "4",
             "--optim.warmup-steps", "2", "--run.progress", "false", "--run.worker", "w", "--train.total-steps", "16"]
-    whole = train(load_config(None, [*args, "--run.dir", str(tmp_path / "whole")]))
-    cfg = load_config(None, [*args, "--run.dir", str(tmp_path / "split")])
-    first = train(cfg, stop_after=7)
-    second = train(cfg, resume=True)
-    assert first.losses + second.losses == whole.losses  # the same loss curve, bit for bit
-    assert second.eval_loss == whole.eval_loss
+    assert_resumes_bit_exactly(lambda run_dir: load_config(None, [*args, "--run.dir", str(run_dir)]), tmp_path, 7)

@@ -10,7 +10,7 @@ from opendiloco.inner import Muon, MuonWithAdamW, inner_optimizer, orthogonalize
 from opendiloco.train.config import load_config
 from opendiloco.train.model import build_model
 from opendiloco.train.trainer import TrainError, train
-from tests.test_train_loop import small_config
+from tests.test_train_loop import assert_resumes_bit_exactly, small_config
 
 HYPER = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 
@@ -145,12 +145,7 @@ def test_diloco_over_muon_trains_alone_shares_adamws_layout_and_refuses_its_chec
 @pytest.mark.slow
 def test_a_muon_run_resumes_bit_exactly_and_an_adamw_checkpoint_is_one_line(tmp_path):
     muon = ["--optim.inner", "muon", "--train.total-steps", "12"]
-    whole = train(small_config(tmp_path / "whole", *muon))
-    cfg = small_config(tmp_path / "split", *muon)
-    first = train(cfg, stop_after=6)
-    second = train(cfg, resume=True)
-    assert first.losses + second.losses == whole.losses
-    assert second.eval_loss == whole.eval_loss
+    assert_resumes_bit_exactly(lambda run_dir: small_config(run_dir, *muon), tmp_path, 6)
 
     train(small_config(tmp_path / "adamw", "--train.total-steps", "4"))
     with pytest.raises(TrainError, match=r"inner_kind 'AdamW' \(this optimizer: 'MuonWithAdamW'\)"):

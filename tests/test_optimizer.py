@@ -9,7 +9,6 @@ from __future__ import annotations
 import copy
 import functools
 import io
-import threading
 
 import pytest
 import torch
@@ -19,49 +18,13 @@ from opendiloco import AverageResult, Communicator, DiLoCoOptimizer, InProcessGr
 from opendiloco.comm.base import CompletedWork
 from opendiloco.errors import RoundCounted
 from opendiloco.outer import tensors_hash
-
-SGD1 = functools.partial(torch.optim.SGD, lr=1.0)  # outer SGD, lr 1, no momentum: θ_global := mean(θ_local)
-ADAMW = functools.partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.1, betas=(0.9, 0.95))
-
-
-_INIT_LOCK = threading.Lock()  # replicas build their models in threads; the global RNG is shared
-
-
-def mlp(seed: int = 0, dtype=torch.float32) -> nn.Module:
-    with _INIT_LOCK:
-        torch.manual_seed(seed)
-        return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1)).to(dtype)
+from tests.toy_training import ADAMW, INIT_LOCK, SGD1, batch, mlp, params, train_step
 
 
 def bnnet(seed: int = 0) -> BNNet:
-    with _INIT_LOCK:
+    with INIT_LOCK:
         torch.manual_seed(seed)
         return BNNet()
-
-
-def batch(seed: int, step: int, dtype=torch.float32, n: int = 16):
-    """Deterministic regression data; each ``seed`` (replica) sees a different distribution."""
-    g = torch.Generator().manual_seed(1000 * seed + step)
-    x = torch.randn(n, 4, generator=g) + seed
-    y = (x @ torch.tensor([[1.0], [-2.0], [0.5], [3.0]])) * (1 + seed) + 0.1 * torch.randn(n, 1, generator=g)
-    return x.to(dtype), y.to(dtype)
-
-
-def train_step(model, opt, x, y, scaler=None) -> float:
-    opt.zero_grad()
-    loss = nn.functional.mse_loss(model(x), y)
-    if scaler is None:
-        loss.backward()
-        opt.step()
-    else:
-        scaler.scale(loss).backward()
-        scaler.step(opt)
-        scaler.update()
-    return loss.item()
-
-
-def params(model) -> list[torch.Tensor]:
-    return [p.detach().clone() for p in model.parameters()]
 
 
 def snapshot_before_sync(opt: DiLoCoOptimizer, into: dict, key=lambda opt: opt.outer_step):
@@ -338,7 +301,7 @@ def test_module_averages_persistent_buffers_only_so_constants_are_never_rounded(
     results = {}
 
     def worker(rank):
-        with _INIT_LOCK:
+        with INIT_LOCK:
             torch.manual_seed(0)
             model = RotaryNet(inv_freq.clone() + rank)  # unlike every other buffer, each replica's own
         opt = DiLoCoOptimizer(model.parameters(), local_steps=2, inner_optimizer=ADAMW, outer_optimizer=SGD1,

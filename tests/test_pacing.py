@@ -18,7 +18,7 @@ from opendiloco.pacing import (
     seconds_to_target,
     target_work,
 )
-from tests.test_optimizer import ADAMW, batch, mlp, params, train_step
+from tests.toy_training import ADAMW, batch, mlp, params, train_step
 
 H = 10
 # A worker stepping every 0.1 s (10 samples/s, 1 sample per step) and a 4x slower peer (2.5/s) whose

@@ -12,7 +12,7 @@ from torch import nn
 from opendiloco import AveragingError, DiLoCoOptimizer, InProcessGroup, SingleWorker
 from opendiloco.comm.base import CompletedWork
 from opendiloco.streaming import check_schedule, event_start, split_evenly
-from tests.test_optimizer import _INIT_LOCK, ADAMW, SGD1, params, train_step
+from tests.toy_training import ADAMW, INIT_LOCK, SGD1, params, train_step
 
 
 class Recording(SingleWorker):
@@ -31,7 +31,7 @@ class Recording(SingleWorker):
 
 def layers(seed=0, width=6, depth=4) -> nn.Module:
     """Equal-sized layers, so that fragments split evenly by layer."""
-    with _INIT_LOCK:  # replicas build their models in threads; the global RNG is shared
+    with INIT_LOCK:  # replicas build their models in threads; the global RNG is shared
         torch.manual_seed(seed)
         return nn.Sequential(*[nn.Linear(width, width, bias=False) for _ in range(depth)])
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import io
 import subprocess
 import sys
 
@@ -25,14 +24,14 @@ from opendiloco.comm.subset import BLOCK, Subset, start_subset
 from opendiloco.errors import AveragingError
 from opendiloco.testing.memory import MemoryNetwork
 from opendiloco.train.config import ConfigError, load_config
-from tests.test_optimizer import _INIT_LOCK, ADAMW, batch, train_step
+from tests.toy_training import ADAMW, INIT_LOCK, assert_resume_is_bit_exact, batch, round_hashes, train_step
 
 SGD1 = functools.partial(torch.optim.SGD, lr=1.0)
 
 
 def wide(seed: int = 0, bn: bool = False) -> nn.Module:
     """3073 trainable values (13 blocks, the last of one value); with ``bn``, 4097 and 1024 buffer values."""
-    with _INIT_LOCK:
+    with INIT_LOCK:
         torch.manual_seed(seed)
         layers = [nn.Linear(4, 512), nn.Tanh()] + ([nn.BatchNorm1d(512)] if bn else []) + [nn.Linear(512, 1)]
         return nn.Sequential(*layers)
@@ -231,12 +230,7 @@ def test_replicas_stay_bit_identical(run_replicas, compression, fragments):
         opt = DiLoCoOptimizer(model.parameters(), local_steps=H, inner_optimizer=ADAMW,
                               communicator=group.members[rank],
                               module=model, error_feedback=True, fragments=fragments)
-        hashes = []
-        for step in range(H * rounds):
-            train_step(model, opt, *batch(rank, step))
-            if opt.last_sync is not None and len(hashes) < opt.outer_step:
-                assert opt.last_sync.ok and opt.last_sync.group_size == 3
-                hashes.append(opt.global_hash())
+        hashes = round_hashes(model, opt, rank, H * rounds, group_size=3)
         out[rank] = (hashes, [b.clone() for b in opt.outer.buffers], opt.error_residual(0).clone())
 
     run_replicas(worker, 3)
@@ -306,24 +300,10 @@ def _make(seed=0, H=4, fragments=2, overlap=1):
 
 @pytest.mark.parametrize("cut", [6, 7])  # 6: a streamed round in flight, saved and started again on load
 def test_resume_with_a_round_in_flight_is_bit_exact(cut):
-    total = 13
-    model, opt = _make()
-    ref_losses = [train_step(model, opt, *batch(0, s)) for s in range(total)]
-    ref = ([p.detach().clone() for p in model.parameters()], opt.global_hash())
+    def round_in_flight_saved(opt_state):
+        assert (opt_state["pending"] is not None) == (cut == 6)
 
-    model, opt = _make()
-    losses = [train_step(model, opt, *batch(0, s)) for s in range(cut)]
-    buf = io.BytesIO()
-    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
-    buf.seek(0)
-    ckpt = torch.load(buf, weights_only=True)
-    assert (ckpt["opt"]["pending"] is not None) == (cut == 6)
-    model, opt = _make(seed=5)
-    model.load_state_dict(ckpt["model"])
-    opt.load_state_dict(ckpt["opt"])
-    losses += [train_step(model, opt, *batch(0, s)) for s in range(cut, total)]
-    assert losses == ref_losses
-    assert all(torch.equal(a, b) for a, b in zip(ref[0], model.parameters())) and opt.global_hash() == ref[1]
+    assert_resume_is_bit_exact(_make, total=13, cut=cut, look_into=round_in_flight_saved)
 
 
 # -- the config -------------------------------------------------------------------------------------

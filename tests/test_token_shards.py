@@ -11,6 +11,7 @@ from opendiloco.train.config import ConfigError, load_config
 from opendiloco.train.data import make_streams
 from opendiloco.train.tokenizer import ByteTokenizer
 from opendiloco.train.trainer import TrainError, train
+from tests.test_train_loop import assert_resumes_bit_exactly
 
 SEQ = 16
 
@@ -89,12 +90,7 @@ def test_training_on_token_shards_resumes_bit_exactly(shards, tmp_path):
             "--data.seq-len", str(SEQ), "--train.batch-size", "4", "--train.eval-batches", "2",
             "--train.threads", "1", "--optim.local-steps", "4", "--optim.warmup-steps", "2", "--run.progress",
             "false", "--run.worker", "w", "--train.total-steps", "24"]  # 96 rows: into the second epoch
-    whole = train(load_config(None, [*args, "--run.dir", str(tmp_path / "whole")]))
-    cfg = load_config(None, [*args, "--run.dir", str(tmp_path / "split")])
-    first = train(cfg, stop_after=10)
-    second = train(cfg, resume=True)
-    assert first.losses + second.losses == whole.losses  # the same loss curve, bit for bit
-    assert second.eval_loss == whole.eval_loss
+    assert_resumes_bit_exactly(lambda run_dir: load_config(None, [*args, "--run.dir", str(run_dir)]), tmp_path, 10)
 
 
 def test_a_token_beyond_the_vocabulary_later_in_a_shard_stops_training_in_one_line(tmp_path, monkeypatch):

@@ -33,6 +33,19 @@ def small_config(run_dir, *extra):
     return load_config(None, [*SMALL, "--run.dir", str(run_dir), *extra])
 
 
+def assert_resumes_bit_exactly(config, tmp_path: Path, stop_after: int):
+    """Trains ``config(run_dir)`` in one go (in ``tmp_path / "whole"``), and stopped after ``stop_after`` inner
+    steps then resumed (in ``tmp_path / "split"``): the two give the same losses, step by step, and the same
+    last eval loss, bit for bit. Returns the three runs' results (whole, first, second)."""
+    whole = train(config(tmp_path / "whole"))
+    cfg = config(tmp_path / "split")
+    first = train(cfg, stop_after=stop_after)
+    second = train(cfg, resume=True)
+    assert first.losses + second.losses == whole.losses  # exact float equality, step by step
+    assert second.eval_loss == whole.eval_loss
+    return whole, first, second
+
+
 # int4: error feedback on, its residual resumed; subset8+int4: a shared-seed eighth of the values a round
 @pytest.mark.parametrize("compression", ["fp16", "int4", "subset8+int4"])
 def test_resume_is_bit_exact(tmp_path, compression):

@@ -6,7 +6,9 @@ one line which extra installs it (``extras.require``)."""
 from __future__ import annotations
 
 import logging
+from typing import Any
 
+from opendiloco.comm.base import Communicator
 from opendiloco.optimizer import DiLoCoOptimizer, SyncReport
 
 log = logging.getLogger("opendiloco.integrations")
@@ -31,3 +33,23 @@ class RoundLog:
             log.info("outer step %d: θ_global %s, group of %d, %.2f s", report.outer_step, report.global_hash,
                      report.group_size, report.seconds)
         return report
+
+
+class DiLoCoSettings:
+    """What a framework's DiLoCo callback is given, and the optimizer it makes of it: a worker averaging
+    through ``communicator`` (None: a worker alone) every ``local_steps`` inner steps, with
+    ``DiLoCoOptimizer``'s other ``options``; ``optimizer`` and the ``RoundLog`` that says its outer
+    steps are None until the callback has made it."""
+
+    def __init__(self, communicator: Communicator | None = None, *, local_steps: int, **options: Any):
+        self.communicator = communicator
+        self.local_steps = local_steps
+        self.options = options
+        self.optimizer: DiLoCoOptimizer | None = None
+        self._rounds: RoundLog | None = None
+
+    def _made(self, optimizer: DiLoCoOptimizer) -> DiLoCoOptimizer:
+        """Keeps the optimizer the callback made, and starts logging its outer steps."""
+        self.optimizer = optimizer
+        self._rounds = RoundLog(optimizer)
+        return optimizer

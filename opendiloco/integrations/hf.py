@@ -14,20 +14,18 @@ accumulation as before; the Trainer's steps are DiLoCo's inner steps.
 from __future__ import annotations
 
 import functools
-from typing import Any
 
 import torch
 
-from opendiloco.comm.base import Communicator
 from opendiloco.optimizer import DiLoCoOptimizer
 
 from ..extras import require
-from . import RoundLog
+from . import DiLoCoSettings
 
 transformers = require("transformers", "hf", "opendiloco.integrations.hf")
 
 
-class DiLoCoCallback(transformers.TrainerCallback):
+class DiLoCoCallback(DiLoCoSettings, transformers.TrainerCallback):
     """Makes a ``Trainer`` a DiLoCo worker averaging through ``communicator`` (None: a worker alone).
 
     ``options`` are ``DiLoCoOptimizer``'s (``outer_optimizer``, ``fragments``, ``error_feedback``...).
@@ -36,24 +34,16 @@ class DiLoCoCallback(transformers.TrainerCallback):
     flight when training ends.
     """
 
-    def __init__(self, communicator: Communicator | None = None, *, local_steps: int, **options: Any):
-        self.communicator = communicator
-        self.local_steps = local_steps
-        self.options = options
-        self.optimizer: DiLoCoOptimizer | None = None
-        self._rounds: RoundLog | None = None
-
     def optimizers(self, model: torch.nn.Module, args) -> tuple[DiLoCoOptimizer, None]:
         """``(DiLoCoOptimizer, None)`` for ``Trainer(optimizers=...)``: the Trainer makes the lr schedule."""
         inner_cls, inner_kwargs = transformers.Trainer.get_optimizer_cls_and_kwargs(args, model)
         trainable = [p for p in model.parameters() if p.requires_grad]
         groups = [{"params": [p for p in trainable if p.ndim >= 2], "weight_decay": args.weight_decay},
                   {"params": [p for p in trainable if p.ndim < 2], "weight_decay": 0.0}]  # biases, norms
-        self.optimizer = DiLoCoOptimizer([g for g in groups if g["params"]], local_steps=self.local_steps,
-                                         inner_optimizer=functools.partial(inner_cls, **inner_kwargs),
-                                         communicator=self.communicator, module=model, **self.options)
-        self._rounds = RoundLog(self.optimizer)
-        return self.optimizer, None
+        diloco = DiLoCoOptimizer([g for g in groups if g["params"]], local_steps=self.local_steps,
+                                 inner_optimizer=functools.partial(inner_cls, **inner_kwargs),
+                                 communicator=self.communicator, module=model, **self.options)
+        return self._made(diloco), None
 
     def _built(self) -> DiLoCoOptimizer:
         if self.optimizer is None:

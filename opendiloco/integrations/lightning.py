@@ -18,7 +18,7 @@ from opendiloco.comm.base import Communicator
 from opendiloco.optimizer import DiLoCoOptimizer
 
 from ..extras import require
-from . import RoundLog
+from . import DiLoCoSettings
 
 pl = require("lightning.pytorch", "lightning", "opendiloco.integrations.lightning")
 
@@ -32,7 +32,7 @@ def around(optimizer, *, local_steps: int, communicator: Communicator | None, mo
                            communicator=communicator, module=module, **options)
 
 
-class DiLoCoCallback(pl.Callback):
+class DiLoCoCallback(DiLoCoSettings, pl.Callback):
     """Makes a ``lightning.Trainer`` a DiLoCo worker averaging through ``communicator`` (None: alone).
 
     ``options`` are ``DiLoCoOptimizer``'s. At the start of ``fit`` the one optimizer of the module becomes
@@ -41,21 +41,13 @@ class DiLoCoCallback(pl.Callback):
     One process per worker (a worker of several processes: ``LocalRanks``, docs/multi_gpu.md).
     """
 
-    def __init__(self, communicator: Communicator | None = None, *, local_steps: int, **options: Any):
-        self.communicator = communicator
-        self.local_steps = local_steps
-        self.options = options
-        self.optimizer: DiLoCoOptimizer | None = None
-        self._rounds: RoundLog | None = None
-
     def on_fit_start(self, trainer, pl_module):
         if len(trainer.optimizers) != 1:
             raise ValueError(f"DiLoCoCallback: configure_optimizers must return one optimizer, got "
                              f"{len(trainer.optimizers)}")
-        self.optimizer = around(trainer.optimizers[0], local_steps=self.local_steps, communicator=self.communicator,
-                                module=pl_module, **self.options)
-        trainer.strategy.optimizers = [self.optimizer]
-        self._rounds = RoundLog(self.optimizer)
+        diloco = around(trainer.optimizers[0], local_steps=self.local_steps, communicator=self.communicator,
+                        module=pl_module, **self.options)
+        trainer.strategy.optimizers = [self._made(diloco)]
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self._rounds()

@@ -53,10 +53,9 @@ def describe(pid: int) -> str:
             fields = f.read().rsplit(")", 1)[1].split()
         with open(f"/proc/{pid}/wchan") as f:
             wchan = f.read().strip() or "-"
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            cmd = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
     except OSError:
         return f"{pid}: gone"
+    cmd = command_line(pid)
     return f"{pid}: state {fields[0]}, waiting in {wchan}, {fields[17]} thread(s): {cmd[:160]}"
 
 
@@ -76,6 +75,29 @@ def command_name(pid: int) -> str:
             return f.read().strip()
     except OSError:
         return ""
+
+
+def command_line(pid: int) -> str:
+    """A process's command line, its arguments joined by spaces; "" once it is gone."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return ""
+
+
+ONCE_PER_PROCESS = ("torch_shm_manager", "resource_tracker")
+"""Long-lived helpers that torch and multiprocessing start once per process, not once per node."""
+
+
+def still_running(started: set[int], timeout: float = 10.0) -> dict[int, str]:
+    """Of the processes in ``started`` (PIDs of descendants of this process), those still running after up
+    to ``timeout`` seconds, with their command lines; the once-per-process helpers do not count."""
+    pids = {p for p in started if not any(helper in command_line(p) for helper in ONCE_PER_PROCESS)}
+    deadline = time.monotonic() + timeout
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return {p: command_line(p) for p in pids if alive(p)}
 
 
 SELF_ENDING = ("torch_shm_manag",)

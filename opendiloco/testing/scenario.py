@@ -184,53 +184,13 @@ def parse_scenario(raw: dict, source: Path | None = None) -> Scenario:
     settle = raw.get("settle_rounds")
     if settle is not None and (isinstance(settle, bool) or not isinstance(settle, int) or not 1 <= settle <= 100):
         raise ScenarioError(f"settle_rounds: a whole number of rounds, 1..100, got {settle!r}")
-    regions_raw = raw.get("regions")
-    if not isinstance(regions_raw, dict) or not regions_raw:
-        raise ScenarioError("regions: at least one [regions.NAME] table")
-    regions = {}
-    for r, spec in regions_raw.items():
-        if not _NAME.match(r):
-            raise ScenarioError(f"regions.{r}: a region name is 1-16 lowercase letters, digits or dashes")
-        regions[r] = _link(spec, f"regions.{r}")
-    links = {}
-    for i, spec in enumerate(raw.get("links", [])):
-        between = spec.get("between") if isinstance(spec, dict) else None
-        if not (isinstance(between, list) and len(between) == 2 and all(b in regions for b in between)
-                and between[0] != between[1]):
-            raise ScenarioError(f"links[{i}].between: two different regions of [regions], got {between!r}")
-        links[frozenset(between)] = _link(spec, f"links[{i}]")
+    regions = _regions(raw.get("regions"))
+    links = _links(raw.get("links", []), regions)
     default = _link(raw.get("default_link", {}), "default_link")
     boot = raw.get("bootstrap", {})
     if not isinstance(boot, dict) or boot.get("region", next(iter(regions))) not in regions:
         raise ScenarioError(f"bootstrap.region: one of {sorted(regions)}")
-    workers = []
-    for i, w in enumerate(raw.get("workers", [])):
-        where = f"workers[{i}]"
-        if not isinstance(w, dict):
-            raise ScenarioError(f"{where}: expected a table")
-        unknown = set(w) - {"name", "region", "nat", "clock_offset_s", "start_at", "count", "throttle"}
-        if unknown:
-            raise ScenarioError(f"{where}: unknown key(s) {sorted(unknown)}")
-        wname = w.get("name")
-        if not isinstance(wname, str) or not _NAME.match(wname):
-            raise ScenarioError(f"{where}.name: 1-16 lowercase letters, digits or dashes")
-        if w.get("region") not in regions:
-            raise ScenarioError(f"{where}.region: one of {sorted(regions)}, got {w.get('region')!r}")
-        count = w.get("count", 1)
-        if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= 64:
-            raise ScenarioError(f"{where}.count: 1..64")
-        start_at = w.get("start_at", 0.0)
-        if start_at is not False:
-            start_at = _number(w, "start_at", where, 0.0)
-        offset = w.get("clock_offset_s", 0.0)
-        if isinstance(offset, bool) or not isinstance(offset, (int, float)) or abs(offset) > 3600:
-            raise ScenarioError(f"{where}.clock_offset_s: a number of seconds within +-3600")
-        nat = w.get("nat", False)
-        if not isinstance(nat, bool):
-            raise ScenarioError(f"{where}.nat: true or false")
-        for k in range(count):
-            workers.append(Host(wname if count == 1 else f"{wname}-{k + 1}", w["region"], nat, float(offset),
-                                None if start_at is False else start_at, _number(w, "throttle", where)))
+    workers = [host for i, w in enumerate(raw.get("workers", [])) for host in _hosts(w, f"workers[{i}]", regions)]
     names = [w.name for w in workers]
     if not workers:
         raise ScenarioError("workers: at least one [[workers]]")
@@ -245,6 +205,58 @@ def parse_scenario(raw: dict, source: Path | None = None) -> Scenario:
         raise ScenarioError("train: a table of \"section.key\" = value overrides")
     return Scenario(name, duration, regions, links, default, boot.get("region", next(iter(regions))), workers,
                     events, config, dict(train), _number(raw, "throttle", "", 0.0), source, settle)
+
+
+def _regions(raw) -> dict[str, Link]:
+    """The ``[regions.NAME]`` tables: each region's link inside it."""
+    if not isinstance(raw, dict) or not raw:
+        raise ScenarioError("regions: at least one [regions.NAME] table")
+    regions = {}
+    for r, spec in raw.items():
+        if not _NAME.match(r):
+            raise ScenarioError(f"regions.{r}: a region name is 1-16 lowercase letters, digits or dashes")
+        regions[r] = _link(spec, f"regions.{r}")
+    return regions
+
+
+def _links(raw: list, regions: dict[str, Link]) -> dict[frozenset, Link]:
+    """The ``[[links]]`` tables: the link between two different regions, by the unordered pair."""
+    links = {}
+    for i, spec in enumerate(raw):
+        between = spec.get("between") if isinstance(spec, dict) else None
+        if not (isinstance(between, list) and len(between) == 2 and all(b in regions for b in between)
+                and between[0] != between[1]):
+            raise ScenarioError(f"links[{i}].between: two different regions of [regions], got {between!r}")
+        links[frozenset(between)] = _link(spec, f"links[{i}]")
+    return links
+
+
+def _hosts(w: dict, where: str, regions: dict[str, Link]) -> list[Host]:
+    """The hosts of one ``[[workers]]`` table: ``count`` of them, named ``NAME-1``.. where there are several."""
+    if not isinstance(w, dict):
+        raise ScenarioError(f"{where}: expected a table")
+    unknown = set(w) - {"name", "region", "nat", "clock_offset_s", "start_at", "count", "throttle"}
+    if unknown:
+        raise ScenarioError(f"{where}: unknown key(s) {sorted(unknown)}")
+    wname = w.get("name")
+    if not isinstance(wname, str) or not _NAME.match(wname):
+        raise ScenarioError(f"{where}.name: 1-16 lowercase letters, digits or dashes")
+    if w.get("region") not in regions:
+        raise ScenarioError(f"{where}.region: one of {sorted(regions)}, got {w.get('region')!r}")
+    count = w.get("count", 1)
+    if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= 64:
+        raise ScenarioError(f"{where}.count: 1..64")
+    start_at = w.get("start_at", 0.0)
+    if start_at is not False:
+        start_at = _number(w, "start_at", where, 0.0)
+    offset = w.get("clock_offset_s", 0.0)
+    if isinstance(offset, bool) or not isinstance(offset, (int, float)) or abs(offset) > 3600:
+        raise ScenarioError(f"{where}.clock_offset_s: a number of seconds within +-3600")
+    nat = w.get("nat", False)
+    if not isinstance(nat, bool):
+        raise ScenarioError(f"{where}.nat: true or false")
+    return [Host(wname if count == 1 else f"{wname}-{k + 1}", w["region"], nat, float(offset),
+                 None if start_at is False else start_at, _number(w, "throttle", where)) for k in range(count)]
 
 
 def _event(raw: dict, i: int, regions: dict, workers: set[str], duration: float) -> Event:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import statistics
 from collections import defaultdict
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..train.metrics import read_metrics
@@ -95,122 +96,173 @@ def analyse(out_dir: str | Path, max_wait: float | None = None, clean: dict | No
     out = Path(out_dir)
     world = json.loads((out / "world.json").read_text())
     events = _events(out)
-    end = next((e["time"] for e in events if e["kind"] == "stopping"), None) or \
-        max((e["time"] for e in events), default=0.0)
-    begin = next((e["time"] for e in events if e["kind"] == "begin"), min((e["time"] for e in events), default=end))
+    begin, end = _run_span(events)
     life = Lifetimes(events, end)
-    partitions = _partition_sides(events, world)
     hosts = world["hosts"]
     workers = sorted(h for h in hosts if h != "bootstrap")
-
-    rounds: dict[int, list[dict]] = defaultdict(list)  # outer step -> the applied records
-    per_worker: dict[str, dict] = {}
-    records: dict[str, list[dict]] = {}
-    for w in workers:
-        offset = float(hosts[w].get("clock_offset_s", 0.0))
-        path = out / "workers" / w / "metrics.jsonl"
-        records[w] = read_metrics(path) if path.exists() else []
-        for r in records[w]:
-            r["time"] = r["time"] - offset  # back to the runner's clock
+    records = {w: _worker_records(out, w, hosts[w]) for w in workers}
     # The run is warm from its first applied outer step: what came before is start-up, in a clean play too.
     warm = min((r["time"] for recs in records.values() for r in recs if r["event"] == "outer_step" and r.get("ok")),
                default=end)
+    per_worker = {w: _worker_figures(w, records[w], hosts[w], life, warm, events, out) for w in workers}
+    rounds = _applied_rounds(records)
+    membership = _round_membership(rounds, workers, life, _partition_sides(events, world))
     for w in workers:
-        recs = records[w]
-        outer = [r for r in recs if r["event"] == "outer_step"]
-        applied = [r for r in outer if r.get("ok")]
-        for r in applied:
-            rounds[r["outer_step"]].append({"worker": w, **r})
-        steps = sum(r.get("steps") or 0 for r in outer)
-        compute = sum(r.get("round_compute_s") or 0.0 for r in outer)
-        step_s = compute / steps if steps else None
-        # A round this worker's contribution went into counts even where it adopted the group's state
-        # instead of applying the average itself (``ok`` is false there, its steps contributed).
-        contributed = sum(r.get("contributed_steps") or 0 for r in outer)
-        dropped = sum(r.get("dropped_steps") or 0 for r in outer)
-        starts = [r for r in recs if r["event"] == "start"]
-        log = out / "logs" / f"{w}.log"
-        text = log.read_text(errors="replace") if log.exists() else ""
-        first_contrib = []
-        for launch in life.launches.get(w, []):
-            later = [r for r in applied if r["time"] >= launch["time"] and (r.get("contributed_steps") or 0) > 0]
-            first_contrib.append(round(later[0]["time"] - launch["time"], 2) if later else None)
-        per_worker[w] = {
-            "region": hosts[w]["region"], "nat": hosts[w].get("nat", False),
-            "clock_offset_s": hosts[w].get("clock_offset_s", 0.0),
-            "launches": len(life.launches.get(w, [])), "live_s": round(life.seconds(w), 1),
-            "outer_steps_applied": len(applied), "rounds_failed": sum(1 for r in outer if not r.get("ok")),
-            "rounds_held": sum(1 for r in outer if r.get("held") is True),
-            "caught_up": sum(1 for r in outer if "caught up" in (r.get("reason") or "")
-                             or "healed drift" in (r.get("reason") or "")),
-            "inner_steps": steps, "contributed_steps": contributed, "dropped_steps": dropped,
-            "step_s": step_s,
-            "useful_s": contributed * step_s if step_s else 0.0,
-            "warm_useful_s": step_s * sum(r.get("contributed_steps") or 0 for r in outer if r["time"] > warm)
-            if step_s else 0.0,
-            "warm_live_s": life.seconds(w, warm),
-            "longest_sync_s": max((r.get("sync_s") or 0.0 for r in outer), default=0.0),
-            "launch_to_first_contribution_s": first_contrib,
-            "resumed": [resumed_from_checkpoint(s) for s in starts],
-            "tracebacks": text.count("Traceback (most recent call last)"),
-            "exit_codes": [e.get("code") for e in events if e["kind"] == "exit" and e.get("worker") == w],
-        }
-        per_worker[w]["resume_expected"] = [bool(launch.get("resumed")) for launch in life.launches.get(w, [])]
+        ready, took_part = membership.ready[w], membership.took_part[w]
+        per_worker[w]["rounds_ready"] = ready
+        per_worker[w]["rounds_in"] = took_part
+        per_worker[w]["participation"] = round(took_part / ready, 3) if ready else None
 
-    # θ_global agreement per outer step, and which rounds held everyone that could have been there.
-    disagreements, full, partial_rounds = [], 0, []
-    rounds_ready: dict[str, int] = defaultdict(int)
-    rounds_in: dict[str, int] = defaultdict(int)
-    for k, recs in sorted(rounds.items()):
-        hashes = {r.get("global_hash") for r in recs}
-        if len(hashes) > 1:
-            disagreements.append({"outer_step": k, "hashes": {r["worker"]: r.get("global_hash") for r in recs}})
-        for groupish in _groups(recs):
-            t1 = max(r["time"] for r in groupish)
-            t0 = min(r["time"] - (r.get("sync_s") or 0.0) for r in groupish)
-            members = {r["worker"] for r in groupish}
-            side = next((sides for a, b, sides in partitions if a < t1 and b > t0), None)
-            my_side = {side.get(m) for m in members} if side else None
-            ready = {w for w in workers if life.alive(w, t0, t1) and _joined(per_worker, life, w, t0, rounds)
-                     and (side is None or side.get(w) in my_side)}
-            for w in ready:
-                rounds_ready[w] += 1
-                rounds_in[w] += w in members
-            if ready <= members:
-                full += 1
-            else:
-                partial_rounds.append({"outer_step": k, "members": sorted(members), "missing": sorted(ready - members)})
-    n_groups = sum(len(_groups(recs)) for recs in rounds.values())
-    for w in workers:
-        per_worker[w]["rounds_ready"] = rounds_ready[w]
-        per_worker[w]["rounds_in"] = rounds_in[w]
-        per_worker[w]["participation"] = round(rounds_in[w] / rounds_ready[w], 3) if rounds_ready[w] else None
-
-    live = sum(per_worker[w]["live_s"] for w in workers)
-    useful = sum(per_worker[w]["useful_s"] for w in workers)
-    goodput = useful / live if live else 0.0
-    warm_live = sum(per_worker[w]["warm_live_s"] for w in workers)
-    steady = sum(per_worker[w]["warm_useful_s"] for w in workers) / warm_live if warm_live else 0.0
+    goodput, steady = _goodput(list(per_worker.values()))
     report = {
         "scenario": next((e.get("scenario") for e in events if e["kind"] == "begin"), out.name),
         "workers": per_worker,
-        "outer_steps": len(rounds), "groups": n_groups,
-        "hash_agreement": {"steps_checked": len(rounds), "disagreements": disagreements,
+        "outer_steps": len(rounds), "groups": sum(len(_groups(recs)) for recs in rounds.values()),
+        "hash_agreement": {"steps_checked": len(rounds), "disagreements": _disagreements(rounds),
                            "last_steps_agree": _last_steps_agree(rounds)},
-        "full_rounds": full, "partial_rounds": partial_rounds[:50],
+        "full_rounds": membership.full, "partial_rounds": membership.partial[:50],
         "goodput": round(goodput, 4),
         "steady_goodput": round(steady, 4), "warm_after_s": round(warm - begin, 1),
         "longest_stall_s": round(max((p["longest_sync_s"] for p in per_worker.values()), default=0.0), 2),
         "max_wait_s": max_wait,
         "tracebacks": sum(p["tracebacks"] for p in per_worker.values()),
-        "faults": [e for e in events if e["kind"] in ("kill", "freeze", "readdress", "partition", "heal", "link",
-                                                     "kill_bootstrap", "stop", "event_failed")],
+        "faults": [e for e in events if e["kind"] in FAULT_KINDS],
         "transfer": _transfer(per_worker, out, world),
     }
     if clean is not None and clean.get("steady_goodput"):
         report["clean_goodput"] = clean["steady_goodput"]
         report["relative_goodput"] = round(steady / clean["steady_goodput"], 4)
     return report
+
+
+FAULT_KINDS = ("kill", "freeze", "readdress", "partition", "heal", "link", "kill_bootstrap", "stop", "event_failed")
+"""The runner's events that the report lists as faults."""
+
+
+def _run_span(events: list[dict]) -> tuple[float, float]:
+    """(begin, end) of the run on the runner's clock: its ``begin`` and ``stopping`` events, or else the
+    first and last event."""
+    end = next((e["time"] for e in events if e["kind"] == "stopping"), None) or \
+        max((e["time"] for e in events), default=0.0)
+    begin = next((e["time"] for e in events if e["kind"] == "begin"), min((e["time"] for e in events), default=end))
+    return begin, end
+
+
+def _worker_records(out: Path, worker: str, host: dict) -> list[dict]:
+    """A worker's ``metrics.jsonl`` records, their times moved back to the runner's clock."""
+    path = out / "workers" / worker / "metrics.jsonl"
+    records = read_metrics(path) if path.exists() else []
+    offset = float(host.get("clock_offset_s", 0.0))
+    for r in records:
+        r["time"] = r["time"] - offset
+    return records
+
+
+def _worker_figures(w: str, recs: list[dict], host: dict, life: Lifetimes, warm: float, events: list[dict],
+                    out: Path) -> dict:
+    """One worker's figures from its records, its lifetimes and its log (all but round membership)."""
+    outer = [r for r in recs if r["event"] == "outer_step"]
+    applied = [r for r in outer if r.get("ok")]
+    steps = sum(r.get("steps") or 0 for r in outer)
+    compute = sum(r.get("round_compute_s") or 0.0 for r in outer)
+    step_s = compute / steps if steps else None
+    # A round this worker's contribution went into counts even where it adopted the group's state
+    # instead of applying the average itself (``ok`` is false there, its steps contributed).
+    contributed = sum(r.get("contributed_steps") or 0 for r in outer)
+    dropped = sum(r.get("dropped_steps") or 0 for r in outer)
+    starts = [r for r in recs if r["event"] == "start"]
+    log = out / "logs" / f"{w}.log"
+    text = log.read_text(errors="replace") if log.exists() else ""
+    launches = life.launches.get(w, [])
+    return {
+        "region": host["region"], "nat": host.get("nat", False),
+        "clock_offset_s": host.get("clock_offset_s", 0.0),
+        "launches": len(launches), "live_s": round(life.seconds(w), 1),
+        "outer_steps_applied": len(applied), "rounds_failed": sum(1 for r in outer if not r.get("ok")),
+        "rounds_held": sum(1 for r in outer if r.get("held") is True),
+        "caught_up": sum(1 for r in outer if "caught up" in (r.get("reason") or "")
+                         or "healed drift" in (r.get("reason") or "")),
+        "inner_steps": steps, "contributed_steps": contributed, "dropped_steps": dropped,
+        "step_s": step_s,
+        "useful_s": contributed * step_s if step_s else 0.0,
+        "warm_useful_s": step_s * sum(r.get("contributed_steps") or 0 for r in outer if r["time"] > warm)
+        if step_s else 0.0,
+        "warm_live_s": life.seconds(w, warm),
+        "longest_sync_s": max((r.get("sync_s") or 0.0 for r in outer), default=0.0),
+        "launch_to_first_contribution_s": [_first_contribution_s(launch, applied) for launch in launches],
+        "resumed": [resumed_from_checkpoint(s) for s in starts],
+        "tracebacks": text.count("Traceback (most recent call last)"),
+        "exit_codes": [e.get("code") for e in events if e["kind"] == "exit" and e.get("worker") == w],
+        "resume_expected": [bool(launch.get("resumed")) for launch in launches],
+    }
+
+
+def _first_contribution_s(launch: dict, applied: list[dict]) -> float | None:
+    """Seconds from a launch to the first applied outer step its worker contributed steps to (None: none)."""
+    later = [r for r in applied if r["time"] >= launch["time"] and (r.get("contributed_steps") or 0) > 0]
+    return round(later[0]["time"] - launch["time"], 2) if later else None
+
+
+def _applied_rounds(records: dict[str, list[dict]]) -> dict[int, list[dict]]:
+    """Outer step -> the applied ``outer_step`` records of every worker, each tagged with its worker."""
+    rounds: dict[int, list[dict]] = defaultdict(list)
+    for w, recs in records.items():
+        for r in recs:
+            if r["event"] == "outer_step" and r.get("ok"):
+                rounds[r["outer_step"]].append({"worker": w, **r})
+    return rounds
+
+
+def _disagreements(rounds: dict[int, list[dict]]) -> list[dict]:
+    """The outer steps whose applied records hold more than one θ_global hash, with each worker's hash."""
+    return [{"outer_step": k, "hashes": {r["worker"]: r.get("global_hash") for r in recs}}
+            for k, recs in sorted(rounds.items()) if len({r.get("global_hash") for r in recs}) > 1]
+
+
+@dataclass
+class RoundMembership:
+    """Which rounds held everyone that could have been there."""
+
+    full: int = 0
+    """Groups that held every worker that was ready for them."""
+    partial: list[dict] = field(default_factory=list)
+    """The other groups: outer step, members and the ready workers missing."""
+    ready: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    """Per worker, the groups it was ready for (alive, past its join, on the group's side of a partition)."""
+    took_part: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    """Per worker, the groups it was ready for and was in."""
+
+
+def _round_membership(rounds: dict[int, list[dict]], workers: list[str], life: Lifetimes,
+                      partitions: list[tuple[float, float, dict[str, int]]]) -> RoundMembership:
+    """For every group of every applied outer step, the workers that could have been in it against those that were."""
+    result = RoundMembership()
+    for k, recs in sorted(rounds.items()):
+        for groupish in _groups(recs):
+            t1 = max(r["time"] for r in groupish)
+            t0 = min(r["time"] - (r.get("sync_s") or 0.0) for r in groupish)
+            members = {r["worker"] for r in groupish}
+            side = next((sides for a, b, sides in partitions if a < t1 and b > t0), None)
+            my_side = {side.get(m) for m in members} if side else None
+            ready = {w for w in workers if life.alive(w, t0, t1) and _joined(life, w, t0, rounds)
+                     and (side is None or side.get(w) in my_side)}
+            for w in ready:
+                result.ready[w] += 1
+                result.took_part[w] += w in members
+            if ready <= members:
+                result.full += 1
+            else:
+                result.partial.append({"outer_step": k, "members": sorted(members), "missing": sorted(ready - members)})
+    return result
+
+
+def _goodput(figures: list[dict]) -> tuple[float, float]:
+    """(goodput over the whole run, goodput from the run's first applied outer step on) of the workers' figures."""
+    live = sum(p["live_s"] for p in figures)
+    useful = sum(p["useful_s"] for p in figures)
+    warm_live = sum(p["warm_live_s"] for p in figures)
+    steady = sum(p["warm_useful_s"] for p in figures) / warm_live if warm_live else 0.0
+    return (useful / live if live else 0.0), steady
 
 
 def _last_steps_agree(rounds: dict[int, list[dict]], last: int = 5) -> bool:
@@ -232,7 +284,7 @@ def _groups(recs: list[dict]) -> list[list[dict]]:
     return list(by.values())
 
 
-def _joined(per_worker: dict, life: Lifetimes, w: str, t0: float, rounds: dict) -> bool:
+def _joined(life: Lifetimes, w: str, t0: float, rounds: dict) -> bool:
     """True once the worker's current launch has been in an applied round before ``t0`` (it is past
     its join and download, so a round could be expected to hold it)."""
     launches = [launch["time"] for launch in life.launches.get(w, []) if launch["time"] <= t0]

@@ -22,14 +22,44 @@ verification (``transfer``), and the rest of the outer step here (``apply``: the
 outer update, the hash)."""
 
 
+GAUGES_FROM_RECORDS = (
+    ("inner_step", "inner steps taken (the last record's)", None, "inner_step"),
+    ("outer_step", "outer steps applied (the last record's)", None, "outer_step"),
+    ("train_loss", "mean training loss since the previous train record", {"train"}, "loss"),
+    ("learning_rate", "the inner optimizer's learning rate", {"train"}, "lr"),
+    ("grad_norm", "gradient norm at the last train record", {"train"}, "grad_norm"),
+    ("tokens_per_second", "training tokens per second since the previous train record", {"train"}, "tokens_per_s"),
+    ("eval_loss", "loss on the held-out batches at the last evaluation", {"eval", "outer_step", "end"}, "eval_loss"),
+    ("round_loss", "mean training loss of the last round's inner steps", {"outer_step"}, "loss"),
+    ("group_size", "members of the last round (this worker included)", {"outer_step"}, "group_size"),
+    ("last_checkpoint_blocked_seconds", "seconds the last checkpoint held up training", {"checkpoint"}, "blocked_s"),
+)
+"""(name, help, the events whose records set it (None: every record), the record's field): gauges that
+hold the figure of the last record that tells it."""
+
+COUNTERS_FROM_RECORDS = (
+    ("compute_seconds", "seconds spent in inner steps of finished rounds", "outer_step", "round_compute_s"),
+    ("sent_bytes", "bytes of pseudo-gradients and averages sent in rounds", "outer_step", "bytes_sent"),
+    ("received_bytes", "bytes of pseudo-gradients and averages received in rounds", "outer_step", "bytes_received"),
+    ("contributed_steps", "inner steps whose work entered an average", "outer_step", "contributed_steps"),
+    ("dropped_steps", "inner steps whose work was thrown away", "outer_step", "dropped_steps"),
+    ("checkpoint_blocked_seconds", "seconds checkpoints held up training", "checkpoint", "blocked_s"),
+)
+"""(name without ``_total``, help, the event whose records feed it, the record's field): counters that add
+up the field's positive figures."""
+
+
+def _number(record: dict, name: str) -> float | None:
+    """A record's figure, or None where it is missing or not a number."""
+    v = record.get(name)
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+
 def round_phases(record: dict) -> dict[str, float]:
     """Seconds of each phase of an ``outer_step`` record (phases it does not tell are left out)."""
-    def num(name):
-        v = record.get(name)
-        return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
-
     out = {}
-    waiting, transfer, inside, whole = num("matchmaking_s"), num("transfer_s"), num("allreduce_s"), num("sync_s")
+    waiting, transfer = _number(record, "matchmaking_s"), _number(record, "transfer_s")
+    inside, whole = _number(record, "allreduce_s"), _number(record, "sync_s")
     if waiting is not None:
         out["waiting"] = waiting
     if transfer is not None:
@@ -57,32 +87,18 @@ class PrometheusSink(Sink):
         def counter(name, doc, labels=()):
             return Counter(PREFIX + name, doc, labels, registry=r)
 
+        self._gauges = [(events, field, gauge(name, doc)) for name, doc, events, field in GAUGES_FROM_RECORDS]
+        self._counters = [(event, field, counter(name, doc)) for name, doc, event, field in COUNTERS_FROM_RECORDS]
         self.worker = Info(PREFIX + "worker", "this worker: its name and peer id", registry=r)
         self.global_hash = Info(PREFIX + "global", "the hash of θ_global after the last outer step", registry=r)
-        self.inner_step = gauge("inner_step", "inner steps taken (the last record's)")
-        self.outer_step = gauge("outer_step", "outer steps applied (the last record's)")
-        self.train_loss = gauge("train_loss", "mean training loss since the previous train record")
-        self.learning_rate = gauge("learning_rate", "the inner optimizer's learning rate")
-        self.grad_norm = gauge("grad_norm", "gradient norm at the last train record")
-        self.tokens = gauge("tokens_per_second", "training tokens per second since the previous train record")
-        self.eval_loss = gauge("eval_loss", "loss on the held-out batches at the last evaluation")
-        self.round_loss = gauge("round_loss", "mean training loss of the last round's inner steps")
-        self.group_size = gauge("group_size", "members of the last round (this worker included)")
         self.peers_seen = gauge("peers_seen", "distinct other workers this worker has averaged with since it started")
         self.last_round = gauge("last_round_seconds", "seconds of the last outer step, by phase", ["phase"])
         self.round_time = counter("round_seconds", "seconds spent in outer steps, by phase", ["phase"])
-        self.compute_time = counter("compute_seconds", "seconds spent in inner steps of finished rounds")
         self.utilisation = gauge("round_utilisation_ratio", "compute / (compute + outer step) of the last round")
         self.rounds = counter("rounds", "outer steps, by result (ok: averaged; failed: not averaged)", ["result"])
         self.held = counter("held_rounds", "failed rounds whose group lacked most of the workers this one last "
                                            "averaged with (the run may be split): its work kept for the next one")
-        self.sent = counter("sent_bytes", "bytes of pseudo-gradients and averages sent in rounds")
-        self.received = counter("received_bytes", "bytes of pseudo-gradients and averages received in rounds")
-        self.contributed = counter("contributed_steps", "inner steps whose work entered an average")
-        self.dropped = counter("dropped_steps", "inner steps whose work was thrown away")
         self.checkpoints = counter("checkpoints", "checkpoints written")
-        self.ckpt_blocked = gauge("last_checkpoint_blocked_seconds", "seconds the last checkpoint held up training")
-        self.ckpt_blocked_total = counter("checkpoint_blocked_seconds", "seconds checkpoints held up training")
         for result in ("ok", "failed"):  # present from the start, so that rate() sees the first increase
             self.rounds.labels(result)
         for phase in PHASES:
@@ -98,57 +114,33 @@ class PrometheusSink(Sink):
         return f"http://{host}:{self.port}/metrics"
 
     def write(self, record: dict) -> None:
-        def num(name):
-            v = record.get(name)
-            return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
-
-        def put(metric, name):
-            v = num(name)
-            if v is not None:
-                metric.set(v)
-
         event = record.get("event")
-        put(self.inner_step, "inner_step")
-        put(self.outer_step, "outer_step")
+        for events, field, gauge in self._gauges:
+            v = _number(record, field)
+            if v is not None and (events is None or event in events):
+                gauge.set(v)
+        for feeding_event, field, counter in self._counters:
+            v = _number(record, field)
+            if v is not None and v > 0 and event == feeding_event:
+                counter.inc(v)
         if event == "start":
             self._me = str(record.get("peer_id") or "")
             self.worker.info({"worker": str(record.get("worker") or ""), "peer_id": self._me})
-        elif event == "train":
-            put(self.train_loss, "loss")
-            put(self.learning_rate, "lr")
-            put(self.grad_norm, "grad_norm")
-            put(self.tokens, "tokens_per_s")
-        elif event == "eval":
-            put(self.eval_loss, "eval_loss")
         elif event == "outer_step":
-            self._outer_step(record, num, put)
+            self._outer_step(record)
         elif event == "checkpoint":
             self.checkpoints.inc()
-            put(self.ckpt_blocked, "blocked_s")
-            if num("blocked_s") is not None:
-                self.ckpt_blocked_total.inc(max(0.0, num("blocked_s")))
-        elif event == "end":
-            put(self.eval_loss, "eval_loss")
 
-    def _outer_step(self, record, num, put) -> None:
-        put(self.round_loss, "loss")
-        put(self.eval_loss, "eval_loss")
-        put(self.group_size, "group_size")
+    def _outer_step(self, record: dict) -> None:
         self.rounds.labels("ok" if record.get("ok") else "failed").inc()
         if record.get("held") is True:
             self.held.inc()
         for phase, seconds in round_phases(record).items():
             self.last_round.labels(phase).set(seconds)
             self.round_time.labels(phase).inc(seconds)
-        compute, whole = num("round_compute_s"), num("sync_s")
-        if compute is not None:
-            self.compute_time.inc(max(0.0, compute))
-            if whole is not None and compute + whole > 0:
-                self.utilisation.set(compute / (compute + whole))
-        for name, counter in (("bytes_sent", self.sent), ("bytes_received", self.received),
-                              ("contributed_steps", self.contributed), ("dropped_steps", self.dropped)):
-            if num(name) is not None and num(name) > 0:
-                counter.inc(num(name))
+        compute, whole = _number(record, "round_compute_s"), _number(record, "sync_s")
+        if compute is not None and whole is not None and compute + whole > 0:
+            self.utilisation.set(compute / (compute + whole))
         peers = record.get("peers")
         if isinstance(peers, list):
             self._peers |= {str(p) for p in peers} - {self._me}

@@ -56,8 +56,7 @@ async def main_async(args) -> dict:
     await asyncio.sleep(args.hold)
     for stream in held:
         stream.close()
-    await p2p.shutdown()
-    dht.shutdown()
+    await attacker.leave(dht, p2p)
     return report
 
 

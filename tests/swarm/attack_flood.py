@@ -108,8 +108,7 @@ async def main_async(args) -> dict:
             await asyncio.sleep(0.2)
     except asyncio.CancelledError:
         pass
-    await p2p.shutdown()
-    dht.shutdown()
+    await attacker.leave(dht, p2p)
     return report
 
 

@@ -63,13 +63,7 @@ async def main_async(args) -> dict:
     report: dict = {"peer_id": me}
 
     # Wait for the run to have done a round, then download the state of its most advanced worker.
-    deadline = time.monotonic() + 120
-    while True:
-        honest = {p: r for p, r in book.read_workers(60).items() if p != me and r.outer_step >= 1 and r.global_hash}
-        if len(honest) >= 2:
-            break
-        assert time.monotonic() < deadline, "the honest workers never got to outer step 1"
-        await asyncio.sleep(0.5)
+    honest = await attacker.joint_round(book, besides=me)
     donor = max(honest.values(), key=lambda r: r.outer_step)
     state = await fetch_state(state_streams, donor.peer_id, None, 1 << 30)
     report["downloaded_outer_step"] = state["outer_step"]
@@ -130,8 +124,7 @@ async def main_async(args) -> dict:
     await book.store_async(book.workers_key(), farewell.to_value(), now + 3600)
     report["served_poisoned"] = len(server._served.get(victim, ())) + sum(
         len(v) for p, v in server._served.items() if p != victim)
-    await p2p.shutdown()
-    dht.shutdown()
+    await attacker.leave(dht, p2p)
     return report
 
 

@@ -51,8 +51,7 @@ async def main_async(args) -> dict:
             except Exception:
                 pass
         report[key] = accepted
-    await p2p.shutdown()
-    dht.shutdown()
+    await attacker.leave(dht, p2p)
     return report
 
 

@@ -75,8 +75,7 @@ async def main_async(args) -> dict:
                                    "codec": "fp16|mean-clip4-w4"})))
             report["ring"].append(await attempt(p2p, args.match_protocol, target, hello,
                                                 (Code.GROUP, {"key": "1", "attempt": 0})))
-    await p2p.shutdown()
-    dht.shutdown()
+    await attacker.leave(dht, p2p)
     return report
 
 

@@ -73,8 +73,7 @@ async def main_async(args) -> dict:
     report["flood"] = [await push(streams, args.target, encode_push(flood[i:i + MAX_PUSH_RECORDS]))
                        for i in range(0, len(flood), MAX_PUSH_RECORDS)]
     report["sent"]["own"] = await push(streams, args.target, encode_push([signed]))
-    await p2p.shutdown()
-    dht.shutdown()
+    await attacker.leave(dht, p2p)
     return report
 
 

@@ -44,8 +44,7 @@ async def main_async(args) -> dict:
             step = max(r.outer_step for r in workers.values()) + 1
             report["claims"].append(claim(book, step, "poisoned", args.record_ttl, args.config))
         await asyncio.sleep(args.record_ttl / 4)
-    await p2p.shutdown()
-    dht.shutdown()
+    await attacker.leave(dht, p2p)
     return report
 
 

@@ -52,8 +52,7 @@ async def main_async(args) -> dict:
     found = dht.get(key, latest=True)
     tags = {v["tag"] for v in book.live_subkeys(key, found, 3600, sealed=False).values()
             if isinstance(v, dict) and isinstance(v.get("tag"), str)}
-    await p2p.shutdown()
-    dht.shutdown()
+    await attacker.leave(dht, p2p)
     report = guess(args.run_id, tags, (args.pattern.format(i).encode() for i in range(args.count)), args.budget)
     return {"tags": sorted(tags), **report}
 

@@ -57,13 +57,7 @@ async def main_async(args) -> dict:
         signer = records.RunRecords(dht, membership, identity)
         await signer.store_async(signer.workers_key(), record.to_value(), get_dht_time() + ttl)
 
-    deadline = time.monotonic() + 120
-    while True:  # the run has done a joint round: its workers are partners
-        honest = {p: r for p, r in book.read_workers(60).items() if r.outer_step >= 1 and r.global_hash}
-        if len(honest) >= 2:
-            break
-        assert time.monotonic() < deadline, "the honest workers never got to outer step 1"
-        await asyncio.sleep(0.5)
+    honest = await attacker.joint_round(book)  # the run's workers are partners now
     donor = max(honest.values(), key=lambda r: r.outer_step)
     state = await fetch_state(streams, donor.peer_id, None, 1 << 30)
 
@@ -114,8 +108,7 @@ async def main_async(args) -> dict:
             await asyncio.sleep(1.0 if kind == "stall" else 0.3)
         report[kind][1] = time.time()
     report["served"] = sum(len(v) for v in server._served.values())
-    await p2p.shutdown()
-    dht.shutdown()
+    await attacker.leave(dht, p2p)
     return report
 
 

@@ -7,6 +7,7 @@ parses the options, runs the attack and writes what it got to ``--out``.
 import argparse
 import asyncio
 import json
+import time
 
 
 def arguments() -> argparse.ArgumentParser:
@@ -35,6 +36,25 @@ async def join(peers_file: str):
         peers = f.read().split()
     dht = start_dht(initial_peers=peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
     return dht, await dht.replicate_p2p()
+
+
+async def joint_round(book, besides: str | None = None, timeout: float = 120.0) -> dict:
+    """Waits for the run to have done a joint round (two or more workers, ``besides`` this one, past outer
+    step 1 with a θ_global hash): their records, by peer id."""
+    deadline = time.monotonic() + timeout
+    while True:
+        honest = {p: r for p, r in book.read_workers(60).items()
+                  if p != besides and r.outer_step >= 1 and r.global_hash}
+        if len(honest) >= 2:
+            return honest
+        assert time.monotonic() < deadline, "the honest workers never got to outer step 1"
+        await asyncio.sleep(0.5)
+
+
+async def leave(dht, p2p) -> None:
+    """Stops what ``join`` started: the p2p daemon, then the DHT node."""
+    await p2p.shutdown()
+    dht.shutdown()
 
 
 def run(main_async, parser: argparse.ArgumentParser) -> None:

@@ -19,7 +19,7 @@ from opendiloco.swarm.daemon.node import SwarmError, start_dht, visible_maddrs
 from opendiloco.swarm.membership import Membership
 from opendiloco.swarm.records import RunRecords
 from opendiloco.testing.ports import free_port
-from opendiloco.testing.proctree import alive, descendants
+from opendiloco.testing.proctree import descendants, still_running
 
 from .conftest import ROOT
 
@@ -31,18 +31,6 @@ async def _connected_peers(dht, node) -> dict[str, list[str]]:
     return {info.peer_id.to_base58(): [str(a) for a in info.addrs] for info in await node.p2p.list_peers()}
 
 
-# Long-lived helpers that torch / multiprocessing start once per process, not per node.
-PROCESS_HELPERS = ("torch_shm_manager", "resource_tracker")
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read().replace(b"\0", b" ").decode(errors="replace").strip()
-    except OSError:
-        return ""
-
-
 @pytest.fixture
 def dhts():
     """Collects DHT nodes started in this process; shuts them down and checks nothing is left running."""
@@ -51,12 +39,7 @@ def dhts():
     yield started
     for dht in started:
         dht.shutdown()
-    children = {p for p in set(descendants(os.getpid())) - before
-                if not any(helper in _cmdline(p) for helper in PROCESS_HELPERS)}
-    deadline = time.monotonic() + 10
-    while any(alive(p) for p in children) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    left = {p: _cmdline(p) for p in children if alive(p)}
+    left = still_running(set(descendants(os.getpid())) - before)
     assert not left, f"DHT processes or p2pd left running: {left}"
 
 

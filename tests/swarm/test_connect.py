@@ -12,19 +12,10 @@ from torch import nn
 import opendiloco
 from opendiloco.errors import SwarmError
 from opendiloco.swarm.membership import SECRET_ENV, SECRET_FILE_ENV, new_secret_file
-from opendiloco.testing.proctree import alive, descendants
+from opendiloco.testing.proctree import descendants, still_running
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(120)]
 LOCAL = ["/ip4/127.0.0.1/tcp/0"]
-HELPERS = ("torch_shm_manager", "resource_tracker")  # started once per process, not per node
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return ""
 
 
 @pytest.fixture
@@ -34,11 +25,7 @@ def no_leftovers(monkeypatch):
     monkeypatch.delenv(SECRET_FILE_ENV, raising=False)
     before = set(descendants(os.getpid()))
     yield
-    children = {p for p in set(descendants(os.getpid())) - before if not any(h in _cmdline(p) for h in HELPERS)}
-    deadline = time.monotonic() + 10
-    while any(alive(p) for p in children) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    left = {p: _cmdline(p) for p in children if alive(p)}
+    left = still_running(set(descendants(os.getpid())) - before)
     assert not left, f"DHT processes or p2pd left running: {left}"
 
 

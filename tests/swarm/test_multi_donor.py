@@ -75,6 +75,15 @@ def ids(nodes) -> list[str]:
     return [n.peer_id.to_base58() for n in nodes]
 
 
+def silent_for(seconds: float):
+    """A request handler for a ``StateServer`` that answers nothing for ``seconds``."""
+
+    async def silent(stream, meta):
+        await asyncio.sleep(seconds)
+
+    return silent
+
+
 def test_a_state_in_parts_from_three_donors_matches_and_each_served_some():
     state = make_state()
 
@@ -170,11 +179,7 @@ def test_a_donor_that_stalls_its_manifest_does_not_hold_the_download(monkeypatch
 
     async def scenario(donors, streams):
         servers = [await serve(d, state) for d in donors]
-
-        async def stall(stream, meta):
-            await asyncio.sleep(600)
-
-        servers[0]._serve_manifest = stall
+        servers[0]._serve_manifest = silent_for(600)
         return await fetch_from_donors(streams, ids(donors), 4, MAX_BYTES), ids(donors)[0]
 
     download, staller = with_donors(3, scenario)
@@ -216,12 +221,8 @@ def test_donors_that_cannot_deliver_every_part_fail_the_download_naming_them(mon
 
     async def scenario(donors, streams):
         servers = [await serve(d, state) for d in donors]
-
-        async def stall(stream, meta):
-            await asyncio.sleep(30)
-
         for server in servers:
-            server._serve_part = stall
+            server._serve_part = silent_for(30)
         with pytest.raises(ProtocolError, match="state parts found no donor") as e:
             await fetch_from_donors(streams, ids(donors), 4, MAX_BYTES)
         return str(e.value)
