@@ -3,6 +3,7 @@ config section, and the checks a communicator makes on them before it starts."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from dataclasses import field as dataclass_field
 from typing import ClassVar
@@ -86,29 +87,12 @@ class SwarmSettings:
     @classmethod
     def from_config(cls, cfg, config_fingerprint: str = "") -> SwarmSettings:
         """The settings of a ``[swarm]`` config section (``opendiloco.train.config.SwarmConfig``; taken
-        as it comes, since this layer never imports the trainer), every field named: a field added here
-        needs a key there, or a place in ``NOT_FROM_CONFIG`` (tests/test_swarm_settings.py checks it)."""
-        return cls(
-            run_id=cfg.run_id,
-            compression=cfg.compression,
-            result_compression=cfg.result_compression,
-            min_group_size=cfg.min_group_size,
-            matchmaking_timeout=cfg.matchmaking_timeout,
-            allreduce_timeout=cfg.allreduce_timeout,
-            straggler_wait=cfg.straggler_wait,
-            max_attempts=cfg.max_attempts,
-            verify_timeout=cfg.verify_timeout,
-            poll_interval=cfg.poll_interval,
-            quiet_poll_interval=cfg.quiet_poll_interval,
-            max_wait=cfg.max_wait,
-            part_numel=cfg.part_numel,
-            aggregation=Aggregation(cfg.aggregation, clip_ratio=cfg.clip_ratio, max_weight_ratio=cfg.max_weight_ratio),
-            audit_chunks=cfg.audit_chunks,
-            exclude_rounds=cfg.exclude_rounds,
-            partition_hold=cfg.partition_hold,
-            cut_off_after=cfg.cut_off_after,
-            config_fingerprint=config_fingerprint,
-        )
+        as it comes, since this layer never imports the trainer), each field from the key of its name: a field
+        added here needs a key there, or a place in ``NOT_FROM_CONFIG`` (tests/test_swarm_settings.py checks it)."""
+        keys = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cls)
+                if f.name not in cls.NOT_FROM_CONFIG and f.name != "aggregation"}
+        aggregation = Aggregation(cfg.aggregation, clip_ratio=cfg.clip_ratio, max_weight_ratio=cfg.max_weight_ratio)
+        return cls(**keys, aggregation=aggregation, config_fingerprint=config_fingerprint)
 
     def check(self) -> None:
         """Raises ``ValueError`` (one line) for a setting no round can run with."""

@@ -30,7 +30,7 @@ import logging
 import math
 import socket
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from hivemind.p2p import P2P, PeerID
 from hivemind.utils.multiaddr import Multiaddr
@@ -148,14 +148,23 @@ class AddressBook:
             return self._addrs.get(peer, (0.0, (), 0))[1]
 
 
-async def dial_addrs(p2p: P2P, peer: str, addrs: Sequence[str], timeout: float = DIAL_TIMEOUT) -> bool:
-    """Connects to ``peer`` at ``addrs`` (its daemon learns them); False if that failed."""
+async def connect_within(p2p: P2P, peer: str, where: Callable[[], list[Multiaddr]], timeout: float
+                         ) -> Exception | None:
+    """Connects to ``peer`` at the addresses ``where`` makes (its daemon learns them) within ``timeout``;
+    what went wrong, or None once connected (an address that does not parse is what went wrong too)."""
     try:
-        where = [Multiaddr(a) for a in addrs]
-        await asyncio.wait_for(hivemind_privates.connect(p2p, PeerID.from_base58(peer), where), timeout)
-        return True
+        await asyncio.wait_for(hivemind_privates.connect(p2p, PeerID.from_base58(peer), where()), timeout)
+        return None
     except asyncio.CancelledError:
         raise
     except Exception as e:
-        log.debug("could not reach %s at its record's addresses %s: %s: %s", peer[-8:], addrs, type(e).__name__, e)
-        return False
+        return e
+
+
+async def dial_addrs(p2p: P2P, peer: str, addrs: Sequence[str], timeout: float = DIAL_TIMEOUT) -> bool:
+    """Connects to ``peer`` at ``addrs``; False if that failed."""
+    failed = await connect_within(p2p, peer, lambda: [Multiaddr(a) for a in addrs], timeout)
+    if failed is not None:
+        log.debug("could not reach %s at its record's addresses %s: %s: %s", peer[-8:], addrs,
+                  type(failed).__name__, failed)
+    return failed is None

@@ -53,6 +53,7 @@ from ...comm.wire import ByteStream
 from ...timeouts import RELAY_DIAL_TIMEOUT as DIAL_TIMEOUT
 from ..daemon import hivemind_privates
 from ..daemon.dialing import dial_from_ephemeral_ports
+from .addresses import connect_within
 
 log = logging.getLogger(__name__)
 
@@ -165,15 +166,10 @@ class RelayBook:
 async def dial_via(p2p: P2P, peer: str, relays: Sequence[str], timeout: float = DIAL_TIMEOUT) -> bool:
     """Connects to ``peer`` through its relays (at once if already connected); False if that failed,
     and the caller's direct dial says why."""
-    try:
-        addrs = [circuit_address(r) for r in relays]
-        await asyncio.wait_for(hivemind_privates.connect(p2p, PeerID.from_base58(peer), addrs), timeout)
-        return True
-    except asyncio.CancelledError:
-        raise
-    except Exception as e:
-        log.debug("could not reach %s through its relays: %s: %s", peer[-8:], type(e).__name__, e)
-        return False
+    failed = await connect_within(p2p, peer, lambda: [circuit_address(r) for r in relays], timeout)
+    if failed is not None:
+        log.debug("could not reach %s through its relays: %s: %s", peer[-8:], type(failed).__name__, failed)
+    return failed is None
 
 
 async def close_connections(p2p: P2P, peer: str) -> None:
