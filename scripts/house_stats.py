@@ -78,11 +78,8 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--top", type=int, default=8, help="how many of the largest modules to list")
-    p.add_argument("--long", type=int, default=80, help="list functions longer than this many lines")
-    args = p.parse_args()
+def measure(long_over: int = 80) -> tuple[dict[Path, int], list[tuple[int, str]], dict[str, set[str]]]:
+    """Lines per module, the functions over ``long_over`` lines (longest first), and the import graph."""
     files = sorted(PACKAGE.rglob("*.py"))
     trees = {f: ast.parse(f.read_text()) for f in files}
     known = {module_name(f) for f in files}
@@ -91,7 +88,17 @@ def main() -> None:
     lines = {f: len(f.read_text().splitlines()) for f in files}
     long = sorted(((n.end_lineno - n.lineno + 1, f"{f.relative_to(PACKAGE.parent)}:{n.name}") for f in files
                    for n in ast.walk(trees[f]) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
-                   and n.end_lineno - n.lineno + 1 > args.long), reverse=True)
+                   and n.end_lineno - n.lineno + 1 > long_over), reverse=True)
+    return lines, long, graph
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--top", type=int, default=8, help="how many of the largest modules to list")
+    p.add_argument("--long", type=int, default=80, help="list functions longer than this many lines")
+    args = p.parse_args()
+    lines, long, graph = measure(args.long)
+    files = list(lines)
     loops = cycles(graph)
     print(f"modules {len(files)}, lines {sum(lines.values())}, import arrows {sum(map(len, graph.values()))}, "
           f"cycles {len(loops)}, functions over {args.long} lines {len(long)}")

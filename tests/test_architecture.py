@@ -279,3 +279,24 @@ def test_the_wing_rules_catch_a_wrong_arrow():
         assert wing_arrows_refused(importer, module), (importer, module)
     assert not wing_arrows_refused("connectivity/relays.py", "opendiloco.swarm.daemon.hivemind_privates")
     assert not wing_arrows_refused("ops/doctor.py", "opendiloco.swarm.connectivity.reachability")
+
+
+def house_stats():
+    """``scripts/house_stats.py``, loaded as a module."""
+    spec = importlib.util.spec_from_file_location("house_stats", PACKAGE.parent / "scripts" / "house_stats.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_no_module_over_650_lines_no_function_over_80_and_no_import_cycle():
+    stats = house_stats()
+    lines, long, graph = stats.measure(80)
+    big = {str(f.relative_to(PACKAGE)): n for f, n in lines.items() if n > 650}
+    assert not big and not long and not stats.cycles(graph), (big, long, stats.cycles(graph))
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    stats = house_stats()
+    assert stats.cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert stats.cycles({"a": {"b"}, "b": set()}) == []
