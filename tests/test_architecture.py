@@ -55,6 +55,17 @@ def test_comm_never_imports_the_swarm_or_the_trainer():
         assert not bad, f"{p.name} imports {sorted(bad)}"
 
 
+def test_the_rounds_code_reads_time_only_through_its_event_loop():
+    """Every module of ``comm/`` that runs on the round's event loop reads no clock of its own (``time``,
+    ``datetime``): time reaches the round through the loop (``loop.time()``, ``asyncio.sleep``,
+    ``asyncio.wait_for``), so that a loop under virtual time runs it in virtual time (``testing/sim.py``)."""
+    on_the_loop = [p for p in (PACKAGE / "comm").glob("*.py") if "asyncio" in imports(p)]
+    assert len(on_the_loop) >= 6
+    for p in on_the_loop:
+        clocks = imports(p) & {"time", "datetime"}
+        assert not clocks, f"comm/{p.name} imports {sorted(clocks)}"
+
+
 def test_the_library_never_imports_its_test_tools():
     offenders = {str(p.relative_to(PACKAGE)) for p in library_files()
                  if any(m.startswith("opendiloco.testing") for m in imports(p))}

@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import time
 from dataclasses import dataclass
 from dataclasses import field as dataclass_field
 
@@ -58,6 +57,12 @@ class RoundOutcome:
     (norm clipped in some part; weight claim capped)."""
     bytes_received: int = 0
     """Payload bytes of the parts and averaged parts this member received (the counterpart of ``bytes_sent``)."""
+
+
+def _now() -> float:
+    """The round's clock: its event loop's (``loop.time()``). Time reaches the round only through the loop (this
+    clock, ``asyncio.sleep``, ``asyncio.wait_for``), so a loop under virtual time runs it in virtual time."""
+    return asyncio.get_running_loop().time()
 
 
 def check_settings(group: Group, me: str, part_numel: int, audit_chunks: int) -> None:
@@ -126,22 +131,23 @@ class RoundRunner(ShardOwner, audit.AuditingMember, AttemptFailure):
         """The whole average's digest, once the round has completed here."""
         self.ended = asyncio.Event()
         """Set when ``run`` has returned or raised: the round's outcome here is final."""
-        self.began_at = self.heard_at = time.monotonic()
-        """(monotonic) When a frame of this attempt last came in from any member (from its start)."""
+        self.began_at = self.heard_at = 0.0
+        """(loop time) When a frame of this attempt last came in from any member (from ``run``'s start)."""
         self.heard_from: dict[str, float] = {}
-        """(monotonic) The members that sent this worker a frame of this attempt, and when the last came."""
+        """(loop time) The members that sent this worker a frame of this attempt, and when the last came."""
 
     # -- the round, as the member that started it sees it -------------------------------------------
     async def run(self, connect: Connect) -> RoundOutcome:
         """The round: its verified average, or ``AveragingError`` (``InDoubt`` where members may have
         completed it: see ``may_have_completed``)."""
+        self.began_at = self.heard_at = _now()
         try:
             return await self._run(connect)
         finally:
             self.ended.set()
 
     async def _run(self, connect: Connect) -> RoundOutcome:
-        began = time.perf_counter()
+        began = self.began_at
         others = [j for j in range(len(self.members)) if j != self.my_index]
         tasks = [asyncio.create_task(self._exchange(j, connect)) for j in others]
         tasks.append(asyncio.create_task(self._own_shard()))
@@ -199,7 +205,7 @@ class RoundRunner(ShardOwner, audit.AuditingMember, AttemptFailure):
         self._bounded["clipped"] |= self.reducer.clipped
         self._bounded["capped"] |= set(self.reducer.capped)
         return RoundOutcome(self.out, self._shard_totals[self.my_index], digest, self.bytes_sent,
-                            time.perf_counter() - began, confirmed, missing,
+                            _now() - began, confirmed, missing,
                             {k: sorted(v) for k, v in self._bounded.items()}, self.bytes_received)
 
     @property
@@ -224,10 +230,10 @@ class RoundRunner(ShardOwner, audit.AuditingMember, AttemptFailure):
         owing = sum(not self.reducer.has_all_parts(m) for m in self.members if m != self.me)
         if owing < min(2, len(self.members) - 1):
             return 0.0
-        return time.monotonic() - self.heard_at
+        return _now() - self.heard_at
 
     def _heard(self, member: str) -> None:
-        self.heard_at = self.heard_from[member] = time.monotonic()
+        self.heard_at = self.heard_from[member] = _now()
 
     def may_have_completed(self) -> tuple[str, ...]:
         """The members that may have completed this round, whatever happened here (empty: nobody did).
