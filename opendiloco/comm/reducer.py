@@ -207,8 +207,6 @@ class ShardOwner:
                 self._confirms[sender] = meta_field(confirm.meta, "digest", str)
                 self._changed.notify_all()
         except Exception as e:
-            if writer is not None:
-                writer.cancel()
             failure = e if isinstance(e, AveragingError) else ProtocolError(f"{type(e).__name__}: {e}")
             if isinstance(e, ProtocolError):  # the sender's bytes (a Malformed), or its stream closed
                 failure = self._checked(sender, e)
@@ -219,6 +217,10 @@ class ShardOwner:
             await stream.refuse(str(e), blame=self.blame())
             log.debug("contribution from %s ended: %s", sender[-8:], e)
         finally:
+            if writer is not None:  # never left running after its handler (cancelled too), nor its error unread
+                writer.cancel()
+                if writer.done() and not writer.cancelled():
+                    writer.exception()
             stream.close()
 
     async def _send_results(self, stream: ByteStream) -> None:
