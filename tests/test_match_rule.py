@@ -20,13 +20,13 @@ from opendiloco.swarm.match_rule import (
     Fail,
     Follow,
     Group,
+    MatchmakingSettings,
     MatchView,
     Peer,
     Wait,
     decide,
     next_attempt,
 )
-from opendiloco.swarm.matchmaking import MatchmakingSettings
 from opendiloco.swarm.partners import Trust
 
 NOW = 1000.0

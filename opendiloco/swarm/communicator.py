@@ -46,14 +46,14 @@ from ..comm.local import average_alone
 from ..comm.outcome import resolve
 from ..comm.rounds_taken import Rounds
 from ..comm.runner import RoundOutcome, RoundRunner
-from ..errors import AveragingError, InDoubt, Interrupted, PeerFailure, RoundCounted, SplitHold
+from ..errors import AveragingError, InDoubt, Interrupted, RoundCounted, SplitHold
 from ..pacing import Pace
 from ..timeouts import CLOSE_STEP_TIMEOUT, DHT_CALL_TIMEOUT, LEAVE_TIMEOUT, RENEW_BEFORE_ROUND_S
 from ..timeouts import RELAY_DIAL_TIMEOUT as DIAL_TIMEOUT
 from . import records
 from .connectivity.frozen import Unanswered
 from .connectivity.watch import ConnectivityWatch
-from .exclusion import Breakers, Offenders, UnreachablePeers
+from .exclusion import Breakers, Offenders, UnreachablePeers, retry_suspects
 from .hooks import RoundHooks
 from .majority import RecentMembers
 from .matchmaking import Doorbell, Matchmaker
@@ -359,15 +359,9 @@ class SwarmCommunicator(Communicator):
         return outcome, settled
 
     def _suspects(self, group: Group, error: AveragingError) -> set[str]:
-        """The members a failed attempt names, left out of the retry: less this worker, and less those that
-        refused it or said they failed too (back for the retry); plus those gone from the run."""
-        if not isinstance(error, PeerFailure):
-            return set()
+        """The members a failed attempt names, left out of the retry (``exclusion.retry_suspects``)."""
         runner = self._runner if self._runner is not None and self._runner.group is group else None
-        in_doubt = isinstance(error, InDoubt)
-        named = error.peers - {self._peer_id} - (runner.refused_by if runner else set()) - \
-            (error.failed_too if in_doubt else set())
-        return named | ((error.gone if in_doubt else set()) - {self._peer_id})
+        return retry_suspects(error, self._peer_id, runner.refused_by if runner else ())
 
     def _completed(self, key: RoundKey, group: Group, outcome: RoundOutcome, error_out: torch.Tensor | None,
                    began: float, *, attempts: int, matchmaking_s: float, entered_at: float,

@@ -34,6 +34,8 @@ import collections
 import logging
 from collections.abc import Iterable, Mapping
 
+from ..errors import InDoubt, PeerFailure
+
 log = logging.getLogger(__name__)
 
 MAX_AVOID = 4
@@ -188,3 +190,15 @@ def partition(candidates: Iterable[str], avoids: Mapping[str, frozenset[str]]) -
 def part_of(me: str, candidates: Iterable[str], avoids: Mapping[str, frozenset[str]]) -> set[str]:
     """The group ``partition`` gives ``me`` (``me`` is among the candidates)."""
     return next(part for part in partition(set(candidates) | {me}, avoids) if me in part)
+
+
+def retry_suspects(error: Exception, me: str, refused_by: Iterable[str] = ()) -> set[str]:
+    """The members a failed attempt names, left out of what the round's retry waits for (they may still join
+    it): the culprits of a ``PeerFailure``, less this worker and those that refused it (``refused_by``) or said
+    they failed too (alive: their own attempt failed, they come back for the retry); plus those an attempt in
+    doubt found gone from the run."""
+    if not isinstance(error, PeerFailure):
+        return set()
+    in_doubt = isinstance(error, InDoubt)
+    named = set(error.peers) - {me} - set(refused_by) - (set(error.failed_too) if in_doubt else set())
+    return named | ((set(error.gone) if in_doubt else set()) - {me})

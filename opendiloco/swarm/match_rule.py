@@ -35,10 +35,35 @@ from ..comm.base import RoundKey
 from .exclusion import announced_avoid, conflict_free, conflicts, part_of, partition
 
 if TYPE_CHECKING:
-    from .matchmaking import MatchmakingSettings
     from .partners import Trust
 
 NONE: frozenset[str] = frozenset()
+
+
+@dataclass
+class MatchmakingSettings:
+    """What the rule is given of a worker's swarm settings (``SwarmSettings.matchmaking_settings``), and how
+    often the loops that carry it out look."""
+
+    run_id: str
+    min_group_size: int = 1
+    matchmaking_timeout: float = 30.0
+    straggler_wait: float = 10.0
+    """Grace beyond a peer's published ready time (or from the start, for a peer without one)."""
+    max_wait: float = 600.0
+    record_ttl: float = 60.0
+    """How long announcements and published groups stay in the DHT."""
+    poll_interval: float = 0.02
+    quiet_poll_interval: float = 0.25
+    """While the announcements stay the same, the gap between two looks doubles from ``poll_interval``
+    up to this: each look is a DHT lookup that the peers' DHT processes answer, and a worker waiting
+    for a straggler at one look each 20 ms cost its peers and itself half a core of the 2 here."""
+    part_numel: int = 1 << 18
+    """Values per streamed part: members must agree on it (it is part of the announcement)."""
+    config: str = ""
+    """The config fingerprint: like the codec label, only announcements that carry ours are grouped."""
+    max_attempt_jump: int = 8
+    """An announced attempt number more than this ahead of ours is ignored."""
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from ..comm.aggregation import Aggregation
 from ..comm.audit import DEFAULT_AUDIT_CHUNKS
 from ..comm.group import DEFAULT_PART_NUMEL
 from .exclusion import EXCLUDE_ROUNDS
-from .matchmaking import MatchmakingSettings
+from .match_rule import MatchmakingSettings
 
 
 @dataclass
