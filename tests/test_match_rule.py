@@ -177,6 +177,10 @@ ROWS = [
     # -- closing: the leader publishes, members adopt or follow ---------------------------------------
     R(view(closing=closing()), {}, ("publish", "abc"), id="the smallest candidate publishes"),
     R(view(me="b", closing=closing()), {}, ("wait",), id="a member waits for the leader's group"),
+    R(view(frozen="c", closing=closing()), {}, ("publish", "ab"),
+      id="the leader leaves a peer found frozen after it announced out of the group it publishes"),
+    R(view(me="b", frozen="a", closing=closing()), {}, ("publish", "bc"),
+      id="a member that finds the smallest frozen leads in its place"),
     R(view(closing=closing(read_in=False)), {}, ("wait",), id="the leader waits for a read of groups under way"),
     R(view(closing=closing(published_ours=True), published={"a": ["a", "b", "c"]}), {}, ("adopt", "abc"),
       id="the leader adopts its group once read back"),

@@ -477,7 +477,9 @@ def _close(view: MatchView, settings: MatchmakingSettings) -> Outcome:
         if not isinstance(outcome, Wait):
             return outcome
         notes, taken = outcome.notes, outcome.notes.taken
-    candidates = part_of(me, closing.compatible - (taken - {me}) - closing.gone, avoids)
+    # A peer found frozen is not grouped with here either: it announced before it froze, and a group that
+    # holds it fails its exchange (the gathering step already left it out of this worker's part).
+    candidates = part_of(me, closing.compatible - (taken - {me}) - closing.gone - view.frozen, avoids)
     key = view.key
     if len(candidates) < s.min_group_size:
         return Fail(f"round {key}: {len(candidates)} peer(s) left for a group, need {s.min_group_size}", notes=notes)

@@ -278,7 +278,7 @@ class Matchmaker:
             look = rang or polls % SLOW_READ_EVERY == 0
             outcome = decide(self._view(key, attempt, numel, self.records.clock.now(), workers, ready,
                                         published=self._groups(gkey) if look else None, closing=closing,
-                                        fresh=fresh), s)
+                                        fresh=fresh, frozen=self._frozen(workers)), s)
             self._note(key, outcome.notes)
             fresh = False
             if isinstance(outcome, match_rule.Group) and outcome.publish:
