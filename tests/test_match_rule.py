@@ -239,3 +239,12 @@ def test_the_matchmaking_rule(match: MatchView, expect: dict, outcome: tuple):
 ], ids=["a live worker's later attempt", "too far ahead", "not live", "the latest"])
 def test_the_attempt_announced(announced, live, expected):
     assert next_attempt({p: ann(a) for p, a in announced.items()}, set(live), 0, 8) == expected
+
+
+def test_a_leader_publishing_on_a_fresh_read_keeps_what_that_read_learned():
+    """The leader's group is read back against the peers that announced: one that announced since the closing
+    step began is in the group it publishes, and in the closing state it reads the group back with (the loop
+    once kept its older state, and did not recognise its own group until the next fresh read)."""
+    out = decide(view(closing=closing(compatible="ab"), fresh=True), SETTINGS)
+    assert isinstance(out, Group) and out.publish and out.members == ("a", "b", "c")
+    assert out.closing is not None and out.closing.compatible == {"a", "b", "c"}

@@ -222,6 +222,8 @@ class Group:
     relayed: frozenset[str]
     publish: bool
     notes: Notes = field(default_factory=Notes)
+    closing: Closing | None = None
+    """For a group to publish: the closing state it was decided on (who announced, who left), to read it back."""
 
 
 @dataclass(frozen=True)
@@ -491,7 +493,7 @@ def _close(view: MatchView, settings: MatchmakingSettings) -> Outcome:
                     "or were grouped without this worker before its group closed; not applied alone", notes=notes)
     if not closing.published_ours and min(candidates) == me and closing.read_in:
         members = tuple(sorted(candidates))
-        return Group(members, _relayed(view, members), publish=True, notes=notes)
+        return Group(members, _relayed(view, members), publish=True, notes=notes, closing=closing)
     if closing.overdue:
         return Fail(f"no group was published for round {key}", notes=notes)
     # The candidate that would publish this attempt's group announced a later attempt: it took another

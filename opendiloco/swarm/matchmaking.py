@@ -283,7 +283,8 @@ class Matchmaker:
             fresh = False
             if isinstance(outcome, match_rule.Group) and outcome.publish:
                 self._publish(key, attempt, gkey, outcome.members, set(workers) | {me})
-                closing, rang = replace(closing, published_ours=True), True  # read it back: a smaller leader wins
+                # read it back (a smaller leader wins), with what this look learned of who is ready
+                closing, rang = replace(outcome.closing or closing, published_ours=True), True
                 continue
             self._raise_if_interrupted()
             if not isinstance(outcome, Wait):
@@ -328,9 +329,10 @@ class Matchmaker:
     def _view(self, key: RoundKey, attempt: int, numel: int, began: float, workers: dict,
               ready: dict[str, Announcement], published: dict | None = None, **more) -> MatchView:
         """What ``decide`` looks at: the records read, their times on this worker's clock."""
+        # Whose word counts is asked of the live workers and the announcers only: a published group names its
+        # members in its publisher's words (a valid one names announcers alone), and a forged one must not mark
+        # an absent partner seen.
         seen = set(workers) | set(ready) | {self.me}
-        for members in (published or {}).values():
-            seen |= {m for m in members if isinstance(m, str)} if isinstance(members, list) else set()
         return MatchView(me=self.me, key=key, attempt=attempt, numel=numel, codec=self.codec_name,
                          now=self.records.clock.now(), began=began, workers=peers_here(workers, self.records.clock),
                          announcements=ready, trust=self.presence.partners.trust(seen), taken=frozenset(self.taken),
