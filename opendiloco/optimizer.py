@@ -364,6 +364,7 @@ class DiLoCoOptimizer(Checkpointing, StateExchange, torch.optim.Optimizer):
         began = time.perf_counter()
         try:
             result = round_.wait()
+            communicator_s = time.perf_counter() - round_.began  # the round itself, not the checks after it
             check_average(result.flat, round_.fragment.buffers()[0].numel)
         except BehindError as e:
             self._pending = None
@@ -374,7 +375,7 @@ class DiLoCoOptimizer(Checkpointing, StateExchange, torch.optim.Optimizer):
             if isinstance(e, SplitHold):
                 report.extra["held"] = True
         else:
-            report = self._land(round_, result, communicator_s=time.perf_counter() - round_.began)
+            report = self._land(round_, result, communicator_s=communicator_s)
         if not report.ok:
             self._publish_pace()
         report.steps, report.weight, report.fragment = round_.steps, round_.weight, round_.fragment.index
