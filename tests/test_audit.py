@@ -175,7 +175,7 @@ def test_audit_requests_are_bounded_and_checked_before_any_work():
     sent = Sent()
     run(runner._answer_audit(sent, "b", {"chunks": [[0, 0, 1], [2, 0, 0]]}))
     (_, meta, payload), _ = sent.frames
-    chunk = torch.frombuffer(bytearray(payload), dtype=audit.value_dtype(runner.codec))  # fp16: as decoded
+    chunk = torch.frombuffer(bytearray(payload), dtype=runner.codec.view_dtype)  # fp16: as decoded
     assert audit.path_ok(chunk, 1, meta["path"], runner._trees[(0, 0)].root, PART)
 
 

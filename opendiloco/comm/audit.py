@@ -46,7 +46,7 @@ from ..fingerprint import tensor_bytes
 from ..timeouts import MIN_AUDIT_ANSWER_S
 from .aggregation import Aggregation
 from .buffers import all_finite
-from .codec import Codec, Rounding
+from .codec import Codec
 from .group import MAX_WEIGHT, part_bounds
 from .wire import ByteStream, Code, Refused, StreamClosed, payload_size
 from .wire import field as meta_field
@@ -106,14 +106,8 @@ def _leaf_bytes(raw) -> bytes:
 
 
 def leaf_hash(values: torch.Tensor) -> bytes:
-    """The leaf of a chunk: its values as the owner decoded them, in their own dtype (``value_dtype``)."""
+    """The leaf of a chunk: its values as the owner decoded them, in their own dtype (``Codec.view_dtype``)."""
     return _leaf_bytes(tensor_bytes(values.contiguous()))
-
-
-def value_dtype(codec: Codec) -> torch.dtype:
-    """The dtype an owner decodes a member's part of ``codec`` to (``Codec.view_bytes``): what its Merkle
-    leaves hash, and what audit answers carry (fp16 for ``fp16``: half the bytes of fp32)."""
-    return codec.view_dtype
 
 
 def _node(left: bytes, right: bytes) -> bytes:
@@ -203,12 +197,6 @@ def norms_agree(claimed: float, actual: float) -> bool:
     if math.isinf(actual) or math.isinf(claimed):
         return claimed == actual
     return abs(claimed - actual) <= 2e-3 * abs(actual) + 1e-30
-
-
-def rounding(codec: Codec) -> Rounding:
-    """(block, relative step, absolute step): a decoded value is within ``relative`` x its block's
-    largest magnitude, plus ``absolute``, of what was encoded; the codec says (``Codec.rounding``)."""
-    return codec.rounding
 
 
 def tolerance(result: torch.Tensor, part_result: torch.Tensor, offset: int, codec: Codec) -> torch.Tensor:
@@ -323,7 +311,7 @@ class AuditingMember:
         self._auditing: set[str] = set()  # members whose audit answers are still to come
         self.answer_bound = max(self.confirm_timeout, MIN_AUDIT_ANSWER_S)
         """Seconds within which every member answers this worker's audit, from the request."""
-        self._answer_dtype = value_dtype(self.codec) if audit_chunks else torch.float32
+        self._answer_dtype = self.codec.view_dtype if audit_chunks else torch.float32
         self._answer_itemsize = torch.empty(0, dtype=self._answer_dtype).element_size()
         self.audited = not audit_chunks
         """Whether this worker's own audit of every other owner passed (always, without an audit): a round is
@@ -386,7 +374,7 @@ class AuditingMember:
     def _own_chunk(self, j: int, i: int, c: int) -> torch.Tensor:
         """Our values of chunk c of part i of shard j, as the owner decoded them (encoded again)."""
         start, n, ca, cb = self._chunk_span(j, i, c)
-        block = rounding(self.codec)[0]  # the codec's blocks are aligned to the part's start
+        block = self.codec.rounding[0]  # the codec's blocks are aligned to the part's start
         ea, eb = ca // block * block, min(n, -(-cb // block) * block)
         encoded = self.codec.to_bytes(self.flat[start + ea : start + eb])
         values = self.codec.view_bytes(encoded, eb - ea)[ca - ea : cb - ea].clone()
